@@ -1,0 +1,173 @@
+"""The run's state <-> files: atomic writes, safe loads, resume resolution."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import zipfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from imagenet.errors import CheckpointError, UsageError
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = "checkpoint.pth.tar"
+BEST = "model_best.pth.tar"
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / DataParallel and torch.compile
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename durable (best effort: not every filesystem allows it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def atomic_save(obj: Mapping[str, Any], path: Path) -> None:
+    """torch.save to a temp file in the same folder, fsync, then os.replace into place."""
+    tmp = _tmp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def atomic_copy(src: Path, dst: Path) -> None:
+    """Copy ``src`` to ``dst`` so that ``dst`` is always either old or new, never partial."""
+    tmp = _tmp_name(dst)
+    try:
+        shutil.copyfile(src, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(dst.parent)
+
+
+def remove_stale_temp_files(folder: Path) -> None:
+    """Delete temp files that a killed writer left behind."""
+    for name in (CHECKPOINT, BEST):
+        for tmp in folder.glob(f".{name}.tmp-*"):
+            tmp.unlink(missing_ok=True)
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Load a checkpoint safely (weights_only) or raise CheckpointError saying why."""
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        if "weights only" in str(exc).lower() or "unsupported global" in str(exc).lower():
+            raise CheckpointError(
+                f"refusing {path}: it contains Python objects that could run code when loaded "
+                f"(only tensors and plain containers are accepted) [{first[:160]}]") from None
+        raise CheckpointError(f"{path} is not a checkpoint (cannot unpickle: {first[:160]})"
+                              ) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
+        reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        raise CheckpointError(f"{path} is truncated or not a checkpoint ({reason}); use an "
+                              "older copy or start without --resume") from None
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"{path} is not a checkpoint (it holds a {type(ckpt).__name__}, "
+                              "not a dict with 'state_dict')")
+    if "state_dict" not in ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
+        ckpt = {"state_dict": ckpt}  # a bare state_dict, e.g. torchvision's weights files
+    if "state_dict" not in ckpt:
+        raise CheckpointError(f"{path} is not a checkpoint: no 'state_dict' key "
+                              f"(keys: {', '.join(sorted(map(str, ckpt))[:8])})")
+    return ckpt
+
+
+def strip_wrapper_prefixes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Remove 'module.' / '_orig_mod.' so a state_dict fits the plain model."""
+    cleaned = {}
+    for key, value in state_dict.items():
+        changed = True
+        while changed:
+            changed = False
+            for prefix in WRAPPER_PREFIXES:
+                if key.startswith(prefix):
+                    key, changed = key[len(prefix):], True
+        cleaned[key] = value
+    return cleaned
+
+
+def load_model_state(model: torch.nn.Module, ckpt: Mapping[str, Any], path: Path,
+                     arch: str) -> None:
+    """Load weights strictly; name the mismatch (architecture, class count, keys)."""
+    saved_arch = ckpt.get("arch")
+    if saved_arch and saved_arch != arch:
+        raise CheckpointError(f"{path} was saved for -a {saved_arch}, but this run uses "
+                              f"-a {arch}; pass -a {saved_arch} or another checkpoint")
+    state = strip_wrapper_prefixes(ckpt["state_dict"])
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise CheckpointError(f"{path} does not fit -a {arch}: missing keys "
+                              f"{_few(missing)}; unexpected keys {_few(unexpected)}")
+    for key, value in state.items():
+        if own[key].shape != value.shape:
+            hint = ""
+            if value.ndim >= 1 and own[key].ndim >= 1 and value.shape[1:] == own[key].shape[1:]:
+                hint = (f" (saved with {value.shape[0]} classes, this data set has "
+                        f"{own[key].shape[0]})")
+            raise CheckpointError(f"{path}: '{key}' has shape {tuple(value.shape)} but the "
+                                  f"model expects {tuple(own[key].shape)}{hint}")
+    model.load_state_dict(state, strict=True)
+
+
+def _few(keys: list[str], n: int = 5) -> str:
+    if not keys:
+        return "none"
+    more = f" and {len(keys) - n} more" if len(keys) > n else ""
+    return ", ".join(keys[:n]) + more
+
+
+def best_acc1_of(ckpt: Mapping[str, Any]) -> float:
+    """best_acc1 as a float (the classic saved a tensor)."""
+    value = ckpt.get("best_acc1", 0.0)
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+def resolve_resume(resume: str | None, output_dir: Path, restarted: bool) -> Path | None:
+    """The checkpoint to resume from, or None for a fresh start.
+
+    'auto' (and any torchrun restart without --resume) means OUTPUT_DIR/checkpoint.pth.tar if it
+    exists. An explicit path that does not exist is an error: a fresh start would overwrite the
+    checkpoint the user meant to continue.
+    """
+    if resume == "auto" or (resume is None and restarted):
+        path = output_dir / CHECKPOINT
+        return path if path.is_file() else None
+    if resume is None:
+        return None
+    path = Path(resume)
+    if not path.is_file():
+        raise UsageError(f"--resume: no checkpoint at {path}; check the path, or use "
+                         "--resume auto to continue OUTPUT_DIR/checkpoint.pth.tar when present")
+    return path

@@ -1,0 +1,356 @@
+"""Command-line flags -> a frozen ``Config``; the only reader of ``argv``.
+
+Every flag of pytorch/examples' ``imagenet/main.py`` keeps its name, alias and meaning. Each field of
+``Config`` declares its own flag, so the parser, the frozen value and the dict stored in checkpoints
+cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from imagenet.errors import UsageError
+
+GROUPS = ("data", "model", "optimisation", "distributed", "checkpointing", "logging")
+AUTO_AUGMENT = ("ra", "ta_wide", "augmix", "imagenet")
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+
+
+def _flag(*names: str, group: str, help: str, **kwargs: Any) -> Any:
+    """A dataclass field that also describes its argparse flag."""
+    default = kwargs.pop("default", None)
+    meta = {"names": names, "group": group, "help": help, "kwargs": kwargs}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Config:
+    """The resolved command line; never mutated after parsing."""
+
+    # ---- data
+    data: str = _flag("data", group="data", default="imagenet", nargs="?", metavar="DIR",
+                      help="dataset root holding train/ and val/ in ImageFolder layout "
+                           "(default: %(default)s)")
+    workers: int = _flag("-j", "--workers", group="data", default=4, type=int, metavar="N",
+                         help="data loading processes per node, split across its ranks like -b "
+                              "(default: %(default)s)")
+    dummy: bool = _flag("--dummy", group="data", default=False, action="store_true",
+                        help="train on synthetic random tensors (speed tests; no DIR needed)")
+    dummy_size: int = _flag("--dummy-size", group="data", default=1281167, type=int, metavar="N",
+                            help="images per epoch with --dummy (default: %(default)s, ImageNet's)")
+    dummy_val_size: int = _flag("--dummy-val-size", group="data", default=50000, type=int,
+                                metavar="N", help="validation images with --dummy "
+                                                  "(default: %(default)s)")
+    dummy_classes: int = _flag("--dummy-classes", group="data", default=1000, type=int,
+                               metavar="N", help="classes with --dummy (default: %(default)s)")
+    demo: bool = _flag("--demo", group="data", default=False, action="store_true",
+                       help="generate and train on the built-in procedural JPEG data set under "
+                            "OUTPUT_DIR/demo-data (no download); sets demo-sized defaults for "
+                            "flags you did not give")
+    train_crop_size: int = _flag("--train-crop-size", group="data", default=224, type=int,
+                                 metavar="PX", help="training crop, pixels (default: %(default)s)")
+    val_resize_size: int = _flag("--val-resize-size", group="data", default=256, type=int,
+                                 metavar="PX", help="validation resize of the short side, pixels "
+                                                    "(default: %(default)s)")
+    val_crop_size: int = _flag("--val-crop-size", group="data", default=224, type=int,
+                               metavar="PX", help="validation centre crop, pixels "
+                                                  "(default: %(default)s)")
+    interpolation: str = _flag("--interpolation", group="data", default="bilinear",
+                               choices=("nearest", "bilinear", "bicubic"),
+                               help="resize interpolation (default: %(default)s)")
+    image_backend: str = _flag("--image-backend", group="data", default="tensor",
+                               choices=("tensor", "pil"),
+                               help="'tensor': libjpeg-turbo decode + v2 transforms on uint8 "
+                                    "(fast); 'pil': the classic PIL pipeline "
+                                    "(default: %(default)s)")
+    auto_augment: str | None = _flag("--auto-augment", group="data", default=None,
+                                     choices=AUTO_AUGMENT,
+                                     help="automatic augmentation policy (default: off)")
+    ra_magnitude: int = _flag("--ra-magnitude", group="data", default=9, type=int, metavar="M",
+                              help="RandAugment magnitude, 0-30 (default: %(default)s)")
+    augmix_severity: int = _flag("--augmix-severity", group="data", default=3, type=int,
+                                 metavar="S", help="AugMix severity, 1-10 (default: %(default)s)")
+    random_erase: float = _flag("--random-erase", group="data", default=0.0, type=float,
+                                metavar="P", help="RandomErasing probability per image "
+                                                  "(default: %(default)s)")
+    mixup_alpha: float = _flag("--mixup-alpha", group="data", default=0.0, type=float,
+                               metavar="A", help="MixUp Beta(alpha) parameter; 0 = off "
+                                                 "(default: %(default)s)")
+    cutmix_alpha: float = _flag("--cutmix-alpha", group="data", default=0.0, type=float,
+                                metavar="A", help="CutMix Beta(alpha) parameter; 0 = off "
+                                                  "(default: %(default)s)")
+    # ---- model
+    arch: str = _flag("-a", "--arch", group="model", default="resnet18", metavar="ARCH",
+                      help="torchvision architecture, one of "
+                           "torchvision.models.list_models() (default: %(default)s)")
+    pretrained: bool = _flag("--pretrained", group="model", default=False, action="store_true",
+                             help="start from the architecture's default torchvision weights")
+    weights: str | None = _flag("--weights", group="model", default=None, metavar="NAME",
+                                help="torchvision weights enum member, e.g. IMAGENET1K_V1 "
+                                     "(default: none)")
+    sync_bn: bool = _flag("--sync-bn", group="model", default=False, action="store_true",
+                          help="convert BatchNorm to SyncBatchNorm in distributed runs")
+    channels_last: bool = _flag("--channels-last", group="model", default=False,
+                                action="store_true",
+                                help="NHWC memory format for model and input (faster convs)")
+    compile: bool = _flag("--compile", group="model", default=False, action="store_true",
+                          help="torch.compile the model (before DDP wrapping)")
+    model_ema: bool = _flag("--model-ema", group="model", default=False, action="store_true",
+                            help="keep, evaluate and checkpoint an exponential moving average "
+                                 "of the weights")
+    model_ema_steps: int = _flag("--model-ema-steps", group="model", default=32, type=int,
+                                 metavar="N", help="optimizer steps between EMA updates "
+                                                   "(default: %(default)s)")
+    model_ema_decay: float = _flag("--model-ema-decay", group="model", default=0.99998,
+                                   type=float, metavar="D",
+                                   help="EMA decay per optimizer step; adjusted for "
+                                        "--model-ema-steps (default: %(default)s)")
+    # ---- optimisation
+    epochs: int = _flag("--epochs", group="optimisation", default=90, type=int, metavar="N",
+                        help="total epochs to run (default: %(default)s)")
+    start_epoch: int = _flag("--start-epoch", group="optimisation", default=0, type=int,
+                             metavar="N", help="first epoch number, useful on restarts; "
+                                               "a --resume checkpoint overrides it "
+                                               "(default: %(default)s)")
+    batch_size: int = _flag("-b", "--batch-size", group="optimisation", default=256, type=int,
+                            metavar="N",
+                            help="images per step on this node: split across the node's ranks "
+                                 "with --multiprocessing-distributed, else per process; the "
+                                 "global batch is printed at start (default: %(default)s)")
+    lr: float = _flag("--lr", "--learning-rate", group="optimisation", default=0.1, type=float,
+                      metavar="LR", help="initial learning rate (default: %(default)s)")
+    momentum: float = _flag("--momentum", group="optimisation", default=0.9, type=float,
+                            metavar="M", help="SGD/RMSprop momentum (default: %(default)s)")
+    weight_decay: float = _flag("--wd", "--weight-decay", group="optimisation", default=1e-4,
+                                type=float, metavar="W",
+                                help="weight decay (default: %(default)s)")
+    norm_weight_decay: float | None = _flag(
+        "--norm-weight-decay", group="optimisation", default=None, type=float, metavar="W",
+        help="weight decay for normalisation layers (default: same as --wd)")
+    bias_weight_decay: float | None = _flag(
+        "--bias-weight-decay", group="optimisation", default=None, type=float, metavar="W",
+        help="weight decay for biases (default: same as --wd)")
+    opt: str = _flag("--opt", group="optimisation", default="sgd",
+                     choices=("sgd", "sgd_nesterov", "adamw", "rmsprop"),
+                     help="optimizer (default: %(default)s)")
+    lr_scheduler: str = _flag("--lr-scheduler", group="optimisation", default="step",
+                              choices=("step", "multistep", "cosine"),
+                              help="schedule after warm-up, stepped per iteration "
+                                   "(default: %(default)s = x0.1 every 30 epochs)")
+    lr_step_size: int = _flag("--lr-step-size", group="optimisation", default=30, type=int,
+                              metavar="EPOCHS", help="step schedule period, epochs "
+                                                     "(default: %(default)s)")
+    lr_milestones: tuple[int, ...] = _flag(
+        "--lr-milestones", group="optimisation", default=(30, 60, 80), type=int, nargs="+",
+        metavar="EPOCH", help="multistep schedule epochs (default: 30 60 80)")
+    lr_gamma: float = _flag("--lr-gamma", group="optimisation", default=0.1, type=float,
+                            metavar="G", help="step/multistep decay factor "
+                                              "(default: %(default)s)")
+    lr_min: float = _flag("--lr-min", group="optimisation", default=0.0, type=float,
+                          metavar="LR", help="cosine schedule floor (default: %(default)s)")
+    lr_warmup_epochs: int = _flag("--lr-warmup-epochs", group="optimisation", default=0,
+                                  type=int, metavar="N",
+                                  help="warm-up epochs, stepped per iteration "
+                                       "(default: %(default)s)")
+    lr_warmup_method: str = _flag("--lr-warmup-method", group="optimisation", default="linear",
+                                  choices=("linear", "constant"),
+                                  help="warm-up shape (default: %(default)s)")
+    lr_warmup_decay: float = _flag("--lr-warmup-decay", group="optimisation", default=0.01,
+                                   type=float, metavar="F",
+                                   help="warm-up starts at F x --lr (default: %(default)s)")
+    label_smoothing: float = _flag("--label-smoothing", group="optimisation", default=0.0,
+                                   type=float, metavar="E",
+                                   help="cross-entropy label smoothing (default: %(default)s)")
+    clip_grad_norm: float | None = _flag("--clip-grad-norm", group="optimisation", default=None,
+                                         type=float, metavar="N",
+                                         help="max gradient L2 norm, on unscaled gradients "
+                                              "(default: off)")
+    grad_accum_steps: int = _flag("--grad-accum-steps", group="optimisation", default=1,
+                                  type=int, metavar="K",
+                                  help="micro-batches per optimizer step; -b is the micro-batch "
+                                       "(default: %(default)s)")
+    amp: str | None = _flag("--amp", group="optimisation", default=None, choices=("bf16", "fp16"),
+                            help="autocast dtype; fp16 adds a GradScaler (default: fp32)")
+    seed: int | None = _flag("--seed", group="optimisation", default=None, type=int, metavar="S",
+                             help="seed python/torch/data per process and switch on "
+                                  "deterministic algorithms (default: unseeded, "
+                                  "cudnn.benchmark on)")
+    # ---- distributed
+    world_size: int = _flag("--world-size", group="distributed", default=-1, type=int,
+                            metavar="N", help="nodes with --multiprocessing-distributed, else "
+                                              "processes (default: from the launcher, or 1)")
+    rank: int = _flag("--rank", group="distributed", default=-1, type=int, metavar="R",
+                      help="node rank with --multiprocessing-distributed, else process rank "
+                           "(default: from the launcher, or 0)")
+    dist_url: str = _flag("--dist-url", group="distributed", default="env://", metavar="URL",
+                          help="rendezvous: env:// (torchrun/SLURM variables) or "
+                               "tcp://HOST:PORT of rank 0 (default: %(default)s)")
+    dist_backend: str | None = _flag("--dist-backend", group="distributed", default=None,
+                                     choices=("nccl", "gloo"),
+                                     help="default: nccl with CUDA, gloo on CPU")
+    dist_timeout: float = _flag("--dist-timeout", group="distributed", default=600.0,
+                                type=float, metavar="SEC",
+                                help="give up when peers do not arrive or answer, seconds "
+                                     "(default: %(default)s)")
+    multiprocessing_distributed: bool = _flag(
+        "--multiprocessing-distributed", group="distributed", default=False, action="store_true",
+        help="start one process per local device with mp.spawn and train with DDP")
+    nproc_per_node: int | None = _flag("--nproc-per-node", group="distributed", default=None,
+                                       type=int, metavar="N",
+                                       help="processes per node for "
+                                            "--multiprocessing-distributed (default: visible "
+                                            "GPUs, or 1 on CPU)")
+    local_rank: int | None = _flag("--local-rank", "--local_rank", group="distributed",
+                                   default=None, type=int, metavar="R",
+                                   help="set by torch.distributed.launch; do not pass by hand")
+    gpu: int | None = _flag("--gpu", group="distributed", default=None, type=int, metavar="ID",
+                            help="CUDA device to use in a single-process run")
+    no_accel: bool = _flag("--no-accel", group="distributed", default=False,
+                           action="store_true", help="run on the CPU even if CUDA is present")
+    ddp_comm_hook: str = _flag("--ddp-comm-hook", group="distributed", default="none",
+                               choices=COMM_HOOKS,
+                               help="gradient compression for slow links "
+                                    "(default: %(default)s)")
+    powersgd_rank: int = _flag("--powersgd-rank", group="distributed", default=2, type=int,
+                               metavar="R", help="PowerSGD matrix rank (default: %(default)s)")
+    powersgd_start_iter: int = _flag("--powersgd-start-iter", group="distributed", default=10,
+                                     type=int, metavar="N",
+                                     help="uncompressed warm-up steps before PowerSGD "
+                                          "(default: %(default)s)")
+    bucket_cap_mb: float = _flag("--bucket-cap-mb", group="distributed", default=25.0,
+                                 type=float, metavar="MB",
+                                 help="DDP gradient bucket size, MB (default: %(default)s)")
+    # ---- checkpointing
+    output_dir: str = _flag("--output-dir", group="checkpointing", default=".", metavar="DIR",
+                            help="checkpoints, logs, TensorBoard (default: current folder)")
+    resume: str | None = _flag("--resume", group="checkpointing", default=None, metavar="PATH",
+                               help="checkpoint to resume from; 'auto' = OUTPUT_DIR/"
+                                    "checkpoint.pth.tar if present (default: none)")
+    evaluate: bool = _flag("-e", "--evaluate", group="checkpointing", default=False,
+                           action="store_true", help="evaluate the model on val/ and exit")
+    save_every: int = _flag("--save-every", group="checkpointing", default=0, type=int,
+                            metavar="STEPS", help="also checkpoint every N optimizer steps "
+                                                  "within an epoch; 0 = epoch ends only "
+                                                  "(default: %(default)s)")
+    # ---- logging
+    print_freq: int = _flag("-p", "--print-freq", group="logging", default=10, type=int,
+                            metavar="N", help="progress line every N steps "
+                                              "(default: %(default)s)")
+    debug: bool = _flag("--debug", group="logging", default=False, action="store_true",
+                        help="show full tracebacks and debug logs")
+    env_check: bool = _flag("--env-check", group="logging", default=False, action="store_true",
+                            help="check the installation and local devices, then exit")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, checkpoint-safe dict (loads with weights_only=True)."""
+        return {k: list(v) if isinstance(v, tuple) else v
+                for k, v in dataclasses.asdict(self).items()}
+
+    def replace(self, **changes: Any) -> "Config":
+        """A copy with some fields changed (the original stays frozen)."""
+        return dataclasses.replace(self, **changes)
+
+
+# Demo-sized defaults applied by --demo to flags the user did not give (measured in the demo issue).
+DEMO_DEFAULTS = {"epochs": 6, "batch_size": 64, "lr": 0.1, "workers": 2,
+                 "train_crop_size": 56, "val_resize_size": 64, "val_crop_size": 56,
+                 "lr_step_size": 4, "print_freq": 5}
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    """The argparse parser, grouped by concern; reusable by scripts and tests."""
+    parser = argparse.ArgumentParser(
+        prog="main.py", description="ImageNet / ImageFolder training with torchvision models "
+                                    "(drop-in for pytorch/examples imagenet/main.py)")
+    groups = {g: parser.add_argument_group(g) for g in GROUPS}
+    for f in dataclasses.fields(Config):
+        meta = f.metadata
+        kwargs = dict(meta["kwargs"])
+        if meta["names"][0].startswith("-"):
+            kwargs["dest"] = f.name
+        groups[meta["group"]].add_argument(*meta["names"], default=f.default, help=meta["help"],
+                                           **kwargs)
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None) -> Config:
+    """Parse ``argv`` (None = sys.argv) into a validated ``Config``."""
+    parser = get_args_parser()
+    ns = parser.parse_args(argv)
+    values = vars(ns)
+    if values["demo"]:
+        given = _given_dests(parser, argv)
+        values.update({k: v for k, v in DEMO_DEFAULTS.items() if k not in given})
+    values["lr_milestones"] = tuple(values["lr_milestones"])
+    cfg = Config(**values)
+    validate(cfg)
+    return cfg
+
+
+def _given_dests(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:
+    """Names of the options that appear on the command line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    given = set()
+    for action in parser._actions:
+        for opt in action.option_strings:
+            if any(a == opt or a.startswith(opt + "=") for a in argv):
+                given.add(action.dest)
+    return given
+
+
+def validate(cfg: Config) -> None:
+    """Raise UsageError naming the flag when a value cannot work."""
+    positive = {"-b/--batch-size": cfg.batch_size, "--epochs": cfg.epochs,
+                "-p/--print-freq": cfg.print_freq, "--train-crop-size": cfg.train_crop_size,
+                "--val-crop-size": cfg.val_crop_size, "--val-resize-size": cfg.val_resize_size,
+                "--grad-accum-steps": cfg.grad_accum_steps, "--dist-timeout": cfg.dist_timeout,
+                "--model-ema-steps": cfg.model_ema_steps, "--bucket-cap-mb": cfg.bucket_cap_mb,
+                "--powersgd-rank": cfg.powersgd_rank}
+    for name, value in positive.items():
+        if value <= 0:
+            raise UsageError(f"{name} must be positive, got {value}")
+    non_negative = {"--lr": cfg.lr, "--momentum": cfg.momentum, "--wd": cfg.weight_decay,
+                    "-j/--workers": cfg.workers, "--start-epoch": cfg.start_epoch,
+                    "--save-every": cfg.save_every, "--label-smoothing": cfg.label_smoothing,
+                    "--mixup-alpha": cfg.mixup_alpha, "--cutmix-alpha": cfg.cutmix_alpha,
+                    "--lr-warmup-epochs": cfg.lr_warmup_epochs, "--lr-min": cfg.lr_min}
+    for name, value in non_negative.items():
+        if value < 0:
+            raise UsageError(f"{name} must not be negative, got {value}")
+    if cfg.epochs < cfg.start_epoch:
+        raise UsageError(f"--epochs ({cfg.epochs}) is smaller than --start-epoch "
+                         f"({cfg.start_epoch}): nothing to train")
+    if not 0.0 <= cfg.random_erase <= 1.0:
+        raise UsageError(f"--random-erase is a probability in [0, 1], got {cfg.random_erase}")
+    if not 0.0 <= cfg.label_smoothing < 1.0:
+        raise UsageError(f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}")
+    if cfg.pretrained and cfg.weights:
+        raise UsageError("give either --pretrained or --weights NAME, not both")
+    if cfg.dummy and cfg.demo:
+        raise UsageError("--dummy and --demo both choose the data; give one")
+    if cfg.nproc_per_node is not None and cfg.nproc_per_node < 1:
+        raise UsageError(f"--nproc-per-node must be at least 1, got {cfg.nproc_per_node}")
+    check_arch(cfg.arch)
+
+
+def available_archs() -> list[str]:
+    """Real classification architectures (not helpers like get_model)."""
+    import torchvision
+
+    return torchvision.models.list_models(module=torchvision.models)
+
+
+def check_arch(arch: str) -> None:
+    """Raise UsageError for an unknown architecture, suggesting close names."""
+    names = available_archs()
+    if arch not in names:
+        close = difflib.get_close_matches(arch, names, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise UsageError(f"-a/--arch: unknown architecture '{arch}'{hint} "
+                         f"(choose from torchvision.models.list_models(), e.g. resnet18, "
+                         f"resnet50, vit_b_16)")

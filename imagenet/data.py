@@ -1,0 +1,197 @@
+"""Datasets, samplers and loaders.
+
+Augmentation randomness is a pure function of (seed, epoch, sample index): each sample re-seeds the
+worker's generators before its transform runs. The data a step sees therefore does not depend on the
+number of workers, on which worker ran it, or on whether the run was interrupted - the basis of
+bitwise-exact mid-epoch resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torchvision import datasets
+
+from imagenet import transforms as T
+from imagenet.config import Config
+from imagenet.errors import DataError, UsageError
+
+log = logging.getLogger(__name__)
+
+
+class SeededDataset(Dataset):
+    """Wraps a dataset so that item ``(epoch, index)`` is augmented with its own seed."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]):
+        epoch, index = key
+        sample_seed = hash((self.seed, epoch, index)) & 0x7FFF_FFFF_FFFF_FFFF
+        torch.default_generator.manual_seed(sample_seed)
+        random.seed(sample_seed)
+        return self.dataset[index]
+
+
+class ResumableDistributedSampler(Sampler):
+    """DistributedSampler's order (seed + epoch, padded, strided) that can start mid-epoch.
+
+    Yields ``(epoch, index)`` keys for ``SeededDataset``. Every rank gets the same number of
+    samples (the permutation is padded by repeating its start, as DistributedSampler does) so DDP
+    ranks never wait for a rank that ran out of data.
+    """
+
+    def __init__(self, size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 shuffle: bool = True) -> None:
+        self.size, self.rank, self.world_size = size, rank, world_size
+        self.seed, self.shuffle = seed, shuffle
+        self.num_samples = math.ceil(size / world_size)
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Select the epoch, skipping the first ``start`` samples of this rank's share."""
+        self.epoch, self.start = epoch, start
+
+    def indices(self) -> list[int]:
+        """This rank's full index list for the current epoch."""
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.size, generator=g).tolist()
+        else:
+            order = list(range(self.size))
+        total = self.num_samples * self.world_size
+        while len(order) < total:
+            order += order[: total - len(order)]
+        return order[self.rank:total:self.world_size]
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter([(self.epoch, i) for i in self.indices()[self.start:]])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
+class ShardSampler(Sampler):
+    """Validation shard of one rank: every image exactly once across ranks, no padding."""
+
+    def __init__(self, size: int, rank: int = 0, world_size: int = 1) -> None:
+        self.size, self.rank, self.world_size = size, rank, world_size
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.size, self.world_size))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.size, self.world_size))
+
+
+class DummyDataset(Dataset):
+    """Synthetic uint8 images for speed tests: one random tensor, labels cycling the classes."""
+
+    def __init__(self, size: int, num_classes: int, image_size: int) -> None:
+        self.size, self.num_classes = size, num_classes
+        g = torch.Generator().manual_seed(0)
+        self.image = torch.randint(0, 256, (3, image_size, image_size), dtype=torch.uint8,
+                                   generator=g)
+        self.classes = [f"class{i}" for i in range(num_classes)]
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.image, index % self.num_classes
+
+
+@dataclass
+class Data:
+    """Everything the trainer needs from the data side."""
+
+    train_loader: DataLoader
+    val_loader: DataLoader
+    train_sampler: ResumableDistributedSampler
+    num_classes: int
+    classes: list[str]
+    val_size: int
+
+
+def check_folder(root: Path) -> tuple[Path, Path]:
+    """train/ and val/ under ``root`` or a UsageError that says what to give instead."""
+    if not root.is_dir():
+        raise UsageError(f"data folder '{root}' does not exist: give the dataset root that holds "
+                         "train/ and val/ (ImageFolder layout), or --demo for the built-in data, "
+                         "or --dummy for synthetic data")
+    train, val = root / "train", root / "val"
+    for part in (train, val):
+        if not part.is_dir():
+            raise UsageError(f"'{part}' is missing: the data folder must hold train/<class>/*.jpg "
+                             "and val/<class>/*.jpg (see python -m imagenet.prepare for "
+                             "the ILSVRC archives)")
+    return train, val
+
+
+def image_folder(folder: Path, transform, backend: str) -> datasets.ImageFolder:
+    """An ImageFolder whose errors name the folder instead of a traceback."""
+    try:
+        return datasets.ImageFolder(str(folder), transform=transform,
+                                    loader=partial(T.load_image, backend=backend))
+    except FileNotFoundError as exc:
+        raise DataError(f"{folder}: {exc} (every class folder needs at least one image)"
+                        ) from None
+
+
+def check_same_classes(train: Sequence[str], val: Sequence[str], root: Path) -> None:
+    """Validation must use the training label set, in the same order."""
+    if list(train) != list(val):
+        only_train = sorted(set(train) - set(val))[:5]
+        only_val = sorted(set(val) - set(train))[:5]
+        raise DataError(f"{root}: val/ classes differ from train/ classes (only in train: "
+                        f"{only_train or 'none'}; only in val: {only_val or 'none'}); labels "
+                        "would be wrong")
+
+
+def build_datasets(cfg: Config, data_root: Path) -> tuple[Dataset, Dataset, list[str]]:
+    """Train and validation datasets producing uint8 CHW images and integer labels."""
+    if cfg.dummy:
+        train = DummyDataset(cfg.dummy_size, cfg.dummy_classes, cfg.train_crop_size)
+        val = DummyDataset(cfg.dummy_val_size, cfg.dummy_classes, cfg.val_crop_size)
+        return train, val, train.classes
+    train_dir, val_dir = check_folder(data_root)
+    train_tf = T.train_transform(cfg.train_crop_size, cfg.interpolation, cfg.auto_augment,
+                                 cfg.ra_magnitude, cfg.augmix_severity, cfg.random_erase,
+                                 backend=cfg.image_backend)
+    val_tf = T.val_transform(cfg.val_resize_size, cfg.val_crop_size, cfg.interpolation,
+                             backend=cfg.image_backend)
+    train = image_folder(train_dir, train_tf, cfg.image_backend)
+    val = image_folder(val_dir, val_tf, cfg.image_backend)
+    check_same_classes(train.classes, val.classes, data_root)
+    return train, val, train.classes
+
+
+def build_data(cfg: Config, data_root: Path, rank: int, world_size: int, batch_size: int,
+               workers: int, aug_seed: int, pin_memory: bool) -> Data:
+    """Loaders for this rank: resumable shuffled training shard, unpadded validation shard."""
+    train, val, classes = build_datasets(cfg, data_root)
+    sampler = ResumableDistributedSampler(len(train), rank, world_size,  # type: ignore[arg-type]
+                                          seed=cfg.seed or 0)
+    extra = {"persistent_workers": True, "prefetch_factor": 4} if workers > 0 else {}
+    # A private generator: creating loader iterators must not consume the global RNG, which the
+    # training step uses (MixUp/CutMix, dropout) and the checkpoint restores.
+    train_loader = DataLoader(SeededDataset(train, aug_seed), batch_size=batch_size,
+                              sampler=sampler, num_workers=workers, pin_memory=pin_memory,
+                              generator=torch.Generator().manual_seed(aug_seed), **extra)
+    val_loader = DataLoader(val, batch_size=batch_size, sampler=ShardSampler(len(val), rank,
+                                                                              world_size),
+                            num_workers=workers, pin_memory=pin_memory, **extra)
+    return Data(train_loader, val_loader, sampler, len(classes), list(classes),
+                len(val))  # type: ignore[arg-type]

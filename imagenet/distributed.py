@@ -1,0 +1,296 @@
+"""How processes are started and find each other.
+
+The only reader of RANK / LOCAL_RANK / WORLD_SIZE / MASTER_* / SLURM_* / TORCHELASTIC_*. Deciding
+*what* to do (``plan_launch``, ``resolve_ranks``, ``choose_backend``, ``choose_device``) is pure;
+``init_distributed`` does it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import ipaddress
+import logging
+import os
+import re
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Mapping
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from imagenet.config import Config
+from imagenet.errors import DistributedError, UsageError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How this invocation starts its training processes."""
+
+    mode: str  # "single" | "spawn" (mp.spawn here) | "env" (a launcher started us) | "manual"
+    nprocs: int = 1  # processes this invocation spawns (mode "spawn")
+    nnodes: int = 1
+    node_rank: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Who this process is; passed around instead of writing into the config."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None  # None: no process group
+
+    @property
+    def distributed(self) -> bool:
+        """True when a process group exists (DDP is used)."""
+        return self.backend is not None
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: the only writer of files and progress."""
+        return self.rank == 0
+
+
+def _int(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+def is_slurm_job_step(env: Mapping[str, str]) -> bool:
+    """True inside ``srun`` with several tasks (one process per task is the convention)."""
+    return "SLURM_PROCID" in env and (_int(env, "SLURM_NTASKS") or 1) > 1
+
+
+def plan_launch(cfg: Config, env: Mapping[str, str], cuda_count: int) -> Launch:
+    """Decide the launch mode from flags, environment and visible GPUs."""
+    use_cuda = cuda_count > 0 and not cfg.no_accel
+    if cfg.multiprocessing_distributed:
+        nprocs = cfg.nproc_per_node or (cuda_count if use_cuda else 1)
+        nnodes = max(cfg.world_size, 1)
+        return Launch("spawn", nprocs, nnodes, max(cfg.rank, 0),
+                      f"--multiprocessing-distributed: {nprocs} process(es) on this node")
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return Launch("env", reason="launched by torchrun / torch.distributed.launch")
+    if is_slurm_job_step(env):
+        return Launch("env", reason="launched by SLURM srun")
+    if cfg.world_size > 1:
+        if cfg.rank < 0:
+            raise UsageError(f"--world-size {cfg.world_size} needs --rank for each process "
+                             "(or use torchrun / --multiprocessing-distributed)")
+        return Launch("manual", reason=f"manual process rank {cfg.rank} of {cfg.world_size}")
+    if cfg.nproc_per_node and cfg.nproc_per_node > 1:
+        return Launch("spawn", cfg.nproc_per_node,
+                      reason=f"--nproc-per-node {cfg.nproc_per_node}: DDP on one node")
+    if use_cuda and cuda_count > 1 and cfg.gpu is None:
+        return Launch("spawn", cuda_count, reason=f"{cuda_count} GPUs visible and no --gpu: "
+                      "one DDP process per GPU (not DataParallel)")
+    return Launch("single", reason="one process")
+
+
+def resolve_ranks(launch: Launch, local_index: int, cfg: Config,
+                  env: Mapping[str, str]) -> tuple[int, int, int, int]:
+    """(rank, local_rank, world_size, local_world_size) of this process."""
+    if launch.mode == "spawn":
+        rank = launch.node_rank * launch.nprocs + local_index
+        return rank, local_index, launch.nnodes * launch.nprocs, launch.nprocs
+    if launch.mode == "env" and "RANK" in env:
+        world = int(env["WORLD_SIZE"])
+        local = _int(env, "LOCAL_RANK")
+        local = cfg.local_rank if local is None else local
+        return (int(env["RANK"]), local or 0, world,
+                _int(env, "LOCAL_WORLD_SIZE") or world)
+    if launch.mode == "env":  # SLURM
+        ntasks = int(env["SLURM_NTASKS"])
+        per_node = _int(env, "SLURM_NTASKS_PER_NODE") or _first_int(env.get("SLURM_TASKS_PER_NODE"))
+        return (int(env["SLURM_PROCID"]), _int(env, "SLURM_LOCALID") or 0, ntasks,
+                per_node or ntasks)
+    if launch.mode == "manual":
+        local = cfg.gpu if cfg.gpu is not None else (_int(env, "LOCAL_RANK") or 0)
+        return cfg.rank, local, cfg.world_size, 1
+    return 0, 0, 1, 1
+
+
+def _first_int(text: str | None) -> int | None:
+    match = re.match(r"\d+", text or "")
+    return int(match.group()) if match else None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM node list: 'gpu[03-05,7],cpu1' -> 'gpu03'."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise UsageError(f"cannot parse SLURM_JOB_NODELIST '{nodelist}'; set MASTER_ADDR")
+    prefix, ranges = match.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def choose_backend(requested: str | None, device_type: str) -> str:
+    """nccl for CUDA, gloo for CPU; an impossible request is a clear error."""
+    if requested is None:
+        return "nccl" if device_type == "cuda" else "gloo"
+    if requested == "nccl" and device_type != "cuda":
+        raise UsageError("--dist-backend nccl needs CUDA GPUs, and this process runs on the CPU "
+                         "(no CUDA or --no-accel); use --dist-backend gloo or leave it unset")
+    if requested == "nccl" and not dist.is_nccl_available():
+        raise UsageError("--dist-backend nccl: this torch build has no NCCL; use gloo")
+    return requested
+
+
+def choose_device(cfg: Config, launch: Launch, local_rank: int, cuda_count: int) -> torch.device:
+    """The device of this process: its local rank's GPU, --gpu, or the CPU."""
+    if cfg.no_accel or cuda_count == 0:
+        return torch.device("cpu")
+    if launch.mode == "single":
+        return torch.device("cuda", cfg.gpu or 0)
+    if local_rank >= cuda_count:
+        raise UsageError(f"local rank {local_rank} has no GPU: only {cuda_count} visible; "
+                         "start at most one process per GPU on each node")
+    return torch.device("cuda", local_rank)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rendezvous(cfg: Config, launch: Launch, env: dict[str, str]) -> str:
+    """The init_method URL; fills MASTER_ADDR/PORT in ``env`` where the launcher did not."""
+    if cfg.dist_url != "env://":
+        return cfg.dist_url
+    if launch.mode == "env" and "SLURM_PROCID" in env and "RANK" not in env:
+        env.setdefault("MASTER_ADDR", first_slurm_host(env.get("SLURM_JOB_NODELIST", "")))
+        # Every task must agree on the port without talking: derive it from the job id.
+        env.setdefault("MASTER_PORT", str(15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        if launch.mode == "spawn" and launch.nnodes == 1:
+            # Single-node fallback: rank 0 is this machine; pick a free loopback port.
+            env.setdefault("MASTER_ADDR", "127.0.0.1")
+            env.setdefault("MASTER_PORT", str(free_port()))
+        else:
+            raise UsageError("--dist-url env:// needs MASTER_ADDR and MASTER_PORT for a "
+                             "multi-node or manual run; give --dist-url tcp://HOST:PORT of "
+                             "rank 0 or export both variables")
+    return "env://"
+
+
+def master_address(init_method: str, env: Mapping[str, str]) -> tuple[str, int | None]:
+    """(host, port) of rank 0's store."""
+    if init_method.startswith("tcp://"):
+        url = urlparse(init_method)
+        return url.hostname or "", url.port
+    return env.get("MASTER_ADDR", ""), _int(env, "MASTER_PORT")
+
+
+def interface_to(host: str) -> str | None:
+    """Name of the local interface that routes to ``host``; None for loopback or unknown."""
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError:
+        return None
+    if ipaddress.ip_address(ip).is_loopback:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((ip, 9))  # UDP connect sends nothing; it only asks the routing table
+            local_ip = s.getsockname()[0]
+        except OSError:
+            return None
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
+                                     struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(packed[20:24]) == local_ip:
+                return name
+    return None
+
+
+def set_socket_interface(host: str, env: dict[str, str]) -> str | None:
+    """Point gloo/NCCL at the interface that reaches ``host`` (they default to loopback)."""
+    if env.get("GLOO_SOCKET_IFNAME") or env.get("NCCL_SOCKET_IFNAME"):
+        return None
+    name = interface_to(host)
+    if name:
+        env["GLOO_SOCKET_IFNAME"] = name
+        env["NCCL_SOCKET_IFNAME"] = name
+    return name
+
+
+def init_distributed(cfg: Config, launch: Launch, local_index: int) -> DistInfo:
+    """Join the process group (if any) and return who this process is."""
+    env = os.environ
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    rank, local_rank, world, local_world = resolve_ranks(launch, local_index, cfg, env)
+    device = choose_device(cfg, launch, local_rank, cuda_count)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if launch.mode == "single":
+        return DistInfo(device=device)
+    backend = choose_backend(cfg.dist_backend, device.type)
+    init_method = rendezvous(cfg, launch, env)  # type: ignore[arg-type]
+    host, port = master_address(init_method, env)
+    ifname = set_socket_interface(host, env)  # type: ignore[arg-type]
+    if ifname and rank == 0:
+        log.info("master %s is remote: GLOO/NCCL_SOCKET_IFNAME=%s", host, ifname)
+    where = f"{host}:{port} as rank {rank} of world size {world}"
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=cfg.dist_timeout),
+                                device_id=device if device.type == "cuda" else None)
+        # One barrier so a missing peer fails here, named, not in the first all-reduce.
+        dist.barrier()
+    except Exception as exc:  # torch raises several types (DistNetworkError, RuntimeError, ...)
+        cleanup()
+        raise DistributedError(_explain(exc, where, cfg.dist_timeout)) from exc
+    return DistInfo(rank, local_rank, world, local_world, device, backend)
+
+
+def _explain(exc: Exception, where: str, timeout: float) -> str:
+    """Turn torch's rendezvous errors into one actionable line."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if "address already in use" in str(exc).lower() or "EADDRINUSE" in str(exc):
+        return (f"cannot start the rendezvous at {where}: the port is already in use "
+                "(another job?); choose another port in --dist-url / MASTER_PORT")
+    return (f"could not form the process group at {where} within --dist-timeout {timeout:g}s: "
+            f"{text}. Check that every rank started, that the address is reachable from this "
+            "host, and that --world-size matches the number of processes")
+
+
+def cleanup() -> None:
+    """Destroy the process group if one exists (safe to call twice)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def elastic_restart_count(env: Mapping[str, str] = os.environ) -> int:
+    """How often torchrun has restarted this worker group (0 outside torchrun)."""
+    return _int(env, "TORCHELASTIC_RESTART_COUNT") or 0
+
+
+def per_process_batch(batch_per_node: int, nprocs: int) -> int:
+    """The classic split of -b across a node's spawned processes."""
+    if batch_per_node < nprocs:
+        raise UsageError(f"-b/--batch-size {batch_per_node} is smaller than the {nprocs} "
+                         f"processes on this node; give at least {nprocs}")
+    return batch_per_node // nprocs
+
+
+def per_process_workers(workers_per_node: int, nprocs: int) -> int:
+    """The classic split of -j across a node's spawned processes (rounded up)."""
+    return (workers_per_node + nprocs - 1) // nprocs

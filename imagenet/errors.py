@@ -1,0 +1,50 @@
+"""Exceptions that ``main.py`` turns into one message and an exit code."""
+
+
+class TrainerError(Exception):
+    """A problem the user can fix; the message says what and how."""
+
+    exit_code = 1
+
+    def __init__(self, message: str = "") -> None:
+        # A DataLoader worker's error is re-raised in the main process as
+        # ``type(exc)("Caught X in DataLoader worker ...\nOriginal Traceback ...")``; keep only
+        # the original one-line message so users see it, not a worker traceback.
+        if "Original Traceback" in message:
+            last = [line for line in message.strip().splitlines() if line.strip()][-1]
+            message = last.split(": ", 1)[1] if ": " in last else last
+        super().__init__(message)
+
+
+class UsageError(TrainerError):
+    """Bad flags or paths on the command line (exit code 2, like argparse)."""
+
+    exit_code = 2
+
+
+class RunError(TrainerError):
+    """A failure while running: data, checkpoint, distributed or numerical (exit code 1)."""
+
+    exit_code = 1
+
+
+class DataError(RunError):
+    """A data set or image that cannot be used."""
+
+
+class CheckpointError(RunError):
+    """A checkpoint that cannot be read or does not fit the model."""
+
+
+class DistributedError(RunError):
+    """Processes that cannot find or talk to each other."""
+
+
+class NonFiniteLossError(RunError):
+    """The loss became NaN or infinite."""
+
+
+class Preempted(RunError):
+    """A signal asked the run to stop; a checkpoint was saved so a requeue resumes."""
+
+    exit_code = 143  # documented in README: same as a process killed by SIGTERM

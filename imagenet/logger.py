@@ -1,0 +1,104 @@
+"""Console logging, TensorBoard, metrics.jsonl and config.json - all rank-aware."""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def setup_logging(rank: int, debug: bool = False) -> None:
+    """Rank 0 logs INFO to stdout; other ranks log warnings and errors only, tagged."""
+    level = logging.DEBUG if debug else logging.INFO
+    if rank != 0:
+        level = logging.DEBUG if debug else logging.WARNING
+    fmt = "%(message)s" if rank == 0 else f"[rank {rank}] %(levelname)s: %(message)s"
+    handler = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
+    handler.setFormatter(logging.Formatter(fmt))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def git_commit() -> str | None:
+    """The commit of the code that runs, when it is a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def environment() -> dict[str, Any]:
+    """Versions that explain a run later."""
+    import torchvision
+
+    return {"torch": torch.__version__, "torchvision": torchvision.__version__,
+            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()
+            if torch.backends.cudnn.is_available() else None,
+            "python": platform.python_version(), "git_commit": git_commit()}
+
+
+class RunLogger:
+    """Writes metrics on rank 0; a no-op on the others."""
+
+    def __init__(self, output_dir: Path, enabled: bool, purge_step: int | None = None) -> None:
+        self.enabled = enabled
+        self.output_dir = output_dir
+        self._tb = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step drops events a killed run wrote after its checkpoint, so a resumed
+            # run continues the curves without duplicate or backwards steps.
+            self._tb = SummaryWriter(str(output_dir / "tb"), purge_step=purge_step)
+
+    def write_config(self, config: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
+        """config.json: the resolved flags plus derived values and versions."""
+        if self.enabled:
+            payload = {"config": dict(config), **extra, "environment": environment()}
+            (self.output_dir / "config.json").write_text(json.dumps(payload, indent=2) + "\n")
+
+    def scalars(self, prefix: str, values: Mapping[str, float], step: int) -> None:
+        """TensorBoard scalars ``prefix/name`` at ``step``."""
+        if self._tb is not None:
+            for name, value in values.items():
+                self._tb.add_scalar(f"{prefix}/{name}", value, step)
+
+    def epoch(self, record: Mapping[str, Any]) -> None:
+        """One line in metrics.jsonl per epoch (cheap to grep and plot)."""
+        if self.enabled:
+            with open(self.output_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def images(self, tag: str, grid: torch.Tensor, step: int) -> None:
+        """An image grid (e.g. augmented training samples)."""
+        if self._tb is not None:
+            self._tb.add_image(tag, grid, step)
+
+    def hparams(self, hparams: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
+        """The hyper-parameters next to the final metrics."""
+        if self._tb is not None:
+            clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+                     for k, v in hparams.items()}
+            self._tb.add_hparams(clean, dict(metrics), run_name=".")
+
+    def flush(self) -> None:
+        """Push buffered events to disk."""
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard writer."""
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

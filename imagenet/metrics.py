@@ -1,0 +1,41 @@
+"""Top-k counts and sums that stay on the device until someone asks for them."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def topk_correct(output: torch.Tensor, target: torch.Tensor, ks: tuple[int, ...] = (1, 5)
+                 ) -> torch.Tensor:
+    """Number of samples whose target is in the top-k, for each k (a device tensor)."""
+    if target.ndim == 2:  # soft targets from MixUp/CutMix: score against the dominant class
+        target = target.argmax(dim=1)
+    maxk = min(max(ks), output.shape[1])
+    pred = output.topk(maxk, dim=1).indices
+    hit = pred.eq(target.unsqueeze(1))
+    return torch.stack([hit[:, :min(k, maxk)].any(dim=1).sum() for k in ks])
+
+
+class DeviceSums:
+    """Running sums of named quantities kept on the device; read back only on request."""
+
+    def __init__(self, names: tuple[str, ...], device: torch.device) -> None:
+        self.names = names
+        self.values = torch.zeros(len(names), dtype=torch.float64, device=device)
+
+    def add(self, *values: torch.Tensor | float) -> None:
+        """Add one value per name (tensors stay on the device: no sync)."""
+        update = torch.stack([torch.as_tensor(v, dtype=torch.float64,
+                                              device=self.values.device).reshape(())
+                              for v in values])
+        self.values += update
+
+    def all_reduce(self) -> None:
+        """Sum across ranks, once."""
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(self.values)
+
+    def read(self) -> dict[str, float]:
+        """Copy to the host (one sync) as a dict."""
+        return dict(zip(self.names, self.values.tolist()))

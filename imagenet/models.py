@@ -1,0 +1,82 @@
+"""Build a torchvision model by name; load its weights; wrap and unwrap."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import nn
+
+from imagenet.errors import RunError, UsageError
+
+log = logging.getLogger(__name__)
+
+
+def resolve_weights(arch: str, pretrained: bool, weights: str | None):
+    """The torchvision weights enum member for --pretrained / --weights, or None."""
+    if not pretrained and not weights:
+        return None
+    enum = torchvision.models.get_model_weights(arch)
+    if pretrained:
+        return enum.DEFAULT
+    name = weights.split(".")[-1]  # accept 'IMAGENET1K_V1' and 'ResNet18_Weights.IMAGENET1K_V1'
+    try:
+        return enum[name]
+    except KeyError:
+        options = ", ".join(m.name for m in enum)
+        raise UsageError(f"--weights {weights}: not a weight set of {arch} "
+                         f"(choose from {options})") from None
+
+
+def weights_file(weights) -> Path:
+    """Where torch.hub caches (and looks for) a weights file."""
+    return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(weights.url)
+
+
+def build_model(arch: str, num_classes: int, pretrained: bool = False,
+                weights: str | None = None) -> nn.Module:
+    """torchvision model ``arch``; pretrained weights through torchvision's own loader."""
+    chosen = resolve_weights(arch, pretrained, weights)
+    if chosen is None:
+        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+    log.info("=> using pre-trained model '%s' (%s)", arch, chosen)
+    try:
+        model = torchvision.models.get_model(arch, weights=chosen)
+    except Exception as exc:  # urllib/OSError/hash errors: all mean "could not get the file"
+        raise RunError(
+            f"cannot load pretrained weights {chosen} for {arch}: {str(exc).splitlines()[0]}. "
+            f"Offline? Put the file at {weights_file(chosen)} (TORCH_HOME="
+            f"{os.environ.get('TORCH_HOME', '~/.cache/torch')}), downloaded elsewhere from "
+            f"{chosen.url}") from None
+    if num_classes != len(chosen.meta.get("categories") or []):
+        replace_classifier(model, num_classes)
+    return model
+
+
+def replace_classifier(model: nn.Module, num_classes: int) -> None:
+    """Swap the last Linear layer for one with ``num_classes`` outputs (fine-tuning)."""
+    last_name, last = None, None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            last_name, last = name, module
+    if last is None:
+        raise UsageError("cannot adapt the pretrained model to this data set's classes: "
+                         "it has no Linear classifier")
+    parent = model.get_submodule(last_name.rsplit(".", 1)[0]) if "." in last_name else model
+    setattr(parent, last_name.rsplit(".", 1)[-1],
+            nn.Linear(last.in_features, num_classes, bias=last.bias is not None))
+    log.info("=> replaced classifier '%s' for %d classes", last_name, num_classes)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model inside DDP and torch.compile wrappers."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model

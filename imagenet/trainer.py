@@ -1,0 +1,320 @@
+"""run(): wires the pieces together - the epoch loop, best tracking, checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torchvision
+from torch import nn
+
+from imagenet import checkpoint as ckpt_io
+from imagenet import ddp, state
+from imagenet.config import Config
+from imagenet.data import Data, build_data
+from imagenet.distributed import DistInfo, elastic_restart_count
+from imagenet.engine import Step, TrainContext, evaluate, train_one_epoch
+from imagenet.errors import Preempted
+from imagenet.logger import RunLogger
+from imagenet.models import build_model, unwrap
+from imagenet.optim import build_criterion, build_ema, build_optimizer, build_scheduler
+from imagenet.preemption import StopFlag
+from imagenet.progress import print_train_progress, print_val_progress
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """Everything one training process holds."""
+
+    cfg: Config
+    dist: DistInfo
+    output_dir: Path
+    data: Data
+    ctx: TrainContext
+    raw_model: nn.Module  # unwrapped: what checkpoints hold
+    logger: RunLogger
+    step: Step
+    best_acc1: float = 0.0
+    aug_seed: int = 0
+
+
+def seed_process(seed: int | None, deterministic: bool) -> None:
+    """Seed python and torch in this process; deterministic kernels when seeded."""
+    if seed is None:
+        torch.backends.cudnn.benchmark = True
+        return
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+
+
+def data_root(cfg: Config, output_dir: Path) -> Path:
+    """The dataset folder: DIR, or the built-in demo data generated under OUTPUT_DIR."""
+    if not cfg.demo:
+        return Path(cfg.data)
+    from imagenet.demo import make_demo_dataset
+
+    return make_demo_dataset(output_dir / "demo-data")
+
+
+def amp_dtype(cfg: Config) -> torch.dtype | None:
+    """torch dtype of --amp."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp or "")
+
+
+def batch_transform(cfg: Config, num_classes: int) -> Callable | None:
+    """MixUp and/or CutMix (torchvision v2), applied to the device batch."""
+    from torchvision.transforms import v2
+
+    chosen = []
+    if cfg.mixup_alpha > 0:
+        chosen.append(v2.MixUp(alpha=cfg.mixup_alpha, num_classes=num_classes))
+    if cfg.cutmix_alpha > 0:
+        chosen.append(v2.CutMix(alpha=cfg.cutmix_alpha, num_classes=num_classes))
+    if not chosen:
+        return None
+    return chosen[0] if len(chosen) == 1 else v2.RandomChoice(chosen)
+
+
+def build_run(cfg: Config, dist: DistInfo, batch_size: int, workers: int) -> Run:
+    """Data, model, optimizer and loggers for this process (no resume yet)."""
+    output_dir = Path(cfg.output_dir)
+    if dist.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        ckpt_io.remove_stale_temp_files(output_dir)
+    # Model init uses the same seed on every rank; augmentation gets its own per-sample seeds.
+    seed_process(cfg.seed, deterministic=cfg.seed is not None)
+    aug_seed = cfg.seed if cfg.seed is not None else random.SystemRandom().randrange(2**31)
+    data = build_data(cfg, data_root(cfg, output_dir), dist.rank, dist.world_size, batch_size,
+                      workers, aug_seed, pin_memory=dist.device.type == "cuda")
+    raw = build_model(cfg.arch, data.num_classes, cfg.pretrained, cfg.weights).to(dist.device)
+    if cfg.channels_last:
+        raw = raw.to(memory_format=torch.channels_last)
+    model = ddp.wrap(raw, cfg, dist)
+    if cfg.seed is not None:  # per-rank stream for dropout / MixUp in the training step
+        torch.manual_seed(cfg.seed + dist.rank)
+    steps = -(-len(data.train_loader) // cfg.grad_accum_steps)
+    optimizer = build_optimizer(raw, cfg)
+    scaler = torch.amp.GradScaler(dist.device.type) if cfg.amp == "fp16" else None
+    ctx = TrainContext(
+        model=model, criterion=build_criterion(cfg), optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, cfg, steps), device=dist.device,
+        steps_per_epoch=steps, world_size=dist.world_size, amp_dtype=amp_dtype(cfg),
+        scaler=scaler, channels_last=cfg.channels_last, grad_accum_steps=cfg.grad_accum_steps,
+        clip_grad_norm=cfg.clip_grad_norm, batch_transform=batch_transform(cfg, data.num_classes),
+        ema=build_ema(raw, cfg, dist.world_size, batch_size), ema_steps=cfg.model_ema_steps,
+        print_freq=cfg.print_freq, epochs=cfg.epochs, on_print=print_train_progress)
+    return Run(cfg, dist, output_dir, data, ctx, raw, RunLogger(output_dir, False),
+               Step(epoch=cfg.start_epoch), aug_seed=aug_seed)
+
+
+def checkpoint_state(run: Run) -> dict[str, Any]:
+    """The full run state; classic keys first. Collective: every rank must call it."""
+    rng = state.gather_rng(run.dist.rank, run.dist.world_size)
+    ctx = run.ctx
+    mid_epoch = 0 < run.step.step_in_epoch < ctx.steps_per_epoch
+    return {
+        # The classic's meaning: the epoch to start at. Mid-epoch it is the current epoch.
+        "epoch": run.step.epoch if mid_epoch else run.step.epoch + 1,
+        "step_in_epoch": run.step.step_in_epoch if mid_epoch else 0,
+        "global_step": run.step.global_step,
+        "arch": run.cfg.arch,
+        "state_dict": run.raw_model.state_dict(),
+        "best_acc1": float(run.best_acc1),
+        "optimizer": ctx.optimizer.state_dict(),
+        "scheduler": ctx.scheduler.state_dict(),
+        "scaler": ctx.scaler.state_dict() if ctx.scaler is not None else None,
+        "ema": unwrap(ctx.ema).state_dict() if ctx.ema is not None else None,
+        "num_classes": run.data.num_classes,
+        "classes": run.data.classes,
+        "aug_seed": run.aug_seed,
+        "world_size": run.dist.world_size,
+        "batch_size": run.data.train_loader.batch_size,
+        "rng": rng,
+        "comm_hook": ddp.hook_state(ctx.model),
+        "config": run.cfg.to_dict(),
+    }
+
+
+def save(run: Run, is_best: bool) -> None:
+    """Write checkpoint.pth.tar (and model_best.pth.tar) on rank 0, atomically."""
+    payload = checkpoint_state(run)
+    if run.dist.is_main:
+        path = run.output_dir / ckpt_io.CHECKPOINT
+        ckpt_io.atomic_save(payload, path)
+        if is_best:
+            ckpt_io.atomic_copy(path, run.output_dir / ckpt_io.BEST)
+
+
+def resume(run: Run) -> None:
+    """Restore model, optimizer, schedule, position, best accuracy and RNG from a checkpoint."""
+    restarted = elastic_restart_count() > 0
+    path = ckpt_io.resolve_resume(run.cfg.resume, run.output_dir, restarted)
+    if path is None:
+        if run.cfg.resume == "auto" or restarted:
+            log.info("=> no checkpoint in %s: starting fresh", run.output_dir)
+        return
+    log.info("=> loading checkpoint '%s'", path)
+    ckpt = ckpt_io.load_checkpoint(path)
+    ckpt_io.load_model_state(run.raw_model, ckpt, path, run.cfg.arch)
+    ctx = run.ctx
+    for key, obj in (("optimizer", ctx.optimizer), ("scheduler", ctx.scheduler),
+                     ("scaler", ctx.scaler)):
+        if obj is not None and ckpt.get(key):
+            obj.load_state_dict(ckpt[key])
+    if ctx.ema is not None and ckpt.get("ema"):
+        unwrap(ctx.ema).load_state_dict(ckpt["ema"])
+    ddp.load_hook_state(ctx.model, ckpt.get("comm_hook"))
+    run.best_acc1 = ckpt_io.best_acc1_of(ckpt)
+    epoch, step_in_epoch = int(ckpt.get("epoch", 0)), int(ckpt.get("step_in_epoch", 0))
+    same_layout = (ckpt.get("world_size") == run.dist.world_size
+                   and ckpt.get("batch_size") == run.data.train_loader.batch_size)
+    if step_in_epoch and not same_layout:
+        log.warning("checkpoint was written mid-epoch with another world size or batch size; "
+                    "restarting epoch %d from its first step", epoch)
+        step_in_epoch = 0
+    global_step = int(ckpt.get("global_step", epoch * ctx.steps_per_epoch + step_in_epoch))
+    run.step = Step(epoch, step_in_epoch, global_step)
+    run.aug_seed = int(ckpt.get("aug_seed", run.aug_seed))
+    run.data.train_loader.dataset.seed = run.aug_seed  # type: ignore[attr-defined]
+    saved_rng = state.rng_for_rank(ckpt.get("rng"), run.dist.rank)
+    if saved_rng is not None and same_layout:
+        state.restore_rng(saved_rng)
+    log.info("=> loaded checkpoint '%s' (epoch %d, step %d, best Acc@1 %.3f)", path, epoch,
+             step_in_epoch, run.best_acc1)
+
+
+def validate(run: Run, model: nn.Module) -> dict[str, float]:
+    """Evaluate ``model`` on the whole validation set and print the classic summary."""
+    metrics = evaluate(model, run.data.val_loader, run.ctx.criterion, run.dist.device,
+                       run.data.val_size, run.cfg.channels_last, run.ctx.amp_dtype,
+                       run.cfg.print_freq, print_val_progress if run.dist.is_main else None)
+    log.info(" * Acc@1 %.3f Acc@5 %.3f  (%d images)", metrics["acc1"], metrics["acc5"],
+             metrics["count"])
+    return metrics
+
+
+def make_after_step(run: Run, stop_flag: StopFlag) -> Callable:
+    """Mid-epoch saving (--save-every) and preemption, checked after each optimizer step."""
+
+    def after_step(step: Step, check_finite: Callable[[], None]) -> bool:
+        stop = stop_flag.should_stop()
+        every = run.cfg.save_every
+        if stop or (every and step.step_in_epoch % every == 0
+                    and step.step_in_epoch < run.ctx.steps_per_epoch):
+            check_finite()
+            save(run, is_best=False)
+        return stop
+
+    return after_step
+
+
+def train(run: Run, stop_flag: StopFlag) -> dict[str, float]:
+    """The epoch loop: train, validate, track the best, checkpoint, log."""
+    cfg, ctx = run.cfg, run.ctx
+    ctx.after_step = make_after_step(run, stop_flag)
+    last: dict[str, float] = {}
+    for epoch in range(run.step.epoch, cfg.epochs):
+        run.step.epoch = epoch
+        start = run.step.step_in_epoch * cfg.grad_accum_steps * run.data.train_loader.batch_size
+        run.data.train_sampler.set_epoch(epoch, start=start)
+        train_metrics = train_one_epoch(ctx, run.data.train_loader, run.step)
+        if stop_flag.should_stop() or run.step.step_in_epoch < ctx.steps_per_epoch:
+            stop_flag.drain()
+            raise Preempted(f"stopped by {stop_flag.requested or 'a signal on another rank'} at "
+                            f"epoch {epoch} step {run.step.step_in_epoch}; checkpoint saved in "
+                            f"{run.output_dir}; resume with --resume auto")
+        val = validate(run, ctx.model)
+        record: dict[str, Any] = {"epoch": epoch, "lr": ctx.optimizer.param_groups[0]["lr"],
+                                  **{f"train_{k}": v for k, v in train_metrics.items()},
+                                  **{f"val_{k}": v for k, v in val.items()}}
+        if ctx.ema is not None:
+            ema = validate(run, ctx.ema)
+            record.update({f"ema_val_{k}": v for k, v in ema.items()})
+        is_best = val["acc1"] > run.best_acc1
+        run.best_acc1 = max(val["acc1"], run.best_acc1)
+        record["best_acc1"] = run.best_acc1
+        run.step.step_in_epoch = ctx.steps_per_epoch
+        save(run, is_best)
+        run.step.step_in_epoch = 0
+        log_epoch(run, record)
+        last = record
+    stop_flag.drain()
+    return last
+
+
+def log_epoch(run: Run, record: dict[str, Any]) -> None:
+    """Per-epoch TensorBoard scalars and one metrics.jsonl line."""
+    epoch = record["epoch"]
+    for prefix in ("train_", "val_", "ema_val_"):  # "val_" does not match "ema_val_"
+        values = {k[len(prefix):]: v for k, v in record.items() if k.startswith(prefix)}
+        run.logger.scalars(f"epoch/{prefix[:-1]}", values, epoch)
+    run.logger.scalars("epoch", {"lr": record["lr"], "best_acc1": record["best_acc1"]}, epoch)
+    run.logger.epoch(record)
+    run.logger.flush()
+
+
+def describe(run: Run, batch_size: int, workers: int) -> dict[str, Any]:
+    """Derived quantities, printed at start-up and stored in config.json."""
+    d = run.dist
+    info = {"world_size": d.world_size, "batch_per_process": batch_size,
+            "global_batch": batch_size * d.world_size * run.cfg.grad_accum_steps,
+            "workers_per_process": workers, "device": str(d.device), "backend": d.backend,
+            "num_classes": run.data.num_classes, "train_images": len(run.data.train_sampler.indices())
+            * d.world_size, "val_images": run.data.val_size,
+            "steps_per_epoch": run.ctx.steps_per_epoch}
+    log.info("=> %s on %s: global batch %d = %d process(es) x %d images x %d accumulation "
+             "step(s); %d loader worker(s) per process; %d classes, %d val images",
+             run.cfg.arch, d.device, info["global_batch"], d.world_size, batch_size,
+             run.cfg.grad_accum_steps, workers, run.data.num_classes, run.data.val_size)
+    return info
+
+
+def run_training(cfg: Config, dist: DistInfo, batch_size: int, workers: int) -> dict[str, float]:
+    """Train (or evaluate with -e) in this process; the entry point of every rank."""
+    run = build_run(cfg, dist, batch_size, workers)
+    info = describe(run, batch_size, workers)
+    resume(run)
+    if cfg.evaluate:
+        return validate(run, run.ctx.model)
+    run.logger = RunLogger(run.output_dir, dist.is_main,
+                           purge_step=run.step.global_step if run.step.global_step else None)
+    run.logger.write_config(cfg.to_dict(), {**info, "torchvision_models": torchvision.__version__})
+    run.ctx.on_print = _tb_progress(run) if dist.is_main else None
+    stop_flag = StopFlag()
+    stop_flag.install()
+    start = time.perf_counter()
+    try:
+        last = train(run, stop_flag)
+    finally:
+        stop_flag.uninstall()
+        run.logger.close()
+    if last and dist.is_main:
+        final = {"hparam/best_acc1": run.best_acc1, "hparam/val_acc1": last["val_acc1"],
+                 "hparam/val_loss": last["val_loss"]}
+        logger = RunLogger(run.output_dir, True)
+        logger.hparams({k: v for k, v in cfg.to_dict().items() if v is not None}, final)
+        logger.close()
+    log.info("=> done in %.1f s; best Acc@1 %.3f", time.perf_counter() - start, run.best_acc1)
+    return {"best_acc1": run.best_acc1, **last}
+
+
+def _tb_progress(run: Run) -> Callable[[dict], None]:
+    """Print the progress line and send the step scalars to TensorBoard."""
+
+    def on_print(record: dict) -> None:
+        print_train_progress(record)
+        run.logger.scalars("step", {k: record[k] for k in ("loss", "lr", "images_per_sec",
+                                                             "data_wait")},
+                           record["global_step"])
+
+    return on_print

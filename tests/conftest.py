@@ -1,0 +1,58 @@
+"""Shared test helpers: tiny JPEG ImageFolders written under tmp_path, main.py as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MAIN = str(ROOT / "main.py")
+# Tiny, fast runs: 32 px crops, resnet18, no loader workers unless a test asks.
+TINY = ["-a", "resnet18", "--train-crop-size", "32", "--val-resize-size", "36",
+        "--val-crop-size", "32", "-b", "8", "-j", "0", "-p", "2", "--lr", "0.01"]
+
+
+def write_image_folder(root: Path, classes: int = 3, train_per_class: int = 8,
+                       val_per_class: int = 3, size: int = 40) -> Path:
+    """A real JPEG ImageFolder (train/ and val/) with one colour+pattern per class."""
+    from PIL import Image, ImageDraw
+
+    for split, n in (("train", train_per_class), ("val", val_per_class)):
+        for c in range(classes):
+            folder = root / split / f"class{c}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                colour = ((70 * c + 40) % 256, (30 * c + 90 + 5 * i) % 256, (150 - 20 * c) % 256)
+                img = Image.new("RGB", (size + i % 5, size), colour)
+                draw = ImageDraw.Draw(img)
+                draw.rectangle([i % 7, c * 5, i % 7 + 10, c * 5 + 10], fill=(255, 255, 255))
+                img.save(folder / f"img{i}.jpg", quality=90)
+    return root
+
+
+@pytest.fixture
+def image_folder(tmp_path: Path) -> Path:
+    """A 3-class JPEG ImageFolder: 24 train and 9 val images."""
+    return write_image_folder(tmp_path / "data")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """Environment for subprocesses: the repo importable, few threads, no launcher leftovers."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "SLURM_",
+                                "TORCHELASTIC_", "GLOO_SOCKET", "NCCL_SOCKET"))}
+    env["PYTHONPATH"] = str(ROOT)
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_main(*args: str, timeout: float = 300, env: dict[str, str] | None = None,
+             cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run main.py with ``args``; returns the completed process (output captured as text)."""
+    return subprocess.run([sys.executable, MAIN, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env or child_env(), cwd=cwd or ROOT)
