@@ -207,9 +207,11 @@ class Config:
                                             "GPUs, or 1 on CPU)")
     local_rank: int | None = _flag("--local-rank", "--local_rank", group="distributed",
                                    default=None, type=int, metavar="R",
-                                   help="set by torch.distributed.launch; do not pass by hand")
+                                   help="set by torch.distributed.launch; do not pass by hand (default: "
+                                        "LOCAL_RANK)")
     gpu: int | None = _flag("--gpu", group="distributed", default=None, type=int, metavar="ID",
-                            help="CUDA device to use in a single-process run")
+                            help="CUDA device index for a single-process run (default: 0 when CUDA is "
+                                "present)")
     no_accel: bool = _flag("--no-accel", group="distributed", default=False,
                            action="store_true", help="run on the CPU even if CUDA is present")
     ddp_comm_hook: str = _flag("--ddp-comm-hook", group="distributed", default="none",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -167,9 +168,10 @@ def resume(run: Run) -> None:
     ckpt = ckpt_io.load_checkpoint(path)
     ckpt_io.load_model_state(run.raw_model, ckpt, path, run.cfg.arch)
     ctx = run.ctx
+    classic = "global_step" not in ckpt  # written by pytorch/examples' main.py
     for key, obj in (("optimizer", ctx.optimizer), ("scheduler", ctx.scheduler),
                      ("scaler", ctx.scaler)):
-        if obj is not None and ckpt.get(key):
+        if obj is not None and ckpt.get(key) and not (classic and key == "scheduler"):
             obj.load_state_dict(ckpt[key])
     if ctx.ema is not None and ckpt.get("ema"):
         unwrap(ctx.ema).load_state_dict(ckpt["ema"])
@@ -183,6 +185,8 @@ def resume(run: Run) -> None:
                     "restarting epoch %d from its first step", epoch)
         step_in_epoch = 0
     global_step = int(ckpt.get("global_step", epoch * ctx.steps_per_epoch + step_in_epoch))
+    if classic:
+        fast_forward_schedule(ctx, global_step)
     run.step = Step(epoch, step_in_epoch, global_step)
     run.aug_seed = int(ckpt.get("aug_seed", run.aug_seed))
     run.data.train_loader.dataset.seed = run.aug_seed  # type: ignore[attr-defined]
@@ -191,6 +195,16 @@ def resume(run: Run) -> None:
         state.restore_rng(saved_rng)
     log.info("=> loaded checkpoint '%s' (epoch %d, step %d, best Acc@1 %.3f)", path, epoch,
              step_in_epoch, run.best_acc1)
+
+
+def fast_forward_schedule(ctx: TrainContext, steps: int) -> None:
+    """Bring our per-iteration schedule to ``steps`` (the classic stored a per-epoch StepLR)."""
+    for group in ctx.optimizer.param_groups:
+        group["lr"] = group.get("initial_lr", group["lr"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()"
+        for _ in range(steps):
+            ctx.scheduler.step()
 
 
 def validate(run: Run, model: nn.Module) -> dict[str, float]:

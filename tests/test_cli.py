@@ -1,0 +1,165 @@
+"""main.py end to end on a tiny JPEG ImageFolder: checkpoints, resume, -e, logs."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY, child_env, run_main
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, Path, str]:
+    """One 2-epoch run shared by the tests that only read its artifacts."""
+    from conftest import write_image_folder
+
+    base = tmp_path_factory.mktemp("trained")
+    data = write_image_folder(base / "data")
+    out = base / "out"
+    proc = run_main(str(data), *TINY, "--epochs", "2", "--output-dir", str(out), "--seed", "0")
+    assert proc.returncode == 0, proc.stderr
+    return data, out, proc.stdout
+
+
+def test_run_writes_both_checkpoints_with_the_promised_keys(trained):
+    _, out, stdout = trained
+    ckpt = _load(out / "checkpoint.pth.tar")
+    best = _load(out / "model_best.pth.tar")
+    for key in ("epoch", "arch", "state_dict", "best_acc1", "optimizer", "scheduler", "config"):
+        assert key in ckpt
+    assert ckpt["epoch"] == 2 and ckpt["arch"] == "resnet18"
+    assert isinstance(ckpt["best_acc1"], float)
+    assert isinstance(ckpt["config"], dict) and ckpt["config"]["batch_size"] == 8
+    assert not any(k.startswith("module.") for k in ckpt["state_dict"])
+    assert ckpt["state_dict"]["fc.weight"].shape == (3, 512)
+    assert best["best_acc1"] == ckpt["best_acc1"]
+    assert not list(out.glob(".*tmp*")), "temp files left behind"
+    assert "=> no CUDA device: training on the CPU" in stdout
+    assert stdout.count(" * Acc@1") == 2
+
+
+def test_progress_lines_and_metrics_files(trained):
+    _, out, stdout = trained
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("Epoch: [0]"))
+    for field in ("Time", "Data", "Loss", "Acc@1", "Acc@5", "LR", "img/s", "ETA"):
+        assert field in line
+    records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [0, 1]
+    assert all(r["val_count"] == 9 for r in records)
+    config = json.loads((out / "config.json").read_text())
+    assert config["config"]["arch"] == "resnet18" and config["global_batch"] == 8
+    assert config["environment"]["torch"] == torch.__version__
+
+
+def test_tensorboard_events_read_back(trained):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, out, _ = trained
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("epoch/train/loss", "epoch/train/acc1", "epoch/val/loss", "epoch/val/acc1",
+                "epoch/val/acc5", "epoch/lr", "epoch/train/time", "epoch/train/images_per_sec",
+                "step/loss", "step/lr"):
+        assert tag in tags, tag
+    assert [e.step for e in acc.Scalars("epoch/val/acc1")] == [0, 1]
+    records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert acc.Scalars("epoch/val/acc1")[1].value == pytest.approx(records[1]["val_acc1"])
+
+
+def test_evaluate_reproduces_the_recorded_accuracy(trained):
+    data, out, _ = trained
+    best = _load(out / "model_best.pth.tar")
+    proc = run_main(str(data), *TINY, "-e", "--resume", str(out / "model_best.pth.tar"),
+                    "--output-dir", str(out / "eval"))
+    assert proc.returncode == 0, proc.stderr
+    acc1 = float(re.search(r" \* Acc@1 ([\d.]+)", proc.stdout).group(1))
+    assert acc1 == pytest.approx(best["best_acc1"], abs=1e-3)
+    assert not (out / "eval" / "checkpoint.pth.tar").exists()
+
+
+def test_resume_continues_at_the_next_epoch_and_keeps_best(trained, tmp_path):
+    data, out, _ = trained
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    ckpt = _load(out / "checkpoint.pth.tar")
+    ckpt["best_acc1"] = 101.0  # unbeatable: model_best must not be overwritten after resume
+    torch.save(ckpt, run_dir / "checkpoint.pth.tar")
+    (run_dir / "model_best.pth.tar").write_bytes(b"sentinel")
+    proc = run_main(str(data), *TINY, "--epochs", "3", "--resume", "auto",
+                    "--output-dir", str(run_dir))
+    assert proc.returncode == 0, proc.stderr
+    assert "(epoch 2, step 0, best Acc@1 101.000)" in proc.stdout
+    assert proc.stdout.count(" * Acc@1") == 1  # only epoch 2 ran
+    resumed = _load(run_dir / "checkpoint.pth.tar")
+    assert resumed["epoch"] == 3 and resumed["best_acc1"] == 101.0
+    assert (run_dir / "model_best.pth.tar").read_bytes() == b"sentinel"
+    assert resumed["global_step"] == ckpt["global_step"] + 3
+
+
+def test_classic_checkpoint_with_module_prefix_resumes(trained, tmp_path):
+    import torchvision
+
+    data, _, _ = trained
+    model = torchvision.models.resnet18(num_classes=3)
+    optimizer = torch.optim.SGD(model.parameters(), 0.1, momentum=0.9, weight_decay=1e-4)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=30, gamma=0.1)
+    for _ in range(31):  # the classic steps per epoch: epoch 31 runs at lr 0.01
+        scheduler.step()
+    classic = {"epoch": 31, "arch": "resnet18", "best_acc1": torch.tensor(12.5),
+               "state_dict": {f"module.{k}": v for k, v in model.state_dict().items()},
+               "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+    path = tmp_path / "classic.pth.tar"
+    torch.save(classic, path)
+    proc = run_main(str(data), *TINY, "--epochs", "32", "--resume", str(path),
+                    "--output-dir", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    assert "(epoch 31, step 0, best Acc@1 12.500)" in proc.stdout
+    assert "LR 0.01 " in proc.stdout or "LR 0.001 " in proc.stdout
+    ckpt = _load(tmp_path / "out" / "checkpoint.pth.tar")
+    assert ckpt["epoch"] == 32
+    assert ckpt["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.01)
+
+
+def test_dummy_data_follows_the_size_flags(tmp_path):
+    proc = run_main("--dummy", "--dummy-size", "12", "--dummy-val-size", "5",
+                    "--dummy-classes", "4", *TINY, "--epochs", "1",
+                    "--output-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "(5 images)" in proc.stdout
+    assert _load(tmp_path / "checkpoint.pth.tar")["state_dict"]["fc.weight"].shape == (4, 512)
+
+
+def test_pretrained_offline_says_where_to_put_the_file(trained, tmp_path):
+    data, _, _ = trained
+    proc = run_main(str(data), *TINY, "-e", "--pretrained", "--output-dir", str(tmp_path),
+                    env=child_env(TORCH_HOME=str(tmp_path / "th")))
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    expected = tmp_path / "th" / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
+    assert str(expected) in proc.stderr
+
+
+def test_pretrained_weights_load_from_the_cache_and_adapt_the_classifier(trained, tmp_path):
+    import torchvision
+
+    data, _, _ = trained
+    cache = tmp_path / "th" / "hub" / "checkpoints"
+    cache.mkdir(parents=True)
+    reference = torchvision.models.resnet18()
+    torch.save(reference.state_dict(), cache / "resnet18-f37072fd.pth")
+    proc = run_main(str(data), *TINY, "--weights", "IMAGENET1K_V1", "--epochs", "1",
+                    "--lr", "0", "--output-dir", str(tmp_path / "out"),
+                    env=child_env(TORCH_HOME=str(tmp_path / "th")))
+    assert proc.returncode == 0, proc.stderr
+    state = _load(tmp_path / "out" / "checkpoint.pth.tar")["state_dict"]
+    assert torch.equal(state["conv1.weight"], reference.state_dict()["conv1.weight"])
+    assert state["fc.weight"].shape == (3, 512)
