@@ -277,6 +277,21 @@ def log_epoch(run: Run, record: dict[str, Any]) -> None:
     run.logger.flush()
 
 
+def log_augmented_samples(run: Run, count: int = 16) -> None:
+    """A grid of training images as the model sees them, once at start (rank 0)."""
+    if not run.dist.is_main or run.cfg.dummy:
+        return
+    dataset = run.data.train_loader.dataset
+    indices = run.data.train_sampler.indices()[:count]
+    # Fetching re-seeds the generators per sample; keep this process's streams untouched.
+    python_state = random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        images = torch.stack([dataset[(run.step.epoch, i)][0] for i in indices])
+    random.setstate(python_state)
+    grid = torchvision.utils.make_grid(images, nrow=8)
+    run.logger.images("train/augmented_samples", grid, run.step.global_step)
+
+
 def describe(run: Run, batch_size: int, workers: int) -> dict[str, Any]:
     """Derived quantities, printed at start-up and stored in config.json."""
     d = run.dist
@@ -300,10 +315,13 @@ def run_training(cfg: Config, dist: DistInfo, batch_size: int, workers: int) -> 
     resume(run)
     if cfg.evaluate:
         return validate(run, run.ctx.model)
+    # Step scalars are logged at the number of completed steps: the checkpoint's global_step is
+    # the last one that counts, later ones came from a killed run.
     run.logger = RunLogger(run.output_dir, dist.is_main,
-                           purge_step=run.step.global_step if run.step.global_step else None)
+                           purge_step=run.step.global_step + 1 if run.step.global_step else None)
     run.logger.write_config(cfg.to_dict(), {**info, "torchvision_models": torchvision.__version__})
     run.ctx.on_print = _tb_progress(run) if dist.is_main else None
+    log_augmented_samples(run)
     stop_flag = StopFlag()
     stop_flag.install()
     start = time.perf_counter()

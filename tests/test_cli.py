@@ -71,6 +71,7 @@ def test_tensorboard_events_read_back(trained):
                 "step/loss", "step/lr"):
         assert tag in tags, tag
     assert [e.step for e in acc.Scalars("epoch/val/acc1")] == [0, 1]
+    assert "train/augmented_samples" in acc.Tags()["images"]
     records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert acc.Scalars("epoch/val/acc1")[1].value == pytest.approx(records[1]["val_acc1"])
 
@@ -163,3 +164,20 @@ def test_pretrained_weights_load_from_the_cache_and_adapt_the_classifier(trained
     state = _load(tmp_path / "out" / "checkpoint.pth.tar")["state_dict"]
     assert torch.equal(state["conv1.weight"], reference.state_dict()["conv1.weight"])
     assert state["fc.weight"].shape == (3, 512)
+
+
+def test_resumed_run_continues_the_tensorboard_curves(image_folder, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "out"
+    for epochs in ("1", "2"):
+        proc = run_main(str(image_folder), *TINY, "-p", "1", "--epochs", epochs,
+                        "--resume", "auto", "--output-dir", str(out))
+        assert proc.returncode == 0, proc.stderr
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("step/loss")]
+    assert steps == [1, 2, 3, 4, 5, 6]  # 3 steps per epoch, no duplicates, never backwards
+    assert [e.step for e in acc.Scalars("epoch/val/acc1")] == [0, 1]
+    records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [0, 1]
