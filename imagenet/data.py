@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 from torchvision import datasets
 
 from imagenet import transforms as T
@@ -39,6 +39,17 @@ class SeededDataset(Dataset):
 
     def __getitem__(self, key: tuple[int, int]):
         epoch, index = key
+        if get_worker_info() is not None:
+            return self._seeded(epoch, index)
+        # In the training process (-j 0) the global streams belong to the training step
+        # (dropout, MixUp): borrow them and put them back.
+        python_state = random.getstate()
+        with torch.random.fork_rng(devices=[]):
+            item = self._seeded(epoch, index)
+        random.setstate(python_state)
+        return item
+
+    def _seeded(self, epoch: int, index: int):
         sample_seed = hash((self.seed, epoch, index)) & 0x7FFF_FFFF_FFFF_FFFF
         torch.default_generator.manual_seed(sample_seed)
         random.seed(sample_seed)

@@ -283,11 +283,7 @@ def log_augmented_samples(run: Run, count: int = 16) -> None:
         return
     dataset = run.data.train_loader.dataset
     indices = run.data.train_sampler.indices()[:count]
-    # Fetching re-seeds the generators per sample; keep this process's streams untouched.
-    python_state = random.getstate()
-    with torch.random.fork_rng(devices=[]):
-        images = torch.stack([dataset[(run.step.epoch, i)][0] for i in indices])
-    random.setstate(python_state)
+    images = torch.stack([dataset[(run.step.epoch, i)][0] for i in indices])
     grid = torchvision.utils.make_grid(images, nrow=8)
     run.logger.images("train/augmented_samples", grid, run.step.global_step)
 
