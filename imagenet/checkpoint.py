@@ -6,8 +6,10 @@ import logging
 import os
 import pickle
 import shutil
+import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -18,6 +20,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT = "checkpoint.pth.tar"
 BEST = "model_best.pth.tar"
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / DataParallel and torch.compile
+ZIP_MAGIC, PICKLE_MAGIC = b"PK\x03\x04", b"\x80"  # torch.save's zip format; legacy / pickle
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -38,14 +41,20 @@ def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
-def atomic_save(obj: Mapping[str, Any], path: Path) -> None:
-    """torch.save to a temp file in the same folder, fsync, then os.replace into place."""
+def atomic_save(obj: Mapping[str, Any], path: Path, copies: Sequence[Path] = ()) -> None:
+    """torch.save to a temp file in the same folder, fsync, then os.replace into place.
+
+    ``copies`` (e.g. model_best) get the same bytes and are replaced *before* ``path``: a kill in
+    between leaves a copy newer than ``path``, never a ``path`` whose best_acc1 has no copy.
+    """
     tmp = _tmp_name(path)
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        for copy in copies:
+            atomic_copy(tmp, copy)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -56,9 +65,13 @@ def atomic_copy(src: Path, dst: Path) -> None:
     """Copy ``src`` to ``dst`` so that ``dst`` is always either old or new, never partial."""
     tmp = _tmp_name(dst)
     try:
-        shutil.copyfile(src, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        try:
+            os.link(src, tmp)  # free; safe because files are only ever replaced, never edited
+        except OSError:  # no hard links on this filesystem (or tmp left by a killed writer)
+            tmp.unlink(missing_ok=True)
+            shutil.copyfile(src, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, dst)
     finally:
         tmp.unlink(missing_ok=True)
@@ -76,19 +89,28 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     """Load a checkpoint safely (weights_only) or raise CheckpointError saying why."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if not magic:
+        raise CheckpointError(f"{path} is empty (truncated); use an older copy or start "
+                              "without --resume")
+    if not magic.startswith((ZIP_MAGIC, PICKLE_MAGIC)):
+        raise CheckpointError(f"{path} is not a checkpoint: it was not written by torch.save "
+                              f"(starts with {magic!r})")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # our error below says what is wrong
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        if "weights only" in str(exc).lower() or "unsupported global" in str(exc).lower():
+        if "weights only" in str(exc).lower():
             raise CheckpointError(
                 f"refusing {path}: it contains Python objects that could run code when loaded "
-                f"(only tensors and plain containers are accepted) [{first[:160]}]") from None
-        raise CheckpointError(f"{path} is not a checkpoint (cannot unpickle: {first[:160]})"
-                              ) from None
+                f"(only tensors and plain containers are accepted; {_blocked(str(exc))})"
+            ) from None
+        raise CheckpointError(f"{path} is not a checkpoint (cannot unpickle: "
+                              f"{_first_line(exc)})") from None
     except Exception as exc:  # torch raises many types for damaged files (EOF, zip, KeyError)
-        reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
-        raise CheckpointError(f"{path} is truncated or not a checkpoint ({reason}); use an "
+        raise CheckpointError(f"{path} is truncated or damaged ({_first_line(exc)}); use an "
                               "older copy or start without --resume") from None
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"{path} is not a checkpoint (it holds a {type(ckpt).__name__}, "
@@ -99,6 +121,19 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not a checkpoint: no 'state_dict' key "
                               f"(keys: {', '.join(sorted(map(str, ckpt))[:8])})")
     return ckpt
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0].split(". ")[0][:160] if text else type(exc).__name__
+
+
+def _blocked(message: str) -> str:
+    """The line of torch's weights_only error that names what was refused."""
+    for line in message.splitlines():
+        if "GLOBAL" in line or "Unsupported" in line:
+            return line.strip()[:160]
+    return "unsupported pickle content"
 
 
 def strip_wrapper_prefixes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -147,6 +182,18 @@ def _few(keys: list[str], n: int = 5) -> str:
     return ", ".join(keys[:n]) + more
 
 
+def best_acc1_on_disk(folder: Path) -> float | None:
+    """best_acc1 recorded in ``folder``/model_best.pth.tar (None if absent or unreadable)."""
+    path = folder / BEST
+    if not path.is_file():
+        return None
+    try:  # mmap: only the small best_acc1 entry is read, not the weights
+        return best_acc1_of(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    except Exception as exc:  # a damaged best copy must not stop a resume
+        log.warning("ignoring %s: %s", path, str(exc).splitlines()[0] if str(exc) else exc)
+        return None
+
+
 def best_acc1_of(ckpt: Mapping[str, Any]) -> float:
     """best_acc1 as a float (the classic saved a tensor)."""
     value = ckpt.get("best_acc1", 0.0)
@@ -156,13 +203,16 @@ def best_acc1_of(ckpt: Mapping[str, Any]) -> float:
 def resolve_resume(resume: str | None, output_dir: Path, restarted: bool) -> Path | None:
     """The checkpoint to resume from, or None for a fresh start.
 
-    'auto' (and any torchrun restart without --resume) means OUTPUT_DIR/checkpoint.pth.tar if it
-    exists. An explicit path that does not exist is an error: a fresh start would overwrite the
-    checkpoint the user meant to continue.
+    'auto' means OUTPUT_DIR/checkpoint.pth.tar if it exists. A torchrun restart always prefers
+    that file (it holds the progress of the attempt that failed) and falls back to --resume. An
+    explicit path that does not exist is an error: a fresh start would overwrite the checkpoint
+    the user meant to continue.
     """
+    own = output_dir / CHECKPOINT
+    if restarted and own.is_file():
+        return own
     if resume == "auto" or (resume is None and restarted):
-        path = output_dir / CHECKPOINT
-        return path if path.is_file() else None
+        return own if own.is_file() else None
     if resume is None:
         return None
     path = Path(resume)

@@ -7,22 +7,34 @@ import os
 import signal
 import sys
 import traceback
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.multiprocessing as mp
 
 from imagenet.config import Config, parse_config
-from imagenet.distributed import (Launch, cleanup, init_distributed, per_process_batch,
-                                  per_process_workers, plan_launch, resolve_ranks)
+from imagenet.distributed import (
+    Launch,
+    check_sync_bn,
+    choose_backend,
+    cleanup,
+    init_distributed,
+    per_process_batch,
+    per_process_workers,
+    plan_launch,
+    rendezvous,
+    resolve_ranks,
+)
 from imagenet.errors import TrainerError
 from imagenet.logger import setup_logging
 
 log = logging.getLogger(__name__)
 
 
-def _worker(local_index: int, cfg: Config, launch: Launch, batch: int, workers: int) -> None:
+def _worker(local_index: int, cfg: Config, launch: Launch, batch: int, workers: int,
+            master: dict[str, str]) -> None:
     """One training process (also the body of every mp.spawn child)."""
+    os.environ.update(master)  # the parent's rendezvous choice (spawn mode only)
     rank = resolve_ranks(launch, local_index, cfg, os.environ)[0]
     setup_logging(rank, cfg.debug)
     if launch.mode == "spawn":
@@ -30,7 +42,9 @@ def _worker(local_index: int, cfg: Config, launch: Launch, batch: int, workers: 
         try:
             _train(cfg, launch, local_index, batch, workers)
         except TrainerError as exc:
-            log.error("error: %s", exc)
+            # stderr like main()'s "error:" line (rank 0's log handler writes to stdout)
+            tag = "" if rank == 0 else f"[rank {rank}] "
+            print(f"{tag}error: {exc}", file=sys.stderr, flush=True)
             if cfg.debug:
                 traceback.print_exc()
             sys.exit(exc.exit_code)
@@ -52,8 +66,12 @@ def _train(cfg: Config, launch: Launch, local_index: int, batch: int, workers: i
 
 def _spawn(cfg: Config, launch: Launch, batch: int, workers: int) -> int:
     """mp.spawn-style start of ``launch.nprocs`` children; returns the first failing code."""
-    ctx = mp.start_processes(_worker, args=(cfg, launch, batch, workers), nprocs=launch.nprocs,
-                             join=False, start_method="spawn")
+    # Decided once here (not in each child) so that every child uses the same MASTER_ADDR/PORT.
+    env = dict(os.environ)
+    rendezvous(cfg, launch, env)
+    master = {k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT") if k in env}
+    ctx = mp.start_processes(_worker, args=(cfg, launch, batch, workers, master),
+                             nprocs=launch.nprocs, join=False, start_method="spawn")
 
     def forward(signum: int, _frame) -> None:
         for p in ctx.processes:
@@ -87,8 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_env_check(cfg)
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         launch = plan_launch(cfg, os.environ, cuda_count)
+        if launch.mode != "single":  # impossible requests fail here, not in every rank
+            device_type = "cuda" if cuda_count and not cfg.no_accel else "cpu"
+            choose_backend(cfg.dist_backend, device_type)
+            check_sync_bn(cfg.sync_bn, device_type)
         if launch.mode != "spawn":
-            _worker(0, cfg, launch, cfg.batch_size, cfg.workers)
+            _worker(0, cfg, launch, cfg.batch_size, cfg.workers, {})
             return 0
         setup_logging(0, cfg.debug)
         batch = per_process_batch(cfg.batch_size, launch.nprocs)

@@ -23,6 +23,7 @@ from torchvision import datasets
 from imagenet import transforms as T
 from imagenet.config import Config
 from imagenet.errors import DataError, UsageError
+from imagenet.preemption import ignore_stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class ResumableDistributedSampler(Sampler):
         return iter([(self.epoch, i) for i in self.indices()[self.start:]])
 
     def __len__(self) -> int:
-        return self.num_samples - self.start
+        return max(self.num_samples - self.start, 0)
 
 
 class ShardSampler(Sampler):
@@ -195,7 +196,10 @@ def build_data(cfg: Config, data_root: Path, rank: int, world_size: int, batch_s
     train, val, classes = build_datasets(cfg, data_root)
     sampler = ResumableDistributedSampler(len(train), rank, world_size,  # type: ignore[arg-type]
                                           seed=cfg.seed or 0)
-    extra = {"persistent_workers": True, "prefetch_factor": 4} if workers > 0 else {}
+    # Workers ignore SIGTERM/SIGUSR1/SIGINT sent to the whole process group (SLURM, Ctrl-C): the
+    # training process saves first and then shuts them down.
+    extra = {"persistent_workers": True, "prefetch_factor": 4,
+             "worker_init_fn": ignore_stop_signals} if workers > 0 else {}
     # A private generator: creating loader iterators must not consume the global RNG, which the
     # training step uses (MixUp/CutMix, dropout) and the checkpoint restores.
     train_loader = DataLoader(SeededDataset(train, aug_seed), batch_size=batch_size,
@@ -203,6 +207,7 @@ def build_data(cfg: Config, data_root: Path, rank: int, world_size: int, batch_s
                               generator=torch.Generator().manual_seed(aug_seed), **extra)
     val_loader = DataLoader(val, batch_size=batch_size, sampler=ShardSampler(len(val), rank,
                                                                               world_size),
-                            num_workers=workers, pin_memory=pin_memory, **extra)
+                            num_workers=workers, pin_memory=pin_memory,
+                            generator=torch.Generator().manual_seed(aug_seed), **extra)
     return Data(train_loader, val_loader, sampler, len(classes), list(classes),
                 len(val))  # type: ignore[arg-type]

@@ -15,8 +15,8 @@ import os
 import re
 import socket
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 from urllib.parse import urlparse
 
 import torch
@@ -73,12 +73,9 @@ def is_slurm_job_step(env: Mapping[str, str]) -> bool:
 
 def plan_launch(cfg: Config, env: Mapping[str, str], cuda_count: int) -> Launch:
     """Decide the launch mode from flags, environment and visible GPUs."""
-    use_cuda = cuda_count > 0 and not cfg.no_accel
+    gpus = cuda_count if not cfg.no_accel else 0
     if cfg.multiprocessing_distributed:
-        nprocs = cfg.nproc_per_node or (cuda_count if use_cuda else 1)
-        nnodes = max(cfg.world_size, 1)
-        return Launch("spawn", nprocs, nnodes, max(cfg.rank, 0),
-                      f"--multiprocessing-distributed: {nprocs} process(es) on this node")
+        return _plan_spawn(cfg, env, gpus)
     if "RANK" in env and "WORLD_SIZE" in env:
         return Launch("env", reason="launched by torchrun / torch.distributed.launch")
     if is_slurm_job_step(env):
@@ -87,14 +84,50 @@ def plan_launch(cfg: Config, env: Mapping[str, str], cuda_count: int) -> Launch:
         if cfg.rank < 0:
             raise UsageError(f"--world-size {cfg.world_size} needs --rank for each process "
                              "(or use torchrun / --multiprocessing-distributed)")
+        if cfg.rank >= cfg.world_size:
+            raise UsageError(f"--rank {cfg.rank} is outside --world-size {cfg.world_size} "
+                             f"(process ranks are 0..{cfg.world_size - 1})")
         return Launch("manual", reason=f"manual process rank {cfg.rank} of {cfg.world_size}")
     if cfg.nproc_per_node and cfg.nproc_per_node > 1:
+        _check_gpus(cfg.nproc_per_node, gpus)
         return Launch("spawn", cfg.nproc_per_node,
                       reason=f"--nproc-per-node {cfg.nproc_per_node}: DDP on one node")
-    if use_cuda and cuda_count > 1 and cfg.gpu is None:
-        return Launch("spawn", cuda_count, reason=f"{cuda_count} GPUs visible and no --gpu: "
+    if gpus > 1 and cfg.gpu is None:
+        return Launch("spawn", gpus, reason=f"{gpus} GPUs visible and no --gpu: "
                       "one DDP process per GPU (not DataParallel)")
     return Launch("single", reason="one process")
+
+
+def _plan_spawn(cfg: Config, env: Mapping[str, str], gpus: int) -> Launch:
+    """--multiprocessing-distributed: nodes and node rank from the flags (or, like the classic,
+    from WORLD_SIZE / RANK with --dist-url env://)."""
+    if "LOCAL_RANK" in env or cfg.local_rank is not None:
+        raise UsageError("--multiprocessing-distributed starts its own processes: do not also "
+                         "start main.py with torchrun / torch.distributed.launch (drop one)")
+    nprocs = cfg.nproc_per_node or gpus or 1
+    _check_gpus(nprocs, gpus)
+    from_env = cfg.dist_url == "env://"
+    nnodes = cfg.world_size if cfg.world_size > 0 else (
+        _int(env, "WORLD_SIZE") if from_env else None) or 1
+    node_rank = cfg.rank if cfg.rank >= 0 else (_int(env, "RANK") if from_env else None)
+    if node_rank is None:
+        if nnodes > 1:
+            raise UsageError(f"--world-size {nnodes} nodes: give each node its --rank "
+                             f"(0..{nnodes - 1})")
+        node_rank = 0
+    if not 0 <= node_rank < nnodes:
+        raise UsageError(f"--rank {node_rank} is not a node of --world-size {nnodes} (with "
+                         f"--multiprocessing-distributed they count nodes: 0..{nnodes - 1})")
+    return Launch("spawn", nprocs, nnodes, node_rank,
+                  f"--multiprocessing-distributed: {nprocs} process(es) on node {node_rank} "
+                  f"of {nnodes}")
+
+
+def _check_gpus(nprocs: int, gpus: int) -> None:
+    """DDP on GPUs needs one GPU per process on the node."""
+    if gpus and nprocs > gpus:
+        raise UsageError(f"--nproc-per-node {nprocs} is more than the {gpus} visible GPU(s); "
+                         f"DDP needs one GPU per process: give at most {gpus}, or --no-accel")
 
 
 def resolve_ranks(launch: Launch, local_index: int, cfg: Config,
@@ -149,12 +182,27 @@ def choose_backend(requested: str | None, device_type: str) -> str:
     return requested
 
 
+def check_sync_bn(sync_bn: bool, device_type: str) -> None:
+    """--sync-bn: torch's SyncBatchNorm has kernels for GPUs only; say so before starting."""
+    if sync_bn and device_type == "cpu":
+        raise UsageError("--sync-bn needs CUDA GPUs: torch's SyncBatchNorm cannot train on the "
+                         "CPU; drop --sync-bn for CPU runs (each rank then normalises its own "
+                         "batch)")
+
+
 def choose_device(cfg: Config, launch: Launch, local_rank: int, cuda_count: int) -> torch.device:
     """The device of this process: its local rank's GPU, --gpu, or the CPU."""
     if cfg.no_accel or cuda_count == 0:
         return torch.device("cpu")
     if launch.mode == "single":
+        if (cfg.gpu or 0) >= cuda_count:
+            raise UsageError(f"--gpu {cfg.gpu}: only {cuda_count} GPU(s) visible "
+                             f"(0..{cuda_count - 1})")
         return torch.device("cuda", cfg.gpu or 0)
+    if launch.mode == "env" and cuda_count == 1:
+        # The launcher gave each process its own GPU (srun --gpus-per-task, CUDA_VISIBLE_DEVICES
+        # per rank): local rank 3 then sees one device, cuda:0.
+        return torch.device("cuda", 0)
     if local_rank >= cuda_count:
         raise UsageError(f"local rank {local_rank} has no GPU: only {cuda_count} visible; "
                          "start at most one process per GPU on each node")
@@ -247,7 +295,8 @@ def init_distributed(cfg: Config, launch: Launch, local_index: int) -> DistInfo:
     host, port = master_address(init_method, env)
     ifname = set_socket_interface(host, env)  # type: ignore[arg-type]
     if ifname and rank == 0:
-        log.info("master %s is remote: GLOO/NCCL_SOCKET_IFNAME=%s", host, ifname)
+        log.info("=> master %s is not on loopback: gloo/NCCL use interface %s (set "
+                 "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to choose another)", host, ifname)
     where = f"{host}:{port} as rank {rank} of world size {world}"
     try:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
@@ -263,7 +312,7 @@ def init_distributed(cfg: Config, launch: Launch, local_index: int) -> DistInfo:
 
 def _explain(exc: Exception, where: str, timeout: float) -> str:
     """Turn torch's rendezvous errors into one actionable line."""
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    text = str(exc).splitlines()[0].rstrip(". ") if str(exc) else type(exc).__name__
     if "address already in use" in str(exc).lower() or "EADDRINUSE" in str(exc):
         return (f"cannot start the rendezvous at {where}: the port is already in use "
                 "(another job?); choose another port in --dist-url / MASTER_PORT")

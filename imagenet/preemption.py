@@ -4,6 +4,11 @@ A signal only sets a flag; the training loop asks ``should_stop()`` after each o
 several ranks the flag is OR-ed across ranks (one small all-reduce on a gloo side group, started one
 step and read the next, so it never stalls the GPU) so that every rank stops after the same step
 and the collective checkpoint save cannot deadlock. A second signal exits at once.
+
+The same signal can arrive twice within milliseconds (SLURM signals every process of a job step
+and the --multiprocessing-distributed parent forwards it too); a repeat within
+``DUPLICATE_WINDOW`` seconds counts as one delivery. DataLoader workers ignore these signals: the
+training process decides when to stop and shuts them down itself.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from types import FrameType
 
 import torch
@@ -18,31 +24,46 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-PREEMPT_EXIT_CODE = 143  # documented in README: "saved on a signal; requeue to resume"
+PREEMPT_EXIT_CODE = 143  # = errors.Preempted.exit_code; "saved on a signal; requeue to resume"
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+DUPLICATE_WINDOW = 1.0  # seconds
+
+
+def ignore_stop_signals(_worker_id: int = 0) -> None:
+    """DataLoader ``worker_init_fn``: a signal to the process group must not kill the workers."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class StopFlag:
     """Set by the signal handlers; agreed across ranks by ``should_stop``."""
 
     def __init__(self) -> None:
-        self.requested: str | None = None
+        self.requested: str | None = None  # name of the first signal received here
+        self.stopping = False  # should_stop() has returned True: every rank stops
+        self._first: tuple[int, float] | None = None
         self._group = None
         self._pending: tuple[torch.Tensor, object] | None = None
+        self._previous: dict[int, object] = {}
 
     def install(self) -> None:
         """Catch the preemption signals in this process."""
         for sig in SIGNALS:
-            signal.signal(sig, self._handle)
+            self._previous[sig] = signal.signal(sig, self._handle)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # A CPU group for control messages: the flag lives on the host even with NCCL.
             self._group = dist.new_group(backend="gloo")
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
-        if self.requested is not None:
+        now = time.monotonic()
+        if self._first is not None:
+            sig, when = self._first
+            if sig == signum and now - when < DUPLICATE_WINDOW:
+                return  # the same delivery through a second path
             log.warning("second signal (%s): exiting now without saving", name)
             os._exit(PREEMPT_EXIT_CODE)
+        self._first = (signum, now)
         self.requested = name
         log.warning("%s received: finishing this step, saving a checkpoint, then exiting "
                     "with code %d", name, PREEMPT_EXIT_CODE)
@@ -50,7 +71,8 @@ class StopFlag:
     def should_stop(self) -> bool:
         """True on every rank once any rank was signalled (agreed one step later)."""
         if self._group is None:
-            return self.requested is not None
+            self.stopping = self.stopping or self.requested is not None
+            return self.stopping
         agreed = False
         if self._pending is not None:
             flag, work = self._pending
@@ -59,7 +81,8 @@ class StopFlag:
         flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
         self._pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group,
                                                async_op=True))
-        return agreed
+        self.stopping = self.stopping or agreed
+        return self.stopping
 
     def drain(self) -> None:
         """Finish the outstanding all-reduce so every rank issued the same collectives."""
@@ -68,6 +91,7 @@ class StopFlag:
             self._pending = None
 
     def uninstall(self) -> None:
-        """Restore default signal handling."""
-        for sig in SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)
+        """Put back the handlers that were there before ``install``."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()

@@ -19,7 +19,7 @@ from imagenet import ddp, state
 from imagenet.config import Config
 from imagenet.data import Data, build_data
 from imagenet.distributed import DistInfo, elastic_restart_count
-from imagenet.engine import Step, TrainContext, evaluate, train_one_epoch
+from imagenet.engine import Step, TrainContext, barrier, evaluate, train_one_epoch
 from imagenet.errors import Preempted
 from imagenet.logger import RunLogger
 from imagenet.models import build_model, unwrap
@@ -118,16 +118,23 @@ def build_run(cfg: Config, dist: DistInfo, batch_size: int, workers: int) -> Run
                Step(epoch=cfg.start_epoch), aug_seed=aug_seed)
 
 
-def checkpoint_state(run: Run) -> dict[str, Any]:
-    """The full run state; classic keys first. Collective: every rank must call it."""
+def checkpoint_state(run: Run, epoch_done: bool) -> dict[str, Any]:
+    """The full run state; classic keys first. Collective: every rank must call it.
+
+    ``epoch_done``: the epoch is trained *and* validated, so a resume starts the next one.
+    Otherwise (epoch, step_in_epoch) says where training continues; step_in_epoch equal to
+    steps_per_epoch means only the epoch's validation is left (a signal at its last step).
+    """
     rng = state.gather_rng(run.dist.rank, run.dist.world_size)
-    ctx = run.ctx
-    mid_epoch = 0 < run.step.step_in_epoch < ctx.steps_per_epoch
+    ctx, step = run.ctx, run.step
+    epoch, step_in_epoch = (step.epoch + 1, 0) if epoch_done else (step.epoch, step.step_in_epoch)
+    sampler = run.data.train_sampler
+    start = step_in_epoch * ctx.grad_accum_steps * run.data.train_loader.batch_size
     return {
         # The classic's meaning: the epoch to start at. Mid-epoch it is the current epoch.
-        "epoch": run.step.epoch if mid_epoch else run.step.epoch + 1,
-        "step_in_epoch": run.step.step_in_epoch if mid_epoch else 0,
-        "global_step": run.step.global_step,
+        "epoch": epoch,
+        "step_in_epoch": step_in_epoch,
+        "global_step": step.global_step,
         "arch": run.cfg.arch,
         "state_dict": run.raw_model.state_dict(),
         "best_acc1": float(run.best_acc1),
@@ -140,20 +147,25 @@ def checkpoint_state(run: Run) -> dict[str, Any]:
         "aug_seed": run.aug_seed,
         "world_size": run.dist.world_size,
         "batch_size": run.data.train_loader.batch_size,
-        "rng": rng,
+        "grad_accum_steps": ctx.grad_accum_steps,
+        "steps_per_epoch": ctx.steps_per_epoch,
+        # Per rank, the samples of this epoch already trained on; the order is (seed, epoch).
+        "sampler": {"seed": sampler.seed, "epoch": epoch, "start": start},
+        "rng": rng,  # python, numpy, torch CPU and CUDA states of every rank, by rank
         "comm_hook": ddp.hook_state(ctx.model),
         "config": run.cfg.to_dict(),
     }
 
 
-def save(run: Run, is_best: bool) -> None:
-    """Write checkpoint.pth.tar (and model_best.pth.tar) on rank 0, atomically."""
-    payload = checkpoint_state(run)
+def save(run: Run, is_best: bool, epoch_done: bool = False) -> None:
+    """Write checkpoint.pth.tar (and model_best.pth.tar first) on rank 0, atomically."""
+    payload = checkpoint_state(run, epoch_done)
     if run.dist.is_main:
-        path = run.output_dir / ckpt_io.CHECKPOINT
-        ckpt_io.atomic_save(payload, path)
-        if is_best:
-            ckpt_io.atomic_copy(path, run.output_dir / ckpt_io.BEST)
+        best = [run.output_dir / ckpt_io.BEST] if is_best else []
+        ckpt_io.atomic_save(payload, run.output_dir / ckpt_io.CHECKPOINT, copies=best)
+    # No rank moves on (or exits after a signal) before the file is in place: under mp.spawn the
+    # first rank to exit makes the parent terminate the others, rank 0 included.
+    barrier()
 
 
 def resume(run: Run) -> None:
@@ -169,32 +181,61 @@ def resume(run: Run) -> None:
     ckpt_io.load_model_state(run.raw_model, ckpt, path, run.cfg.arch)
     ctx = run.ctx
     classic = "global_step" not in ckpt  # written by pytorch/examples' main.py
+    # Our schedule counts optimizer steps: it only carries over with the same steps per epoch.
+    same_schedule = not classic and ckpt.get("steps_per_epoch", ctx.steps_per_epoch) \
+        == ctx.steps_per_epoch
     for key, obj in (("optimizer", ctx.optimizer), ("scheduler", ctx.scheduler),
                      ("scaler", ctx.scaler)):
-        if obj is not None and ckpt.get(key) and not (classic and key == "scheduler"):
+        if obj is not None and ckpt.get(key) and (same_schedule or key != "scheduler"):
             obj.load_state_dict(ckpt[key])
     if ctx.ema is not None and ckpt.get("ema"):
         unwrap(ctx.ema).load_state_dict(ckpt["ema"])
     ddp.load_hook_state(ctx.model, ckpt.get("comm_hook"))
-    run.best_acc1 = ckpt_io.best_acc1_of(ckpt)
+    run.best_acc1 = resumed_best_acc1(ckpt, path, run.output_dir)
     epoch, step_in_epoch = int(ckpt.get("epoch", 0)), int(ckpt.get("step_in_epoch", 0))
     same_layout = (ckpt.get("world_size") == run.dist.world_size
-                   and ckpt.get("batch_size") == run.data.train_loader.batch_size)
-    if step_in_epoch and not same_layout:
-        log.warning("checkpoint was written mid-epoch with another world size or batch size; "
-                    "restarting epoch %d from its first step", epoch)
+                   and ckpt.get("batch_size") == run.data.train_loader.batch_size
+                   and ckpt.get("grad_accum_steps", 1) == ctx.grad_accum_steps)
+    if step_in_epoch >= ckpt.get("steps_per_epoch", ctx.steps_per_epoch):
+        step_in_epoch = ctx.steps_per_epoch  # trained; only the validation is left
+    elif step_in_epoch and not same_layout:
+        log.warning("checkpoint was written mid-epoch with another world size, batch size or "
+                    "--grad-accum-steps; restarting epoch %d from its first step", epoch)
         step_in_epoch = 0
     global_step = int(ckpt.get("global_step", epoch * ctx.steps_per_epoch + step_in_epoch))
-    if classic:
-        fast_forward_schedule(ctx, global_step)
+    if not same_schedule:
+        if not classic:
+            log.warning("checkpoint has %s steps per epoch, this run %d: the learning-rate "
+                        "schedule is recomputed", ckpt.get("steps_per_epoch"), ctx.steps_per_epoch)
+        fast_forward_schedule(ctx, global_step if classic
+                              else epoch * ctx.steps_per_epoch + step_in_epoch)
     run.step = Step(epoch, step_in_epoch, global_step)
     run.aug_seed = int(ckpt.get("aug_seed", run.aug_seed))
     run.data.train_loader.dataset.seed = run.aug_seed  # type: ignore[attr-defined]
+    if ckpt.get("sampler"):  # the data order of the epoch being continued
+        run.data.train_sampler.seed = int(ckpt["sampler"]["seed"])
     saved_rng = state.rng_for_rank(ckpt.get("rng"), run.dist.rank)
     if saved_rng is not None and same_layout:
         state.restore_rng(saved_rng)
     log.info("=> loaded checkpoint '%s' (epoch %d, step %d, best Acc@1 %.3f)", path, epoch,
              step_in_epoch, run.best_acc1)
+
+
+def resumed_best_acc1(ckpt: dict[str, Any], path: Path, output_dir: Path) -> float:
+    """best_acc1 of the checkpoint, or of model_best next to it if that is higher.
+
+    model_best is written before checkpoint.pth.tar; a kill in between leaves it ahead, and
+    forgetting its accuracy would let a worse epoch overwrite it.
+    """
+    best = ckpt_io.best_acc1_of(ckpt)
+    if path.resolve().parent != output_dir.resolve():
+        return best
+    on_disk = ckpt_io.best_acc1_on_disk(output_dir)
+    if on_disk is not None and on_disk > best:
+        log.info("=> %s records best Acc@1 %.3f (the checkpoint %.3f): keeping the higher",
+                 ckpt_io.BEST, on_disk, best)
+        return on_disk
+    return best
 
 
 def fast_forward_schedule(ctx: TrainContext, steps: int) -> None:
@@ -232,6 +273,16 @@ def make_after_step(run: Run, stop_flag: StopFlag) -> Callable:
     return after_step
 
 
+def train_rest_of_epoch(run: Run) -> dict[str, float]:
+    """Train the epoch from ``run.step.step_in_epoch`` on, continuing the same data order."""
+    if run.step.step_in_epoch >= run.ctx.steps_per_epoch:
+        return {}  # resumed after the last step: only the validation is left
+    batches_done = run.step.step_in_epoch * run.cfg.grad_accum_steps
+    run.data.train_sampler.set_epoch(run.step.epoch,
+                                     start=batches_done * run.data.train_loader.batch_size)
+    return train_one_epoch(run.ctx, run.data.train_loader, run.step)
+
+
 def train(run: Run, stop_flag: StopFlag) -> dict[str, float]:
     """The epoch loop: train, validate, track the best, checkpoint, log."""
     cfg, ctx = run.cfg, run.ctx
@@ -239,10 +290,8 @@ def train(run: Run, stop_flag: StopFlag) -> dict[str, float]:
     last: dict[str, float] = {}
     for epoch in range(run.step.epoch, cfg.epochs):
         run.step.epoch = epoch
-        start = run.step.step_in_epoch * cfg.grad_accum_steps * run.data.train_loader.batch_size
-        run.data.train_sampler.set_epoch(epoch, start=start)
-        train_metrics = train_one_epoch(ctx, run.data.train_loader, run.step)
-        if stop_flag.should_stop() or run.step.step_in_epoch < ctx.steps_per_epoch:
+        train_metrics = train_rest_of_epoch(run)
+        if stop_flag.stopping:  # after_step saved this step's state on every rank
             stop_flag.drain()
             raise Preempted(f"stopped by {stop_flag.requested or 'a signal on another rank'} at "
                             f"epoch {epoch} step {run.step.step_in_epoch}; checkpoint saved in "
@@ -257,8 +306,7 @@ def train(run: Run, stop_flag: StopFlag) -> dict[str, float]:
         is_best = val["acc1"] > run.best_acc1
         run.best_acc1 = max(val["acc1"], run.best_acc1)
         record["best_acc1"] = run.best_acc1
-        run.step.step_in_epoch = ctx.steps_per_epoch
-        save(run, is_best)
+        save(run, is_best, epoch_done=True)
         run.step.step_in_epoch = 0
         log_epoch(run, record)
         last = record

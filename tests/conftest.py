@@ -56,3 +56,45 @@ def run_main(*args: str, timeout: float = 300, env: dict[str, str] | None = None
     """Run main.py with ``args``; returns the completed process (output captured as text)."""
     return subprocess.run([sys.executable, MAIN, *args], capture_output=True, text=True,
                           timeout=timeout, env=env or child_env(), cwd=cwd or ROOT)
+
+
+def run_parallel(commands: list[list[str]], envs: list[dict[str, str]], workdir: Path,
+                 timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """Start several commands at once (e.g. the ranks of one job) and wait for all of them.
+
+    Output goes to files under ``workdir`` (no pipe can fill up and stall a rank). On timeout
+    every command's whole process group (its spawned children too) is killed and the test fails.
+    """
+    import signal
+    import time
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    procs, files = [], []
+    for i, (cmd, env) in enumerate(zip(commands, envs)):
+        out, err = open(workdir / f"cmd{i}.out", "w+"), open(workdir / f"cmd{i}.err", "w+")
+        files.append((out, err))
+        procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env, cwd=ROOT,
+                                      start_new_session=True))
+    deadline, timed_out = time.monotonic() + timeout, False
+    try:
+        for p in procs:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            p.wait()
+    results = []
+    for cmd, p, (out, err) in zip(commands, procs, files):
+        out.seek(0)
+        err.seek(0)
+        results.append(subprocess.CompletedProcess(cmd, p.returncode, out.read(), err.read()))
+        out.close()
+        err.close()
+    assert not timed_out, f"timed out after {timeout}s:\n" + "\n".join(
+        f"{r.args}\n{r.stdout}\n{r.stderr}" for r in results)
+    return results

@@ -1,0 +1,98 @@
+"""What --save-every costs: checkpoint size and write time, and step time with and without it.
+
+Uses the trainer's own pieces (build_run on --dummy data, the real after_step hook that saves with
+``trainer.save``: RNG gather, torch.save to a temp file, fsync, os.replace), on the CPU, with
+1000 classes and SGD momentum buffers as in an ImageNet run. Run by hand (not a test):
+
+    python benchmarks/bench_checkpoint.py -a resnet18 resnet50 -b 8 --size 64 --steps 12 \\
+        --save-every 3 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from imagenet import checkpoint as ckpt_io  # noqa: E402
+from imagenet import trainer  # noqa: E402
+from imagenet.config import parse_config  # noqa: E402
+from imagenet.distributed import DistInfo  # noqa: E402
+from imagenet.engine import Step, train_one_epoch  # noqa: E402
+from imagenet.preemption import StopFlag  # noqa: E402
+
+
+def build(arch: str, batch: int, size: int, steps: int, output_dir: Path) -> trainer.Run:
+    """A one-process run on synthetic 1000-class data with ``steps`` steps per epoch."""
+    cfg = parse_config(["--dummy", "--dummy-size", str(batch * steps), "--dummy-val-size", "8",
+                        "-a", arch, "-b", str(batch), "-j", "0", "--seed", "0",
+                        "--train-crop-size", str(size), "--val-crop-size", str(size),
+                        "--val-resize-size", str(size), "--output-dir", str(output_dir),
+                        "-p", "1000000"])
+    run = trainer.build_run(cfg, DistInfo(), batch, 0)
+    run.ctx.on_print = None
+    return run
+
+
+def epoch_time(run: trainer.Run, save_every: int) -> float:
+    """Seconds per step over one epoch, saving every ``save_every`` steps (0: never)."""
+    run.cfg = dataclasses.replace(run.cfg, save_every=save_every)
+    run.ctx.after_step = trainer.make_after_step(run, StopFlag())
+    run.step = Step()
+    run.data.train_sampler.set_epoch(0)
+    start = time.perf_counter()
+    train_one_epoch(run.ctx, run.data.train_loader, run.step)
+    return (time.perf_counter() - start) / run.ctx.steps_per_epoch
+
+
+def write_time(run: trainer.Run, reps: int) -> tuple[float, int]:
+    """Median seconds of one trainer.save (model + optimizer + scheduler + RNG) and its bytes."""
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        trainer.save(run, is_best=False)
+        times.append(time.perf_counter() - start)
+    path = run.output_dir / ckpt_io.CHECKPOINT
+    return sorted(times)[len(times) // 2], path.stat().st_size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-a", "--arch", nargs="+", default=["resnet18", "resnet50"])
+    parser.add_argument("-b", "--batch-size", type=int, default=8)
+    parser.add_argument("--size", type=int, default=64, help="image side in pixels")
+    parser.add_argument("--steps", type=int, default=12, help="steps per timed epoch")
+    parser.add_argument("--save-every", type=int, default=3, help="optimizer steps")
+    parser.add_argument("--reps", type=int, default=5, help="timed saves")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp folder; "
+                        "use the checkpoint file system of your cluster to measure it)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, -b {args.batch_size}, "
+          f"{args.size} px, {args.steps} steps per epoch, --save-every {args.save_every}")
+    print(f"{'arch':10s} {'size MB':>8s} {'write s':>8s} {'step s':>8s} "
+          f"{'step s saving':>14s} {'overhead':>9s}")
+    for arch in args.arch:
+        with tempfile.TemporaryDirectory(dir=args.dir) as folder:
+            run = build(arch, args.batch_size, args.size, args.steps, Path(folder))
+            epoch_time(run, 0)  # warm-up: allocator, first-iteration kernels, loader
+            base = epoch_time(run, 0)
+            saving = epoch_time(run, args.save_every)
+            seconds, size = write_time(run, args.reps)
+        overhead = (saving - base) / base
+        print(f"{arch:10s} {size / 2**20:8.1f} {seconds:8.3f} {base:8.3f} {saving:14.3f} "
+              f"{100 * overhead:8.1f}%")
+    print("overhead = extra time per step with --save-every; about write s / (N x step s)")
+
+
+if __name__ == "__main__":
+    main()

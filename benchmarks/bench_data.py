@@ -1,0 +1,201 @@
+"""Per-core data-pipeline speed: classic PIL vs our tensor and PIL backends vs decode alone.
+
+Run by hand (not a test), e.g.::
+
+    python benchmarks/bench_data.py                # 200 generated photo-like JPEGs
+    python benchmarks/bench_data.py --images DIR   # your own JPEGs (searched recursively)
+
+One process, one thread (DataLoader workers also run with one thread each), so img/s here x the
+number of workers is roughly what a loader can deliver. Also prints how far the tensor backend's
+validation images are from the PIL backend's (mean absolute pixel difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torchvision import transforms as v1
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms import v2
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from imagenet import transforms as T  # noqa: E402
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg"}
+
+
+def photo_like(rng: np.random.Generator, width: int, height: int) -> np.ndarray:
+    """HWC uint8 image with photo statistics: smooth shapes, lighting gradient, texture, noise."""
+    out = np.zeros((height, width, 3), np.float32)
+    # Coarse-to-fine random fields (bicubic-upsampled noise): large regions down to fine texture.
+    for cells, amplitude in ((4, 90), (16, 40), (64, 25), (160, 15)):
+        grid = rng.integers(0, 256, (cells * height // width + 2, cells + 2, 3), dtype=np.uint8)
+        field = Image.fromarray(grid).resize((width, height), Image.BICUBIC)
+        out += (np.asarray(field, np.float32) / 127.5 - 1) * amplitude
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    out += (xx / width * rng.uniform(-60, 60) + yy / height * rng.uniform(-60, 60))[..., None]
+    out += rng.normal(0, 9, (height, width, 1)) + rng.normal(0, 3, (height, width, 3))  # sensor
+    out += rng.uniform(60, 190, 3)
+    return np.clip(out, 0, 255).astype(np.uint8)
+
+
+def write_photo_like_jpegs(folder: Path, count: int = 200, seed: int = 0) -> list[Path]:
+    """``count`` JPEGs (quality 90) of ImageNet-like sizes (~470x360 on average), deterministic."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(count):
+        width = int(np.clip(rng.normal(470, 80), 200, 800))
+        # Mostly landscape 4:3, some 3:2, square, portrait and 16:9, like ImageNet's photos.
+        aspect = rng.choice([0.75] * 5 + [0.667] * 3 + [0.5625, 1.0, 1.333])
+        height = int(np.clip(width * aspect, 150, 800))
+        path = folder / f"{i:05d}.jpg"
+        Image.fromarray(photo_like(rng, width, height)).save(path, quality=90)
+        paths.append(path)
+    return paths
+
+
+def images_per_second(paths: Sequence[Path], steps: dict[str, Callable[[Path], object]],
+                      passes: int) -> dict[str, float]:
+    """Best-of-``passes`` images/s of each step over ``paths``.
+
+    The steps take turns within each pass, so a burst of load from other processes slows one
+    pass of every pipeline rather than all passes of one and the ratios stay meaningful.
+    """
+    for step in steps.values():  # warm-up: first-call allocations, lazy imports
+        for path in paths[:10]:
+            step(path)
+    best = dict.fromkeys(steps, 0.0)
+    for _ in range(passes):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for path in paths:
+                step(path)
+            best[name] = max(best[name], len(paths) / (time.perf_counter() - start))
+    return best
+
+
+def pil_loader(path: Path) -> Image.Image:
+    """torchvision ImageFolder's default loader, as the classic script uses it."""
+    with open(path, "rb") as f:
+        return Image.open(f).convert("RGB")
+
+
+def decode_only(path: Path) -> torch.Tensor:
+    """The ceiling: read + libjpeg-turbo decode, no transform."""
+    return decode_jpeg(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8),
+                       mode=ImageReadMode.RGB)
+
+
+def pipelines(crop: int, resize: int, interpolation: str) -> dict[str, dict[str, Callable]]:
+    """{"train"|"val": {name: path -> sample}} for every pipeline compared."""
+    norm = v1.Normalize(T.IMAGENET_MEAN, T.IMAGENET_STD)
+    classic_train = v1.Compose([v1.RandomResizedCrop(crop), v1.RandomHorizontalFlip(),
+                                v1.ToTensor(), norm])
+    classic_val = v1.Compose([v1.Resize(resize), v1.CenterCrop(crop), v1.ToTensor(), norm])
+    plain_v2 = v2.Compose([v2.RandomResizedCrop(crop, antialias=True), v2.RandomHorizontalFlip()])
+
+    def ours(make: Callable, backend: str) -> Callable:
+        tf = make(backend=backend)
+        return lambda p: tf(T.load_image(p, backend))
+
+    def train_tf(backend: str) -> Callable:
+        return T.train_transform(crop, interpolation, backend=backend)
+
+    def val_tf(backend: str) -> Callable:
+        return T.val_transform(resize, crop, interpolation, backend=backend)
+
+    return {
+        "train": {
+            "classic PIL (float, normalised)": lambda p: classic_train(pil_loader(p)),
+            "decode_jpeg + plain v2 (uint8)": lambda p: plain_v2(decode_only(p)),
+            "ours, backend=tensor (uint8)": ours(train_tf, "tensor"),
+            "ours, backend=pil (uint8)": ours(train_tf, "pil"),
+            "decode_jpeg only (ceiling)": decode_only,
+        },
+        "val": {
+            "classic PIL (float, normalised)": lambda p: classic_val(pil_loader(p)),
+            "ours, backend=tensor (uint8)": ours(val_tf, "tensor"),
+            "ours, backend=pil (uint8)": ours(val_tf, "pil"),
+            "decode_jpeg only (ceiling)": decode_only,
+        },
+    }
+
+
+def val_agreement(paths: Sequence[Path], resize: int = 256, crop: int = 224,
+                  interpolation: str = "bilinear") -> dict[str, float]:
+    """How far the tensor backend's validation images are from the PIL backend's, in 0..255."""
+    tensor_tf = T.val_transform(resize, crop, interpolation, backend="tensor")
+    pil_tf = T.val_transform(resize, crop, interpolation, backend="pil")
+    diffs, decode_diffs = [], []
+    for path in paths:
+        fast = tensor_tf(T.load_image(path, "tensor")).int()
+        classic = pil_tf(T.load_image(path, "pil")).int()
+        diffs.append((fast - classic).abs().flatten())
+        decoded = T.load_image(path, "tensor").int() - T.to_chw(T.load_image(path, "pil")).int()
+        decode_diffs.append(decoded.abs().float().mean())
+    diff = torch.cat(diffs)
+    return {"mean_abs": diff.float().mean().item(), "max_abs": diff.max().item(),
+            "frac_gt_2": (diff > 2).float().mean().item(),
+            "decode_mean_abs": torch.stack(decode_diffs).mean().item()}
+
+
+def print_table(title: str, rates: dict[str, float]) -> None:
+    """One block of the report: img/s, ms/img and ratio to the classic pipeline."""
+    classic = next(iter(rates.values()))
+    print(f"\n{title}\n{'pipeline':36s} {'img/s':>8s} {'ms/img':>7s} {'vs classic':>10s}")
+    for name, rate in rates.items():
+        print(f"{name:36s} {rate:8.0f} {1000 / rate:7.2f} {rate / classic:9.2f}x")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Command-line flags."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=Path, help="folder of JPEGs (default: generate them)")
+    parser.add_argument("--num-images", type=int, default=200,
+                        help="images to generate, or the most to take from --images")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated images")
+    parser.add_argument("--passes", type=int, default=3, help="timed passes; the best is shown")
+    parser.add_argument("--crop", type=int, default=224, help="train/val crop, pixels")
+    parser.add_argument("--resize", type=int, default=256, help="val short-side resize, pixels")
+    parser.add_argument("--interpolation", default="bilinear", choices=tuple(T.INTERPOLATIONS))
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Generate or find the images, time every pipeline, print tables and the agreement."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.images:
+            paths = sorted(p for p in args.images.rglob("*") if p.suffix.lower()
+                           in IMAGE_SUFFIXES)[: args.num_images]
+        else:
+            paths = write_photo_like_jpegs(Path(tmp), args.num_images, args.seed)
+        sizes = np.array([Image.open(p).size for p in paths])
+        kib = np.mean([p.stat().st_size for p in paths]) / 1024
+        print(f"{len(paths)} JPEGs, mean {sizes[:, 0].mean():.0f}x{sizes[:, 1].mean():.0f} px, "
+              f"{kib:.0f} KiB; torch threads {torch.get_num_threads()}; "
+              f"torch {torch.__version__}")
+        for split, steps in pipelines(args.crop, args.resize, args.interpolation).items():
+            rates = images_per_second(paths, steps, args.passes)
+            print_table(f"{split} ({args.crop} px crop, {args.interpolation})", rates)
+        agreement = val_agreement(paths, args.resize, args.crop, args.interpolation)
+    print("\nval images, tensor vs pil backend (0..255 scale): mean |diff| "
+          f"{agreement['mean_abs']:.3f}, max {agreement['max_abs']:.0f}, "
+          f"{100 * agreement['frac_gt_2']:.3f}% of values differ by >2; "
+          f"decode alone: mean |diff| {agreement['decode_mean_abs']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""DDP overhead on this machine: 1 process vs 2 processes at the same global batch, and the time
+of one gradient all-reduce over gloo on loopback.
+
+Run by hand (not a test):
+
+    python benchmarks/bench_distributed.py [--arch resnet18] [--image-size 64]
+        [--global-batch 32] [--steps 8] [--reduce-archs resnet18 resnet50]
+
+Training throughput drives imagenet.engine.train_one_epoch on synthetic uint8 images; each
+configuration uses the same number of CPU threads in total (1 process x 2 threads vs 2 processes x
+1 thread), so on a 2-core CPU the comparison shows the cost of DDP, not a speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torchvision
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from imagenet.data import DummyDataset, ResumableDistributedSampler, SeededDataset  # noqa: E402
+from imagenet.distributed import free_port  # noqa: E402
+from imagenet.engine import Step, TrainContext, train_one_epoch  # noqa: E402
+
+
+def join(rank: int, world: int, port: int) -> None:
+    """gloo process group on loopback."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=300))
+
+
+def train_speed(rank: int, world: int, port: int, args: argparse.Namespace, threads: int,
+                results: dict) -> None:
+    """Images/s (all ranks) of train_one_epoch after one warm-up epoch."""
+    torch.set_num_threads(threads)
+    if world > 1:
+        join(rank, world, port)
+    batch = args.global_batch // world
+    size = args.global_batch * args.steps
+    data = SeededDataset(DummyDataset(size, 1000, args.image_size), seed=0)
+    sampler = ResumableDistributedSampler(size, rank, world)
+    loader = DataLoader(data, batch_size=batch, sampler=sampler)
+    torch.manual_seed(0)
+    raw = torchvision.models.get_model(args.arch, num_classes=1000)
+    model = DDP(raw) if world > 1 else raw
+    opt = torch.optim.SGD(raw.parameters(), lr=0.01, momentum=0.9)
+    ctx = TrainContext(model=model, criterion=nn.CrossEntropyLoss(), optimizer=opt,
+                       scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                       device=torch.device("cpu"), steps_per_epoch=args.steps, world_size=world,
+                       print_freq=10**6)
+    train_one_epoch(ctx, loader, Step(epoch=0))  # warm-up: allocator, DDP buckets
+    if world > 1:
+        dist.barrier()
+    start = time.perf_counter()
+    sampler.set_epoch(1)
+    train_one_epoch(ctx, loader, Step(epoch=1))
+    if world > 1:
+        dist.barrier()
+    if rank == 0:
+        results["images_per_sec"] = size / (time.perf_counter() - start)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def allreduce_time(rank: int, world: int, port: int, archs: list[str], repeats: int,
+                   results: dict) -> None:
+    """Median seconds of one all-reduce of a model's gradients: flat, and in 25 MB buckets."""
+    torch.set_num_threads(1)
+    join(rank, world, port)
+    for arch in archs:
+        numel = sum(p.numel() for p in torchvision.models.get_model(arch).parameters())
+        flat = torch.randn(numel)
+        bucket = 25 * 2**20 // 4  # DDP's default bucket_cap_mb, in float32 elements
+        for name, parts in (("flat", [flat]), ("25MB buckets", list(flat.split(bucket)))):
+            for part in parts:  # warm-up (connection buffers)
+                dist.all_reduce(part)
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                for part in parts:
+                    dist.all_reduce(part)
+                times.append(time.perf_counter() - start)
+            if rank == 0:
+                results[(arch, name)] = (numel, statistics.median(times))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="resnet18")
+    parser.add_argument("--image-size", type=int, default=64, help="pixels")
+    parser.add_argument("--global-batch", type=int, default=32, help="images per step, all ranks")
+    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps")
+    parser.add_argument("--reduce-archs", nargs="+", default=["resnet18", "resnet50"])
+    parser.add_argument("--repeats", type=int, default=5, help="timed all-reduces per model")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    cores = os.cpu_count() or 1
+    manager = mp.Manager()
+
+    rows = []
+    for world, threads in ((1, min(2, cores)), (2, 1)):
+        results = manager.dict()
+        mp.spawn(train_speed, args=(world, free_port(), args, threads, results), nprocs=world)
+        rows.append((world, threads, args.global_batch // world, results["images_per_sec"]))
+    print(f"\ntraining {args.arch} at {args.image_size}px, global batch {args.global_batch}, "
+          f"{args.steps} steps, gloo on loopback, {cores} CPU cores")
+    print(f"{'processes':>9} {'threads/proc':>12} {'batch/proc':>10} {'images/s':>9} "
+          f"{'vs 1 proc':>9}")
+    for world, threads, batch, speed in rows:
+        print(f"{world:>9} {threads:>12} {batch:>10} {speed:>9.1f} {speed / rows[0][3]:>8.2f}x")
+
+    results = manager.dict()
+    mp.spawn(allreduce_time, args=(2, free_port(), args.reduce_archs, args.repeats, results),
+             nprocs=2)
+    print("\ngradient all-reduce, 2 processes, gloo on loopback (median of "
+          f"{args.repeats})")
+    print(f"{'model':>10} {'params':>11} {'MB':>7} {'how':>13} {'ms':>8} {'GB/s algo':>9}")
+    for (arch, how), (numel, seconds) in sorted(results.items()):
+        mb = numel * 4 / 2**20
+        print(f"{arch:>10} {numel:>11,} {mb:>7.1f} {how:>13} {seconds * 1e3:>8.1f} "
+              f"{numel * 4 / seconds / 1e9:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()

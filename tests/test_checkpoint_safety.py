@@ -1,0 +1,189 @@
+"""Checkpoint files stay loadable through kills, and bad or hostile checkpoints are refused."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+
+from conftest import TINY, run_main
+from imagenet import checkpoint as ckpt_io
+from imagenet.errors import CheckpointError, UsageError
+from imagenet.trainer import resumed_best_acc1
+
+# ---- kill-during-save torture
+
+
+def _writer(folder: Path, epoch: int, best: float) -> None:
+    """Save forever like the trainer: accuracy goes up and down, model_best on improvement."""
+    torch.set_num_threads(1)  # a forked child must not touch the parent's OpenMP pool
+    while True:
+        epoch += 1
+        acc = float(epoch * 37 % 101)
+        is_best = acc > best
+        best = max(best, acc)
+        payload = {"epoch": epoch, "acc": acc, "best_acc1": best,
+                   "state_dict": {"w": torch.full((1 << 19,), acc)}}  # 2 MB: kills land mid-write
+        ckpt_io.atomic_save(payload, folder / ckpt_io.CHECKPOINT,
+                            copies=[folder / ckpt_io.BEST] if is_best else [])
+
+
+def _resume_point(folder: Path) -> tuple[int, float]:
+    """Where a restarted writer continues: the trainer's resume rule for best_acc1."""
+    path = folder / ckpt_io.CHECKPOINT
+    if not path.exists():
+        return 0, -1.0
+    ckpt = ckpt_io.load_checkpoint(path)
+    return ckpt["epoch"], resumed_best_acc1(ckpt, path, folder)
+
+
+def test_sigkill_during_saves_never_leaves_an_unloadable_or_inconsistent_file(tmp_path):
+    rng = random.Random(0)
+    fork = multiprocessing.get_context("fork")
+    kills_mid_write = 0
+    for _ in range(20):
+        epoch, best = _resume_point(tmp_path)
+        writer = fork.Process(target=_writer, args=(tmp_path, epoch, best), daemon=True)
+        writer.start()
+        time.sleep(rng.uniform(0.05, 0.4))
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join()
+        assert writer.exitcode == -signal.SIGKILL
+        kills_mid_write += bool(list(tmp_path.glob(".*.tmp-*")))
+        if not (tmp_path / ckpt_io.CHECKPOINT).exists():
+            continue  # killed before its first save completed
+        ckpt = ckpt_io.load_checkpoint(tmp_path / ckpt_io.CHECKPOINT)
+        best_file = ckpt_io.load_checkpoint(tmp_path / ckpt_io.BEST)
+        # model_best holds the weights of its own accuracy, and never lags the checkpoint.
+        assert best_file["best_acc1"] == best_file["acc"]
+        assert torch.all(best_file["state_dict"]["w"] == best_file["acc"])
+        assert ckpt["best_acc1"] <= best_file["best_acc1"]
+        assert ckpt["best_acc1"] == max(ckpt["acc"], ckpt["best_acc1"])
+    assert _resume_point(tmp_path)[0] > 20, "the writer hardly ran: the kills tested nothing"
+    assert kills_mid_write > 0, "no kill landed during a write"
+    ckpt_io.remove_stale_temp_files(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt_io.CHECKPOINT, ckpt_io.BEST]
+
+
+def test_resume_keeps_the_higher_best_acc1_of_model_best(tmp_path):
+    # A kill between writing model_best and replacing checkpoint.pth.tar.
+    torch.save({"state_dict": {}, "best_acc1": 70.0}, tmp_path / ckpt_io.BEST)
+    ckpt = {"state_dict": {}, "best_acc1": 50.0}
+    assert resumed_best_acc1(ckpt, tmp_path / ckpt_io.CHECKPOINT, tmp_path) == 70.0
+    # A checkpoint from elsewhere does not adopt this folder's model_best.
+    other = tmp_path / "other" / ckpt_io.CHECKPOINT
+    assert resumed_best_acc1(ckpt, other, tmp_path) == 50.0
+    (tmp_path / ckpt_io.BEST).write_bytes(b"garbage")  # unreadable: warn and ignore
+    assert resumed_best_acc1(ckpt, tmp_path / ckpt_io.CHECKPOINT, tmp_path) == 50.0
+
+
+def test_atomic_save_replaces_and_leaves_no_temp_files(tmp_path):
+    path, best = tmp_path / ckpt_io.CHECKPOINT, tmp_path / ckpt_io.BEST
+    ckpt_io.atomic_save({"state_dict": {"w": torch.ones(2)}, "epoch": 1}, path, copies=[best])
+    ckpt_io.atomic_save({"state_dict": {"w": torch.zeros(2)}, "epoch": 2}, path)
+    assert ckpt_io.load_checkpoint(path)["epoch"] == 2
+    assert ckpt_io.load_checkpoint(best)["epoch"] == 1  # replaced by a new file, not edited
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt_io.CHECKPOINT, ckpt_io.BEST]
+
+
+# ---- which checkpoint a restart resumes
+
+
+def test_resolve_resume_prefers_the_output_dir_checkpoint_after_a_restart(tmp_path):
+    given = tmp_path / "pretrained.pth.tar"
+    given.write_bytes(b"x")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert ckpt_io.resolve_resume(str(given), out, restarted=True) == given  # nothing newer yet
+    assert ckpt_io.resolve_resume(None, out, restarted=True) is None
+    assert ckpt_io.resolve_resume("auto", out, restarted=False) is None
+    (out / ckpt_io.CHECKPOINT).write_bytes(b"x")
+    assert ckpt_io.resolve_resume(str(given), out, restarted=True) == out / ckpt_io.CHECKPOINT
+    assert ckpt_io.resolve_resume(None, out, restarted=True) == out / ckpt_io.CHECKPOINT
+    assert ckpt_io.resolve_resume("auto", out, restarted=False) == out / ckpt_io.CHECKPOINT
+    assert ckpt_io.resolve_resume(str(given), out, restarted=False) == given
+    assert ckpt_io.resolve_resume(None, out, restarted=False) is None
+    with pytest.raises(UsageError, match="--resume: no checkpoint at"):
+        ckpt_io.resolve_resume(str(tmp_path / "missing"), out, restarted=False)
+
+
+# ---- refusals, end to end through main.py
+
+
+class Evil:
+    """Unpickling this runs a shell command that creates ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _resnet_state(arch: str = "resnet18", num_classes: int = 3) -> dict:
+    return torchvision.models.get_model(arch, num_classes=num_classes).state_dict()
+
+
+def _write_bad(kind: str, path: Path, marker: Path) -> str:
+    """Write a bad checkpoint of ``kind``; the words the error message must contain."""
+    if kind == "truncated":
+        torch.save({"epoch": 1, "arch": "resnet18", "state_dict": _resnet_state()}, path)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        return "is truncated or damaged"
+    if kind == "not a checkpoint":
+        path.write_text("these are not the weights you are looking for\n")
+        return "is not a checkpoint"
+    if kind == "other architecture":
+        torch.save({"epoch": 1, "arch": "resnet34", "state_dict": _resnet_state("resnet34")}, path)
+        return "was saved for -a resnet34, but this run uses -a resnet18"
+    if kind == "other class count":
+        torch.save({"epoch": 1, "arch": "resnet18", "state_dict": _resnet_state(num_classes=5)},
+                   path)
+        return "saved with 5 classes, this data set has 3"
+    if kind == "malicious (torch.save)":
+        torch.save({"epoch": 1, "state_dict": _resnet_state(), "x": Evil(marker)}, path)
+        return "refusing"
+    assert kind == "malicious (plain pickle)"
+    path.write_bytes(pickle.dumps({"state_dict": {}, "x": Evil(marker)}, protocol=2))
+    return "refusing"
+
+
+@pytest.mark.parametrize("kind", ["truncated", "not a checkpoint", "other architecture",
+                                  "other class count", "malicious (torch.save)",
+                                  "malicious (plain pickle)"])
+def test_bad_checkpoints_are_refused_with_one_clear_error(image_folder, tmp_path, kind):
+    path, marker = tmp_path / "bad.pth.tar", tmp_path / "pwned"
+    expected = _write_bad(kind, path, marker)
+    proc = run_main(str(image_folder), *TINY, "--epochs", "1", "--output-dir",
+                    str(tmp_path / "out"), "--resume", str(path))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and expected in errors[0] and str(path) in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not marker.exists(), "the checkpoint ran code while being loaded"
+    assert not (tmp_path / "out" / ckpt_io.CHECKPOINT).exists()
+
+
+def test_the_malicious_file_would_run_code_if_loaded_unsafely(tmp_path):
+    """The refusal test above is only meaningful if its payload is live."""
+    marker = tmp_path / "pwned"
+    for kind in ("malicious (torch.save)", "malicious (plain pickle)"):
+        path = tmp_path / "bad.pth.tar"
+        _write_bad(kind, path, marker)
+        if kind == "malicious (torch.save)":
+            torch.load(path, weights_only=False)
+        else:
+            pickle.loads(path.read_bytes())
+        assert marker.exists()
+        marker.unlink()
+    with pytest.raises(CheckpointError, match="refusing"):
+        ckpt_io.load_checkpoint(path)
+    assert not marker.exists()

@@ -1,0 +1,286 @@
+"""Killed, signalled and restarted runs end bitwise equal to a run that was never interrupted.
+
+Real processes and real signals: main.py (single process, --multiprocessing-distributed and
+torchrun) is killed with SIGKILL or sent SIGTERM / SIGUSR1 / SIGINT when its progress output
+reaches a chosen step; resumed runs must end with exactly the uninterrupted run's state. The
+flags use everything that carries state across a resume: MixUp/CutMix (the training step's RNG),
+random erasing (the data pipeline's RNG), EMA, a warm-up + cosine schedule, label smoothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import MAIN, child_env, write_image_folder
+
+STEPS = 6  # optimizer steps per epoch in every layout below (48 images)
+FLAGS = ["-a", "resnet18", "--train-crop-size", "32", "--val-resize-size", "36",
+         "--val-crop-size", "32", "-p", "1", "--lr", "0.05", "--epochs", "3", "--seed", "0",
+         "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--random-erase", "0.25",
+         "--model-ema", "--model-ema-steps", "2", "--lr-warmup-epochs", "1",
+         "--lr-scheduler", "cosine", "--label-smoothing", "0.1"]
+SINGLE = ["-b", "8"]  # one process: 48 / 8 = 6 steps
+SPAWN = ["-b", "8", "--multiprocessing-distributed", "--nproc-per-node", "2"]  # 4 per process
+PROGRESS = re.compile(r"Epoch: \[(\d+)\]\[\s*(\d+)/(\d+)\]")
+
+
+class Live:
+    """main.py (or torchrun) in its own process group, stdout and stderr read line by line."""
+
+    def __init__(self, cmd: list[str], timeout: float = 240, **env: str) -> None:
+        self.token = uuid.uuid4().hex  # finds this run's processes in /proc
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True,
+                                     env=child_env(PYTHONUNBUFFERED="1", FT_TOKEN=self.token,
+                                                   **env))
+        self.lines: list[str] = []
+        self._watchdog = threading.Timer(timeout, self.signal_group, (signal.SIGKILL,))
+        self._watchdog.start()
+
+    def wait_for(self, text: str) -> None:
+        """Read output until a line contains ``text``."""
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            self.lines.append(line)
+            if text in line:
+                return
+        raise AssertionError(f"'{text}' never printed:\n{self.output}")
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to every process of the run (as SLURM or a terminal does)."""
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def finish(self) -> int:
+        """Read the rest of the output; the exit code."""
+        self.lines.extend(self.proc.stdout)  # type: ignore[arg-type]
+        code = self.proc.wait()
+        self._watchdog.cancel()
+        return code
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+def main_cmd(data: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, MAIN, str(data), *FLAGS, "--output-dir", str(out), *extra]
+
+
+def run_to_end(cmd: list[str]) -> str:
+    live = Live(cmd)
+    code = live.finish()
+    assert code == 0, live.output
+    return live.output
+
+
+def kill_at(cmd: list[str], line: str, sig: int = signal.SIGKILL) -> tuple[int, str]:
+    """Start ``cmd``, send ``sig`` to its process group when ``line`` is printed."""
+    live = Live(cmd)
+    live.wait_for(line)
+    live.signal_group(sig)
+    code = live.finish()
+    return code, live.output
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_equal(a, b, where: str = "") -> None:
+    """Nested checkpoint values equal, tensors bitwise."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where} differs (max abs diff " \
+            f"{(a.double() - b.double()).abs().max().item():.3g})"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: keys {sorted(set(a) ^ set(b))}"
+        for key in a:
+            assert_equal(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+RUN_STATE = ("epoch", "step_in_epoch", "global_step", "state_dict", "ema", "optimizer",
+             "scheduler", "best_acc1", "rng")
+
+
+def assert_same_run(out: Path, reference: Path) -> None:
+    """Final checkpoint and model_best equal the uninterrupted run's; nothing left over."""
+    got, want = load(out / "checkpoint.pth.tar"), load(reference / "checkpoint.pth.tar")
+    for key in RUN_STATE:
+        assert_equal(got[key], want[key], key)
+    best, want_best = load(out / "model_best.pth.tar"), load(reference / "model_best.pth.tar")
+    assert_equal(best["state_dict"], want_best["state_dict"], "model_best")
+    assert best["best_acc1"] == got["best_acc1"] == want["best_acc1"]
+    assert not list(out.glob(".*tmp*")), "temp files left behind"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return write_image_folder(tmp_path_factory.mktemp("ft") / "data", train_per_class=16)
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory) -> dict[str, Path]:
+    """Uninterrupted runs: one process (-j 0) and two processes (2 workers each)."""
+    base = tmp_path_factory.mktemp("reference")
+    runs = {"single": main_cmd(data, base / "single", *SINGLE, "-j", "0"),
+            "spawn": main_cmd(data, base / "spawn", *SPAWN, "-j", "4")}
+    for cmd in runs.values():
+        run_to_end(cmd)
+    return {name: base / name for name in runs}
+
+
+def step_line(epoch: int, step: int) -> str:
+    return f"Epoch: [{epoch}][{step}/{STEPS}]"
+
+
+@pytest.mark.parametrize("layout, workers", [("single", "0"), ("spawn", "4")])
+def test_sigkill_mid_epoch_and_at_epoch_boundary_resumes_bitwise(data, reference, tmp_path,
+                                                                 layout, workers):
+    out = tmp_path / "out"
+    flags = [*(SINGLE if layout == "single" else SPAWN), "-j", workers]
+    # 1. Mid-epoch: checkpoints every 2 steps, killed after step 3 -> resumes at step 2 or 4.
+    code, output = kill_at(main_cmd(data, out, *flags, "--save-every", "2"), step_line(0, 3))
+    assert code == -signal.SIGKILL or code == 128 + signal.SIGKILL, output
+    ckpt = load(out / "checkpoint.pth.tar")
+    assert ckpt["epoch"] == 0 and ckpt["step_in_epoch"] in (2, 4), output
+    # 2. Epoch boundary: no mid-epoch checkpoints, killed in epoch 1 -> resumes at its start.
+    cmd = main_cmd(data, out, *flags, "--resume", "auto")
+    code, output = kill_at(cmd, step_line(1, 2))
+    assert f"(epoch 0, step {ckpt['step_in_epoch']}," in output, output
+    ckpt = load(out / "checkpoint.pth.tar")
+    assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["global_step"]) == (1, 0, STEPS)
+    # 3. To the end.
+    output = run_to_end(cmd)
+    assert "(epoch 1, step 0," in output
+    assert_same_run(out, reference[layout])
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_143(data, reference, tmp_path):
+    out = tmp_path / "out"
+    # To the whole group, as SLURM does: the two loader workers must ignore it.
+    cmd = main_cmd(data, out, *SINGLE, "-j", "2")
+    code, output = kill_at(cmd, step_line(0, 3), signal.SIGTERM)
+    assert code == 143, output
+    assert "SIGTERM received" in output and "Traceback" not in output
+    ckpt = load(out / "checkpoint.pth.tar")
+    stopped = re.search(r"stopped by SIGTERM at epoch 0 step (\d+)", output)
+    assert stopped, output
+    assert ckpt["epoch"] == 0 and ckpt["step_in_epoch"] == int(stopped.group(1))
+    assert 3 <= ckpt["step_in_epoch"] < STEPS
+    output = run_to_end([*cmd, "--resume", "auto"])
+    first = PROGRESS.search(output)
+    assert first and int(first.group(2)) == ckpt["step_in_epoch"] + 1, output
+    assert_same_run(out, reference["single"])
+
+
+def test_sigusr1_to_every_process_under_spawn_saves_once_and_exits_143(data, reference,
+                                                                        tmp_path):
+    out = tmp_path / "out"
+    # SLURM's --signal reaches the parent, both ranks and their loader workers; the parent
+    # forwards it as well, so each rank gets it twice: that must still count as one signal.
+    cmd = main_cmd(data, out, *SPAWN, "-j", "4")
+    code, output = kill_at(cmd, step_line(0, 2), signal.SIGUSR1)
+    assert code == 143, output
+    assert "stopped by SIGUSR1" in output and "without saving" not in output, output
+    ckpt = load(out / "checkpoint.pth.tar")
+    assert ckpt["epoch"] == 0 and 2 <= ckpt["step_in_epoch"] < STEPS
+    assert len(ckpt["rng"]) == 2 and ckpt["world_size"] == 2
+    output = run_to_end([*cmd, "--resume", "auto"])
+    assert f"(epoch 0, step {ckpt['step_in_epoch']}," in output
+    assert_same_run(out, reference["spawn"])
+
+
+def test_ctrl_c_saves_too(data, tmp_path):
+    out = tmp_path / "out"
+    code, output = kill_at(main_cmd(data, out, *SINGLE, "-j", "2"), step_line(0, 2),
+                           signal.SIGINT)
+    assert code == 143, output
+    assert "SIGINT received" in output and "Traceback" not in output
+    ckpt = load(out / "checkpoint.pth.tar")
+    assert ckpt["epoch"] == 0 and ckpt["step_in_epoch"] >= 2
+
+
+def _worker_pid(token: str, rank: int) -> int | None:
+    """The torchrun worker of ``rank`` of the run tagged ``token``."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = dict(item.split("=", 1) for item in
+                       (entry / "environ").read_bytes().decode(errors="replace").split("\0")
+                       if "=" in item)
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if env.get("FT_TOKEN") == token and env.get("RANK") == str(rank) and "main.py" in cmdline:
+            return int(entry.name)
+    return None
+
+
+def test_torchrun_restart_after_a_killed_worker_loses_at_most_save_every_steps(
+        data, reference, tmp_path):
+    out = tmp_path / "out"
+    every = 2
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "2", "--monitor-interval", "0.5", MAIN, str(data), *FLAGS,
+           "-b", "4", "-j", "0", "--save-every", str(every), "--output-dir", str(out)]
+    live = Live(cmd)
+    live.wait_for(step_line(1, 3))
+    pid = _worker_pid(live.token, rank=1)
+    assert pid is not None, live.output
+    os.kill(pid, signal.SIGKILL)
+    code = live.finish()
+    assert code == 0, live.output
+    output = live.output
+    resumed = re.search(r"=> loaded checkpoint .*\(epoch (\d+), step (\d+),", output)
+    assert resumed, output
+    before = output[:resumed.start()]
+    done = max(int(e) * STEPS + int(s) for e, s, _ in PROGRESS.findall(before))
+    resumed_at = int(resumed.group(1)) * STEPS + int(resumed.group(2))
+    lost = done - resumed_at
+    print(f"torchrun restart: killed after step {done}, resumed at step {resumed_at}: "
+          f"{lost} step(s) redone (--save-every {every})")
+    assert 0 <= lost <= every
+    assert_same_run(out, reference["spawn"])
+
+
+def test_a_second_signal_exits_at_once_but_a_duplicate_delivery_does_not(tmp_path):
+    script = """
+import os, signal, time
+from imagenet.preemption import PREEMPT_EXIT_CODE, StopFlag
+from imagenet.errors import Preempted
+assert PREEMPT_EXIT_CODE == Preempted.exit_code == 143
+flag = StopFlag()
+flag.install()
+os.kill(os.getpid(), signal.SIGTERM)
+os.kill(os.getpid(), signal.SIGTERM)  # the same signal again at once: one delivery
+print("stop requested:", flag.requested, flag.should_stop(), flush=True)
+time.sleep(1.2)
+os.kill(os.getpid(), signal.SIGUSR1)  # a real second signal
+time.sleep(5)
+print("still alive", flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=child_env(), timeout=60)
+    assert proc.returncode == 143, proc.stdout + proc.stderr
+    assert "stop requested: SIGTERM True" in proc.stdout
+    assert "still alive" not in proc.stdout
+    assert "second signal (SIGUSR1): exiting now" in proc.stderr + proc.stdout
