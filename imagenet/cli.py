@@ -80,17 +80,26 @@ def _spawn(cfg: Config, launch: Launch, batch: int, workers: int) -> int:
 
     # Ctrl-C reaches the children from the terminal already; SIGTERM/SIGUSR1 (SLURM, kill) are
     # forwarded so every rank saves.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGUSR1, forward)
+    handlers = {sig: signal.signal(sig, how) for sig, how in (
+        (signal.SIGINT, signal.SIG_IGN), (signal.SIGTERM, forward), (signal.SIGUSR1, forward))}
     try:
         while not ctx.join():
             pass
     except mp.ProcessExitedException as exc:
+        # join() has stopped the other children; say which one ended the job (its own message,
+        # if any, came before; a signal death such as the OOM killer's has none).
+        how = (f"was killed by {exc.signal_name}" if exc.signal_name
+               else f"exited with code {exc.exit_code}")
+        print(f"training process {exc.error_index} of this node {how}; stopped the others",
+              file=sys.stderr, flush=True)
         return exc.exit_code if exc.exit_code and exc.exit_code > 0 else 1
     except mp.ProcessRaisedException as exc:
-        log.error("a training process failed:\n%s", exc)
+        print(f"error: training process {exc.error_index} of this node failed:\n{exc}",
+              file=sys.stderr, flush=True)
         return 1
+    finally:
+        for sig, previous in handlers.items():
+            signal.signal(sig, previous)
     return 0
 
 

@@ -190,6 +190,15 @@ def build_datasets(cfg: Config, data_root: Path) -> tuple[Dataset, Dataset, list
     return train, val, train.classes
 
 
+def shutdown_workers(*loaders: DataLoader) -> None:
+    """Stop the persistent workers of ``loaders`` now (torch has no public call for it)."""
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        loader._iterator = None
+
+
 def build_data(cfg: Config, data_root: Path, rank: int, world_size: int, batch_size: int,
                workers: int, aug_seed: int, pin_memory: bool) -> Data:
     """Loaders for this rank: resumable shuffled training shard, unpadded validation shard."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torchvision
 from torch import nn
@@ -17,7 +18,7 @@ from torch import nn
 from imagenet import checkpoint as ckpt_io
 from imagenet import ddp, state
 from imagenet.config import Config
-from imagenet.data import Data, build_data
+from imagenet.data import Data, build_data, shutdown_workers
 from imagenet.distributed import DistInfo, elastic_restart_count
 from imagenet.engine import Step, TrainContext, barrier, evaluate, train_one_epoch
 from imagenet.errors import Preempted
@@ -47,11 +48,12 @@ class Run:
 
 
 def seed_process(seed: int | None, deterministic: bool) -> None:
-    """Seed python and torch in this process; deterministic kernels when seeded."""
+    """Seed python, numpy and torch in this process; deterministic kernels when seeded."""
     if seed is None:
         torch.backends.cudnn.benchmark = True
         return
     random.seed(seed)
+    np.random.seed(seed)
     torch.manual_seed(seed)
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -355,6 +357,17 @@ def describe(run: Run, batch_size: int, workers: int) -> dict[str, Any]:
 def run_training(cfg: Config, dist: DistInfo, batch_size: int, workers: int) -> dict[str, float]:
     """Train (or evaluate with -e) in this process; the entry point of every rank."""
     run = build_run(cfg, dist, batch_size, workers)
+    try:
+        return train_or_evaluate(run, batch_size, workers)
+    finally:
+        # Loader workers ignore SIGTERM (preemption.ignore_stop_signals): stop them here, or
+        # multiprocessing's exit handler would terminate them in vain and wait forever.
+        shutdown_workers(run.data.train_loader, run.data.val_loader)
+
+
+def train_or_evaluate(run: Run, batch_size: int, workers: int) -> dict[str, float]:
+    """Resume, then validate (-e) or train to the last epoch."""
+    cfg, dist = run.cfg, run.dist
     info = describe(run, batch_size, workers)
     resume(run)
     if cfg.evaluate:

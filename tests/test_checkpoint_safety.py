@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-
 from conftest import TINY, run_main
+
 from imagenet import checkpoint as ckpt_io
 from imagenet.errors import CheckpointError, UsageError
 from imagenet.trainer import resumed_best_acc1

@@ -20,12 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import MAIN, child_env, write_image_folder
 
 STEPS = 6  # optimizer steps per epoch in every layout below (48 images)
 FLAGS = ["-a", "resnet18", "--train-crop-size", "32", "--val-resize-size", "36",
-         "--val-crop-size", "32", "-p", "1", "--lr", "0.05", "--epochs", "3", "--seed", "0",
+         "--val-crop-size", "32", "-p", "1", "--lr", "0.05", "--epochs", "2", "--seed", "0",
          "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--random-erase", "0.25",
          "--model-ema", "--model-ema-steps", "2", "--lr-warmup-epochs", "1",
          "--lr-scheduler", "cosine", "--label-smoothing", "0.1"]
@@ -37,7 +36,7 @@ PROGRESS = re.compile(r"Epoch: \[(\d+)\]\[\s*(\d+)/(\d+)\]")
 class Live:
     """main.py (or torchrun) in its own process group, stdout and stderr read line by line."""
 
-    def __init__(self, cmd: list[str], timeout: float = 240, **env: str) -> None:
+    def __init__(self, cmd: list[str], timeout: float = 600, **env: str) -> None:
         self.token = uuid.uuid4().hex  # finds this run's processes in /proc
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True,
@@ -151,26 +150,28 @@ def step_line(epoch: int, step: int) -> str:
     return f"Epoch: [{epoch}][{step}/{STEPS}]"
 
 
-@pytest.mark.parametrize("layout, workers", [("single", "0"), ("spawn", "4")])
-def test_sigkill_mid_epoch_and_at_epoch_boundary_resumes_bitwise(data, reference, tmp_path,
-                                                                 layout, workers):
-    out = tmp_path / "out"
-    flags = [*(SINGLE if layout == "single" else SPAWN), "-j", workers]
-    # 1. Mid-epoch: checkpoints every 2 steps, killed after step 3 -> resumes at step 2 or 4.
-    code, output = kill_at(main_cmd(data, out, *flags, "--save-every", "2"), step_line(0, 3))
-    assert code == -signal.SIGKILL or code == 128 + signal.SIGKILL, output
-    ckpt = load(out / "checkpoint.pth.tar")
-    assert ckpt["epoch"] == 0 and ckpt["step_in_epoch"] in (2, 4), output
-    # 2. Epoch boundary: no mid-epoch checkpoints, killed in epoch 1 -> resumes at its start.
-    cmd = main_cmd(data, out, *flags, "--resume", "auto")
-    code, output = kill_at(cmd, step_line(1, 2))
-    assert f"(epoch 0, step {ckpt['step_in_epoch']}," in output, output
+def boundary_kill_then_finish(cmd: list[str], out: Path, resumed_step: int) -> None:
+    """Resume ``cmd`` (no mid-epoch saves) from step ``resumed_step`` of epoch 0, SIGKILL it in
+    epoch 1 so that it resumes from the epoch-end checkpoint, then run it to the end."""
+    code, output = kill_at([*cmd, "--resume", "auto"], step_line(1, 2))
+    assert code in (-signal.SIGKILL, 128 + signal.SIGKILL), output
+    assert f"(epoch 0, step {resumed_step}," in output, output
     ckpt = load(out / "checkpoint.pth.tar")
     assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["global_step"]) == (1, 0, STEPS)
-    # 3. To the end.
-    output = run_to_end(cmd)
-    assert "(epoch 1, step 0," in output
-    assert_same_run(out, reference[layout])
+    output = run_to_end([*cmd, "--resume", "auto"])
+    assert "(epoch 1, step 0," in output, output
+
+
+def test_sigkill_mid_epoch_and_at_epoch_boundary_resume_bitwise(data, reference, tmp_path):
+    out = tmp_path / "out"
+    cmd = main_cmd(data, out, *SINGLE, "-j", "0")
+    # Mid-epoch: checkpoints every 2 steps, killed after step 3 -> resumes at step 2 or 4.
+    code, output = kill_at([*cmd, "--save-every", "2"], step_line(0, 3))
+    assert code == -signal.SIGKILL, output
+    ckpt = load(out / "checkpoint.pth.tar")
+    assert ckpt["epoch"] == 0 and ckpt["step_in_epoch"] in (2, 4), output
+    boundary_kill_then_finish(cmd, out, ckpt["step_in_epoch"])
+    assert_same_run(out, reference["single"])
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_143(data, reference, tmp_path):
@@ -191,8 +192,8 @@ def test_sigterm_finishes_the_step_saves_and_exits_143(data, reference, tmp_path
     assert_same_run(out, reference["single"])
 
 
-def test_sigusr1_to_every_process_under_spawn_saves_once_and_exits_143(data, reference,
-                                                                        tmp_path):
+def test_sigusr1_under_spawn_then_sigkill_at_epoch_boundary_resume_bitwise(data, reference,
+                                                                          tmp_path):
     out = tmp_path / "out"
     # SLURM's --signal reaches the parent, both ranks and their loader workers; the parent
     # forwards it as well, so each rank gets it twice: that must still count as one signal.
@@ -203,8 +204,7 @@ def test_sigusr1_to_every_process_under_spawn_saves_once_and_exits_143(data, ref
     ckpt = load(out / "checkpoint.pth.tar")
     assert ckpt["epoch"] == 0 and 2 <= ckpt["step_in_epoch"] < STEPS
     assert len(ckpt["rng"]) == 2 and ckpt["world_size"] == 2
-    output = run_to_end([*cmd, "--resume", "auto"])
-    assert f"(epoch 0, step {ckpt['step_in_epoch']}," in output
+    boundary_kill_then_finish(cmd, out, ckpt["step_in_epoch"])
     assert_same_run(out, reference["spawn"])
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -55,15 +56,17 @@ def check_artifacts(out: Path, world: int, per_process: int, steps: int, results
     assert ckpt["epoch"] == 1 and ckpt["world_size"] == world
     assert not any(k.startswith("module.") for k in ckpt["state_dict"])
     assert len(ckpt["rng"]) == world  # every rank's RNG state, gathered to rank 0
+    # --seed: one seed for model init, then a per-rank stream (seed + rank) for the step
+    assert not torch.equal(ckpt["rng"][0]["torch"], ckpt["rng"][1]["torch"])
     assert not list(out.glob(".*tmp*")), "temp files left behind"
     records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 1, "metrics.jsonl written by more than one rank"
     assert records[0]["val_count"] == VAL_IMAGES
-    assert records[0]["train_images"] == TRAIN_IMAGES // world
     config = json.loads((out / "config.json").read_text())
     assert config["world_size"] == world and config["backend"] == "gloo"
     assert config["batch_per_process"] == per_process
     assert config["global_batch"] == per_process * world
+    assert config["train_images"] == TRAIN_IMAGES and config["val_images"] == VAL_IMAGES
     stdout = "".join(r.stdout for r in results)
     stderr = "".join(r.stderr for r in results)
     assert f"global batch {per_process * world} = {world} process(es) x {per_process} images" \
@@ -180,6 +183,24 @@ def test_missing_peer_ends_within_the_timeout(data, tmp_path):
         line = next(ln for ln in errors if f"as rank {rank} of world size 4" in ln)
         assert f"127.0.0.1:{port}" in line and "--dist-timeout 10s" in line
     assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_a_rank_failing_mid_run_stops_the_job(data, tmp_path):
+    # Validation image 1 is rank 1's first (ShardSampler: odd indices on rank 1 of 2). When it
+    # fails, rank 0 (waiting in the all-reduce) must not hang: the whole job ends, code 1.
+    broken = tmp_path / "data"
+    shutil.copytree(data, broken)
+    first = sorted((broken / "val" / "class0").glob("*.jpg"))[1]
+    first.write_bytes(b"not a jpeg")
+    out = tmp_path / "out"
+    cmd = main_cmd(str(broken), *RUN, "--multiprocessing-distributed", "--nproc-per-node", "2",
+                   "-b", "8", "--output-dir", str(out))
+    (result,) = run_parallel([cmd], [child_env()], tmp_path / "logs", timeout=180)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"[rank 1] error: cannot read image {first}" in result.stderr
+    assert "training process 1 of this node exited with code 1; stopped the others" \
+        in result.stderr
+    assert not (out / "checkpoint.pth.tar").exists()
 
 
 def test_unreachable_master(data, tmp_path):

@@ -14,6 +14,8 @@ from imagenet import transforms as T
 from imagenet.errors import DataError
 
 RED = (255, 0, 0)
+# torchvision 0.29 deprecates its decoders in favour of TorchCodec (not installed here).
+pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
 
 
 def textured(width: int = 120, height: int = 90, seed: int = 0) -> Image.Image:
@@ -45,9 +47,10 @@ def test_fast_jpeg_decode_matches_pil(jpeg: Path) -> None:
     classic = T.load_image(jpeg, "pil")
     assert isinstance(classic, Image.Image) and classic.mode == "RGB"
     assert fast.dtype == torch.uint8 and fast.shape == (3, 90, 120)
-    # Same libjpeg-turbo family and settings: identical in practice; allow 1 level on average.
+    # Both are libjpeg-turbo with the same IDCT and chroma upsampling: bit-identical here (mean
+    # |diff| 0.000 on these and the benchmark's 200 photo-like JPEGs); slack for other builds.
     diff = (fast.int() - as_chw(classic).int()).abs()
-    assert diff.float().mean() < 1.0 and diff.max() <= 8
+    assert diff.float().mean() < 0.5 and diff.max() <= 4
 
 
 def write_odd_formats(folder: Path) -> dict[str, Path]:
@@ -76,11 +79,13 @@ def test_odd_formats_load_as_rgb_with_right_colours(tmp_path: Path, backend: str
         assert (mean - expected).abs().max() < 4, (name, mean.tolist())
 
 
-def test_cmyk_jpeg_fast_path_matches_pil_on_texture(tmp_path: Path) -> None:
-    path = tmp_path / "cmyk.jpg"
-    textured().convert("CMYK").save(path, quality=95)
+@pytest.mark.parametrize("mode", ["CMYK", "L"])
+def test_cmyk_and_gray_jpeg_fast_path_matches_pil_on_texture(tmp_path: Path, mode: str) -> None:
+    path = tmp_path / f"{mode}.jpg"
+    textured().convert(mode).save(path, quality=95)
     fast, classic = T.load_image(path, "tensor"), as_chw(T.load_image(path, "pil"))
-    assert (fast.int() - classic.int()).abs().float().mean() < 1.0
+    assert fast.shape == classic.shape == (3, 90, 120)
+    assert (fast.int() - classic.int()).abs().float().mean() < 0.5  # measured: identical
 
 
 @pytest.mark.parametrize("backend", T.BACKENDS)
@@ -118,14 +123,19 @@ def test_train_transform_gives_uint8_crops(jpeg: Path, backend: str,
 
 
 @pytest.mark.parametrize("interpolation", list(T.INTERPOLATIONS))
-def test_backends_agree_on_shape_dtype_and_range(jpeg: Path, interpolation: str) -> None:
-    outs = {b: T.train_transform(64, interpolation, backend=b)(T.load_image(jpeg, b))
-            for b in T.BACKENDS}
-    fast, classic = outs["tensor"], outs["pil"]
-    assert fast.shape == classic.shape == (3, 64, 64) and fast.dtype == classic.dtype
-    # Different random crops, same picture: channel means close, full range used similarly.
-    assert (fast.float().mean((1, 2)) - classic.float().mean((1, 2))).abs().max() < 40
-    assert fast.max() > 150 and classic.max() > 150
+def test_backends_agree_on_shape_dtype_and_range(tmp_path: Path, interpolation: str) -> None:
+    # One colour plus noise: every random crop has the same statistics, whatever its box.
+    rng = np.random.default_rng(0)
+    pixels = np.array([200, 100, 50]) + rng.normal(0, 20, (90, 120, 3))
+    path = tmp_path / "noise.jpg"
+    Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(path, quality=90)
+    fast, classic = (T.train_transform(64, interpolation, backend=b)(T.load_image(path, b))
+                     for b in T.BACKENDS)
+    assert fast.shape == classic.shape == (3, 64, 64)
+    assert fast.dtype == classic.dtype == torch.uint8
+    for out in (fast, classic):
+        assert (out.float().mean((1, 2)) - torch.tensor([200.0, 100, 50])).abs().max() < 8
+    assert abs(fast.float().std() - classic.float().std()) < 0.1 * classic.float().std()
 
 
 def test_random_erasing_fills_with_the_mean(jpeg: Path) -> None:
@@ -151,15 +161,28 @@ def test_tensor_crop_is_a_flipped_resized_region(tmp_path: Path) -> None:
     assert seen == {True, False}
 
 
-def test_crop_box_matches_torchvision_rules() -> None:
-    tf = T.RandomResizedCropFlip(224)
+def test_crop_box_follows_torchvision_rules_and_distribution() -> None:
+    from torchvision.transforms import v2
+
+    ours, theirs = T.RandomResizedCropFlip(224), v2.RandomResizedCrop(224)
     g = torch.Generator().manual_seed(0)
     for _ in range(500):
         height, width = torch.randint(20, 600, (2,), generator=g).tolist()
-        top, left, h, w = tf.crop_box(height, width, torch.rand(22, generator=g).tolist())
+        top, left, h, w = ours.crop_box(height, width, torch.rand(22, generator=g).tolist())
         assert 0 <= top <= height - h and 0 <= left <= width - w and h > 0 and w > 0
-    # No try fits (all areas too large, ratio extreme): torchvision's clamped centre crop.
-    assert tf.crop_box(100, 1000, [0.999] * 22) == (0, 367, 100, 267)
+    # No try fits (areas too large for the extreme shape): the centre crop clamped to 4:3.
+    assert ours.crop_box(100, 1000, [0.999] * 22) == (0, 433, 100, 133)
+    # Same distribution as torchvision's sampler: mean area, aspect and position agree.
+    torch.manual_seed(0)
+    image = torch.zeros(3, 300, 400)
+    boxes = {"ours": torch.tensor([ours.crop_box(300, 400, torch.rand(22).tolist())
+                                   for _ in range(3000)], dtype=torch.float64),
+             "theirs": torch.tensor([list(theirs.make_params([image]).values())
+                                     for _ in range(3000)], dtype=torch.float64)}
+    stats = {k: torch.stack([b[:, 2] * b[:, 3] / 120_000, (b[:, 3] / b[:, 2]).log(),
+                             (b[:, 0] + b[:, 2] / 2) / 300, (b[:, 1] + b[:, 3] / 2) / 400]
+                            ).mean(1) for k, b in boxes.items()}
+    assert torch.allclose(stats["ours"], stats["theirs"], atol=0.02), stats
 
 
 def test_val_transform_is_deterministic_and_centre_crops(tmp_path: Path) -> None:
