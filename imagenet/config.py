@@ -1,8 +1,8 @@
 """Command-line flags -> a frozen ``Config``; the only reader of ``argv``.
 
-Every flag of pytorch/examples' ``imagenet/main.py`` keeps its name, alias and meaning. Each field of
-``Config`` declares its own flag, so the parser, the frozen value and the dict stored in checkpoints
-cannot drift apart.
+Every flag of pytorch/examples' ``imagenet/main.py`` keeps its name, alias and meaning. Each
+field of ``Config`` declares its own flag, so the parser, the frozen value and the dict stored in
+checkpoints cannot drift apart.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import argparse
 import dataclasses
 import difflib
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from imagenet.errors import UsageError
 
@@ -207,11 +208,11 @@ class Config:
                                             "GPUs, or 1 on CPU)")
     local_rank: int | None = _flag("--local-rank", "--local_rank", group="distributed",
                                    default=None, type=int, metavar="R",
-                                   help="set by torch.distributed.launch; do not pass by hand (default: "
-                                        "LOCAL_RANK)")
+                                   help="set by torch.distributed.launch; do not pass by hand "
+                                        "(default: LOCAL_RANK)")
     gpu: int | None = _flag("--gpu", group="distributed", default=None, type=int, metavar="ID",
-                            help="CUDA device index for a single-process run (default: 0 when CUDA is "
-                                "present)")
+                            help="CUDA device index for a single-process run "
+                                "(default: 0 when CUDA is present)")
     no_accel: bool = _flag("--no-accel", group="distributed", default=False,
                            action="store_true", help="run on the CPU even if CUDA is present")
     ddp_comm_hook: str = _flag("--ddp-comm-hook", group="distributed", default="none",
@@ -253,7 +254,7 @@ class Config:
         return {k: list(v) if isinstance(v, tuple) else v
                 for k, v in dataclasses.asdict(self).items()}
 
-    def replace(self, **changes: Any) -> "Config":
+    def replace(self, **changes: Any) -> Config:
         """A copy with some fields changed (the original stays frozen)."""
         return dataclasses.replace(self, **changes)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -158,7 +158,8 @@ def train_one_epoch(ctx: TrainContext, loader: Iterable, step: Step) -> dict[str
     elapsed = time.perf_counter() - start
     return {"loss": totals["loss"] / count, "acc1": 100 * totals["correct1"] / count,
             "acc5": 100 * totals["correct5"] / count, "images": totals["count"],
-            "time": elapsed, "images_per_sec": totals["count"] * ctx.world_size / max(elapsed, 1e-9)}
+            "time": elapsed,
+            "images_per_sec": totals["count"] * ctx.world_size / max(elapsed, 1e-9)}
 
 
 def check_finite(bad_step: torch.Tensor, epoch: int) -> None:
@@ -228,7 +229,8 @@ def evaluate(model: nn.Module, loader: Iterable, criterion: nn.Module, device: t
     if count != expected_count:
         raise RunError(f"validated {count} images but the validation set has {expected_count}; "
                        "the validation shards are inconsistent across ranks")
-    return {"loss": totals["loss"] / max(count, 1), "acc1": 100 * totals["correct1"] / max(count, 1),
+    return {"loss": totals["loss"] / max(count, 1),
+            "acc1": 100 * totals["correct1"] / max(count, 1),
             "acc5": 100 * totals["correct5"] / max(count, 1), "count": count,
             "time": time.perf_counter() - start}
 

@@ -81,7 +81,8 @@ def build_ema(model: nn.Module, cfg: Config, world_size: int,
     """
     if not cfg.model_ema:
         return None
-    adjust = world_size * batch_per_process * cfg.model_ema_steps * cfg.grad_accum_steps / cfg.epochs
+    images_per_update = world_size * batch_per_process * cfg.grad_accum_steps * cfg.model_ema_steps
+    adjust = images_per_update / cfg.epochs
     alpha = min(1.0, (1.0 - cfg.model_ema_decay) * adjust)
     return torch.optim.swa_utils.AveragedModel(
         model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(1.0 - alpha),

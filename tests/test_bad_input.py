@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import TINY, run_main, write_image_folder
+
 from imagenet.cli import main
 
 

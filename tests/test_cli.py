@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import TINY, child_env, run_main
 
 

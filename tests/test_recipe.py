@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 import torch
+from conftest import TINY, run_main
 from torch import nn
 
-from conftest import TINY, run_main
 from imagenet.config import parse_config
 from imagenet.engine import Step, TrainContext, train_one_epoch
 from imagenet.models import unwrap
