@@ -4,11 +4,12 @@ of one gradient all-reduce over gloo on loopback.
 Run by hand (not a test):
 
     python benchmarks/bench_distributed.py [--arch resnet18] [--image-size 64]
-        [--global-batch 32] [--steps 8] [--reduce-archs resnet18 resnet50]
+        [--global-batch 32] [--steps 6] [--rounds 2] [--reduce-archs resnet18 resnet50]
 
-Training throughput drives imagenet.engine.train_one_epoch on synthetic uint8 images; each
-configuration uses the same number of CPU threads in total (1 process x 2 threads vs 2 processes x
-1 thread), so on a 2-core CPU the comparison shows the cost of DDP, not a speed-up.
+Training throughput drives imagenet.engine.train_one_epoch on synthetic uint8 images at one global
+batch: 1 process x 1 thread, 1 process x 2 threads, 2 DDP processes x 1 thread. On a 2-core CPU
+this shows the cost of DDP, not a speed-up; on a shared (busy) box intra-op threads oversubscribe
+the cores, which is why 1 x 2 can be far slower than 1 x 1.
 """
 
 from __future__ import annotations
@@ -44,33 +45,31 @@ def join(rank: int, world: int, port: int) -> None:
 
 def train_speed(rank: int, world: int, port: int, args: argparse.Namespace, threads: int,
                 results: dict) -> None:
-    """Images/s (all ranks) of train_one_epoch after one warm-up epoch."""
+    """Images/s (all ranks) of train_one_epoch over ``args.steps`` steps, after 2 warm-up steps."""
     torch.set_num_threads(threads)
     if world > 1:
         join(rank, world, port)
-    batch = args.global_batch // world
-    size = args.global_batch * args.steps
-    data = SeededDataset(DummyDataset(size, 1000, args.image_size), seed=0)
-    sampler = ResumableDistributedSampler(size, rank, world)
-    loader = DataLoader(data, batch_size=batch, sampler=sampler)
     torch.manual_seed(0)
     raw = torchvision.models.get_model(args.arch, num_classes=1000)
     model = DDP(raw) if world > 1 else raw
     opt = torch.optim.SGD(raw.parameters(), lr=0.01, momentum=0.9)
-    ctx = TrainContext(model=model, criterion=nn.CrossEntropyLoss(), optimizer=opt,
-                       scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                       device=torch.device("cpu"), steps_per_epoch=args.steps, world_size=world,
-                       print_freq=10**6)
-    train_one_epoch(ctx, loader, Step(epoch=0))  # warm-up: allocator, DDP buckets
-    if world > 1:
-        dist.barrier()
-    start = time.perf_counter()
-    sampler.set_epoch(1)
-    train_one_epoch(ctx, loader, Step(epoch=1))
-    if world > 1:
-        dist.barrier()
-    if rank == 0:
-        results["images_per_sec"] = size / (time.perf_counter() - start)
+    for phase, steps in (("warm-up", 2), ("timed", args.steps)):  # warm-up: allocator, buckets
+        size = args.global_batch * steps
+        data = SeededDataset(DummyDataset(size, 1000, args.image_size), seed=0)
+        loader = DataLoader(data, batch_size=args.global_batch // world,
+                            sampler=ResumableDistributedSampler(size, rank, world))
+        ctx = TrainContext(model=model, criterion=nn.CrossEntropyLoss(), optimizer=opt,
+                           scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                           device=torch.device("cpu"), steps_per_epoch=steps, world_size=world,
+                           print_freq=10**6)
+        if world > 1:
+            dist.barrier()
+        start = time.perf_counter()
+        train_one_epoch(ctx, loader, Step())
+        if world > 1:
+            dist.barrier()
+        if rank == 0 and phase == "timed":
+            results["images_per_sec"] = size / (time.perf_counter() - start)
     if world > 1:
         dist.destroy_process_group()
 
@@ -104,7 +103,8 @@ def main() -> None:
     parser.add_argument("--arch", default="resnet18")
     parser.add_argument("--image-size", type=int, default=64, help="pixels")
     parser.add_argument("--global-batch", type=int, default=32, help="images per step, all ranks")
-    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps")
+    parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps")
+    parser.add_argument("--rounds", type=int, default=2, help="repeats of each configuration")
     parser.add_argument("--reduce-archs", nargs="+", default=["resnet18", "resnet50"])
     parser.add_argument("--repeats", type=int, default=5, help="timed all-reduces per model")
     args = parser.parse_args()
@@ -112,17 +112,24 @@ def main() -> None:
     cores = os.cpu_count() or 1
     manager = mp.Manager()
 
-    rows = []
-    for world, threads in ((1, min(2, cores)), (2, 1)):
-        results = manager.dict()
-        mp.spawn(train_speed, args=(world, free_port(), args, threads, results), nprocs=world)
-        rows.append((world, threads, args.global_batch // world, results["images_per_sec"]))
+    # (processes, threads each): the same 2 cores as 1x2 and 2x1; 1x1 shows what threading buys.
+    configs = [(1, 1), (1, min(2, cores)), (2, 1)]
+    speeds: dict[tuple[int, int], list[float]] = {c: [] for c in configs}
+    for _ in range(args.rounds):  # interleaved, so a busy moment on a shared box hits all
+        for world, threads in configs:
+            results = manager.dict()
+            mp.spawn(train_speed, args=(world, free_port(), args, threads, results),
+                     nprocs=world)
+            speeds[(world, threads)].append(results["images_per_sec"])
     print(f"\ntraining {args.arch} at {args.image_size}px, global batch {args.global_batch}, "
-          f"{args.steps} steps, gloo on loopback, {cores} CPU cores")
+          f"{args.steps} timed steps, gloo on loopback, {cores} CPU cores; "
+          f"best of {args.rounds} rounds")
     print(f"{'processes':>9} {'threads/proc':>12} {'batch/proc':>10} {'images/s':>9} "
-          f"{'vs 1 proc':>9}")
-    for world, threads, batch, speed in rows:
-        print(f"{world:>9} {threads:>12} {batch:>10} {speed:>9.1f} {speed / rows[0][3]:>8.2f}x")
+          f"{'vs 1x1':>7}   all rounds")
+    base = max(speeds[configs[0]])
+    for (world, threads), values in speeds.items():
+        print(f"{world:>9} {threads:>12} {args.global_batch // world:>10} {max(values):>9.1f} "
+              f"{max(values) / base:>6.2f}x   {', '.join(f'{v:.1f}' for v in values)}")
 
     results = manager.dict()
     mp.spawn(allreduce_time, args=(2, free_port(), args.reduce_archs, args.repeats, results),

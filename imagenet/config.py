@@ -55,6 +55,9 @@ class Config:
                             "flags you did not give")
     train_crop_size: int = _flag("--train-crop-size", group="data", default=224, type=int,
                                  metavar="PX", help="training crop, pixels (default: %(default)s)")
+    train_crop_scale: float = _flag("--train-crop-scale", group="data", default=0.08, type=float,
+                                    metavar="F", help="smallest RandomResizedCrop area, as a "
+                                                      "fraction of the image (default: %(default)s)")
     val_resize_size: int = _flag("--val-resize-size", group="data", default=256, type=int,
                                  metavar="PX", help="validation resize of the short side, pixels "
                                                     "(default: %(default)s)")
@@ -328,6 +331,9 @@ def validate(cfg: Config) -> None:
     if cfg.epochs < cfg.start_epoch:
         raise UsageError(f"--epochs ({cfg.epochs}) is smaller than --start-epoch "
                          f"({cfg.start_epoch}): nothing to train")
+    if not 0.0 < cfg.train_crop_scale <= 1.0:
+        raise UsageError(f"--train-crop-scale is an area fraction in (0, 1], got "
+                         f"{cfg.train_crop_scale}")
     if not 0.0 <= cfg.random_erase <= 1.0:
         raise UsageError(f"--random-erase is a probability in [0, 1], got {cfg.random_erase}")
     if not 0.0 <= cfg.label_smoothing < 1.0:

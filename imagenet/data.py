@@ -181,7 +181,7 @@ def build_datasets(cfg: Config, data_root: Path) -> tuple[Dataset, Dataset, list
     train_dir, val_dir = check_folder(data_root)
     train_tf = T.train_transform(cfg.train_crop_size, cfg.interpolation, cfg.auto_augment,
                                  cfg.ra_magnitude, cfg.augmix_severity, cfg.random_erase,
-                                 backend=cfg.image_backend)
+                                 backend=cfg.image_backend, min_scale=cfg.train_crop_scale)
     val_tf = T.val_transform(cfg.val_resize_size, cfg.val_crop_size, cfg.interpolation,
                              backend=cfg.image_backend)
     train = image_folder(train_dir, train_tf, cfg.image_backend)

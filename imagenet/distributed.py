@@ -99,14 +99,13 @@ def plan_launch(cfg: Config, env: Mapping[str, str], cuda_count: int) -> Launch:
 
 
 def _plan_spawn(cfg: Config, env: Mapping[str, str], gpus: int) -> Launch:
-    """--multiprocessing-distributed: nodes and node rank from the flags (or, like the classic,
-    from WORLD_SIZE / RANK with --dist-url env://)."""
+    """--multiprocessing-distributed: processes per node, nodes and this node's rank."""
     if "LOCAL_RANK" in env or cfg.local_rank is not None:
         raise UsageError("--multiprocessing-distributed starts its own processes: do not also "
                          "start main.py with torchrun / torch.distributed.launch (drop one)")
     nprocs = cfg.nproc_per_node or gpus or 1
     _check_gpus(nprocs, gpus)
-    from_env = cfg.dist_url == "env://"
+    from_env = cfg.dist_url == "env://"  # like the classic: WORLD_SIZE / RANK count nodes then
     nnodes = cfg.world_size if cfg.world_size > 0 else (
         _int(env, "WORLD_SIZE") if from_env else None) or 1
     node_rank = cfg.rank if cfg.rank >= 0 else (_int(env, "RANK") if from_env else None)

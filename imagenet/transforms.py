@@ -180,13 +180,14 @@ def auto_augment_transform(name: str, interpolation: v2.InterpolationMode, ra_ma
 def train_transform(crop_size: int, interpolation: str = "bilinear",
                     auto_augment: str | None = None, ra_magnitude: int = 9,
                     augmix_severity: int = 3, random_erase: float = 0.0,
-                    backend: str = "tensor") -> Callable:
+                    backend: str = "tensor", min_scale: float = 0.08) -> Callable:
     """Training augmentation: image from ``load_image`` -> uint8 tensor (3, crop, crop)."""
     mode = interpolation_mode(interpolation)
+    scale = (min_scale, 1.0)
     if backend == "tensor":
-        steps: list[Callable] = [RandomResizedCropFlip(crop_size, interpolation)]
+        steps: list[Callable] = [RandomResizedCropFlip(crop_size, interpolation, scale)]
     elif backend == "pil":
-        steps = [v2.RandomResizedCrop(crop_size, interpolation=mode, antialias=True),
+        steps = [v2.RandomResizedCrop(crop_size, scale=scale, interpolation=mode, antialias=True),
                  v2.RandomHorizontalFlip()]
     else:
         raise ValueError(f"unknown image backend {backend!r}; choose from {BACKENDS}")
