@@ -123,7 +123,8 @@ class PowerSGDHook:
         self.layouts[index] = layout
 
 
-def powersgd_hook(hook: PowerSGDHook, bucket: torch_dist.GradBucket) -> torch.futures.Future:
+def powersgd_hook(hook, bucket):  # no annotations: DDP compares them with its classes, and
+    # postponed annotations (``from __future__ import annotations``) are strings
     """torch's powerSGD_hook, one bucket at a time on gloo (see ``PowerSGDHook``)."""
     if hook.previous is not None:
         hook.previous.wait()  # a no-op once done, e.g. for the first bucket of a step
