@@ -10,7 +10,9 @@
 #   node 1:  STYLE=dist-url NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 ./run_multinode.sh DIR -b 256
 #   (-b is per node here, as in the classic script.)
 # Environment: NNODES (2), NODE_RANK (0), MASTER_ADDR (required), MASTER_PORT (29500),
-# NPROC_PER_NODE (visible GPUs, or 1 on CPU), STYLE (torchrun | dist-url), PYTHON.
+# NPROC_PER_NODE (visible GPUs, or 1 on CPU), STYLE (torchrun | dist-url), PYTHON,
+# MAX_RESTARTS (torchrun style: restarts of the worker group after a failure, default 0; restarted
+# workers resume from OUTPUT_DIR/checkpoint.pth.tar - add --save-every N to lose little).
 # If the nodes have several network interfaces, export GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME;
 # otherwise main.py picks the interface that routes to MASTER_ADDR.
 set -euo pipefail
@@ -27,8 +29,8 @@ fi
 case "${STYLE:-torchrun}" in
     torchrun)
         exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" \
-            --nproc-per-node "$NPROC_PER_NODE" --master-addr "$MASTER_ADDR" \
-            --master-port "$MASTER_PORT" "$here/main.py" "$@" ;;
+            --nproc-per-node "$NPROC_PER_NODE" --max-restarts "${MAX_RESTARTS:-0}" \
+            --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" "$here/main.py" "$@" ;;
     dist-url)
         exec "$PYTHON" "$here/main.py" --multiprocessing-distributed \
             --nproc-per-node "$NPROC_PER_NODE" --world-size "$NNODES" --rank "$NODE_RANK" \

@@ -56,8 +56,9 @@ class Config:
     train_crop_size: int = _flag("--train-crop-size", group="data", default=224, type=int,
                                  metavar="PX", help="training crop, pixels (default: %(default)s)")
     train_crop_scale: float = _flag("--train-crop-scale", group="data", default=0.08, type=float,
-                                    metavar="F", help="smallest RandomResizedCrop area, as a "
-                                                      "fraction of the image (default: %(default)s)")
+                                    metavar="F",
+                                    help="smallest RandomResizedCrop area, as a fraction of the "
+                                         "image (default: %(default)s)")
     val_resize_size: int = _flag("--val-resize-size", group="data", default=256, type=int,
                                  metavar="PX", help="validation resize of the short side, pixels "
                                                     "(default: %(default)s)")
@@ -324,7 +325,8 @@ def validate(cfg: Config) -> None:
                     "-j/--workers": cfg.workers, "--start-epoch": cfg.start_epoch,
                     "--save-every": cfg.save_every, "--label-smoothing": cfg.label_smoothing,
                     "--mixup-alpha": cfg.mixup_alpha, "--cutmix-alpha": cfg.cutmix_alpha,
-                    "--lr-warmup-epochs": cfg.lr_warmup_epochs, "--lr-min": cfg.lr_min}
+                    "--lr-warmup-epochs": cfg.lr_warmup_epochs, "--lr-min": cfg.lr_min,
+                    "--powersgd-start-iter": cfg.powersgd_start_iter}
     for name, value in non_negative.items():
         if value < 0:
             raise UsageError(f"{name} must not be negative, got {value}")

@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info

@@ -41,6 +41,8 @@ def wrap(raw: nn.Module, cfg: Config, dist: DistInfo) -> nn.Module:
     if cfg.compile:
         model = torch.compile(model)
     if not dist.distributed:
+        if cfg.ddp_comm_hook != "none":
+            log.info("=> one process: --ddp-comm-hook %s has nothing to send", cfg.ddp_comm_hook)
         return model
     device_ids = [dist.device.index] if dist.device.type == "cuda" else None
     model = DDP(model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb)
@@ -123,8 +125,9 @@ class PowerSGDHook:
         self.layouts[index] = layout
 
 
-def powersgd_hook(hook, bucket):  # no annotations: DDP compares them with its classes, and
-    # postponed annotations (``from __future__ import annotations``) are strings
+# No annotations: DDP checks a hook's annotations against its own classes, and postponed
+# annotations (``from __future__ import annotations``) are strings.
+def powersgd_hook(hook, bucket):
     """torch's powerSGD_hook, one bucket at a time on gloo (see ``PowerSGDHook``)."""
     if hook.previous is not None:
         hook.previous.wait()  # a no-op once done, e.g. for the first bucket of a step
@@ -216,11 +219,11 @@ def log_payload(raw: nn.Module, cfg: Config, world_size: int) -> None:
     if hook == "none":
         with_hook = "no hook"
     else:
-        detail = (f" rank {cfg.powersgd_rank} after {cfg.powersgd_start_iter} uncompressed "
-                  "step(s)" if hook == "powersgd" else "")
-        with_hook = (f"{hooked / 2**20:.2f} MiB with {hook}{detail} "
-                     f"({plain / max(hooked, 1):.1f}x less)")
-    log.info("=> gradient all-reduce payload per step and rank (an estimate): %.2f MiB "
-             "uncompressed, %s; a ring all-reduce sends about 2(w-1)/w = %.2f x the payload per "
-             "rank; DDP buckets of %g MB", plain / 2**20, with_hook,
+        name = f"powersgd rank {cfg.powersgd_rank}" if hook == "powersgd" else hook
+        with_hook = f"{hooked / 2**20:.2f} MiB with {name} ({plain / max(hooked, 1):.1f}x less)"
+        if hook == "powersgd":
+            with_hook += f" after {cfg.powersgd_start_iter} uncompressed step(s)"
+    log.info("=> DDP gradient payload per step and rank (an estimate from the parameter shapes):"
+             " %.2f MiB uncompressed, %s; a ring all-reduce puts about 2(w-1)/w = %.2f x the "
+             "payload on each rank's link; DDP buckets of %g MB", plain / 2**20, with_hook,
              2 * (world_size - 1) / world_size, cfg.bucket_cap_mb)

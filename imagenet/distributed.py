@@ -297,9 +297,11 @@ def init_distributed(cfg: Config, launch: Launch, local_index: int) -> DistInfo:
         log.info("=> master %s is not on loopback: gloo/NCCL use interface %s (set "
                  "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to choose another)", host, ifname)
     where = f"{host}:{port} as rank {rank} of world size {world}"
+    timeout = datetime.timedelta(seconds=cfg.dist_timeout)
     try:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=cfg.dist_timeout),
+        store = elastic_store(env, host, port, world, timeout)  # type: ignore[arg-type]
+        dist.init_process_group(backend, init_method=None if store else init_method, store=store,
+                                rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
         # One barrier so a missing peer fails here, named, not in the first all-reduce.
         dist.barrier()
@@ -307,6 +309,25 @@ def init_distributed(cfg: Config, launch: Launch, local_index: int) -> DistInfo:
         cleanup()
         raise DistributedError(_explain(exc, where, cfg.dist_timeout)) from exc
     return DistInfo(rank, local_rank, world, local_world, device, backend)
+
+
+def elastic_store(env: Mapping[str, str], host: str, port: int | None, world: int,
+                  timeout: datetime.timedelta) -> dist.Store | None:
+    """This attempt's view of torchrun's shared store; None when torchrun does not share it.
+
+    torchrun's c10d rendezvous lets the workers use its own TCPStore, which outlives a restart
+    and keeps every key of the previous attempt: gloo/NCCL then read the dead workers' addresses
+    and never connect (pytorch/pytorch#135712). Keys prefixed with the restart count fix that on
+    one node, and across nodes whenever every node restarts once per failure (torchrun's static
+    rendezvous, as in run_multinode.sh: the surviving nodes' workers fail on the broken peer and
+    restart too). Each agent counts its own restarts; where counts can drift apart (c10d
+    rendezvous), TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every attempt a fresh store instead
+    and turns this off (README, "Fault tolerance").
+    """
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or port is None:
+        return None
+    shared = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"imagenet/attempt_{elastic_restart_count(env)}", shared)
 
 
 def _explain(exc: Exception, where: str, timeout: float) -> str:

@@ -6,9 +6,10 @@ import logging
 import random
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -344,8 +345,9 @@ def describe(run: Run, batch_size: int, workers: int) -> dict[str, Any]:
     info = {"world_size": d.world_size, "batch_per_process": batch_size,
             "global_batch": batch_size * d.world_size * run.cfg.grad_accum_steps,
             "workers_per_process": workers, "device": str(d.device), "backend": d.backend,
-            "num_classes": run.data.num_classes, "train_images": len(run.data.train_sampler.indices())
-            * d.world_size, "val_images": run.data.val_size,
+            "num_classes": run.data.num_classes,
+            "train_images": len(run.data.train_sampler.indices()) * d.world_size,
+            "val_images": run.data.val_size,
             "steps_per_epoch": run.ctx.steps_per_epoch}
     log.info("=> %s on %s: global batch %d = %d process(es) x %d images x %d accumulation "
              "step(s); %d loader worker(s) per process; %d classes, %d val images",

@@ -98,3 +98,19 @@ def run_parallel(commands: list[list[str]], envs: list[dict[str, str]], workdir:
     assert not timed_out, f"timed out after {timeout}s:\n" + "\n".join(
         f"{r.args}\n{r.stdout}\n{r.stderr}" for r in results)
     return results
+
+
+def join_gloo(rank: int, world: int, port: int):
+    """Join a real gloo process group on loopback through imagenet.distributed (as main.py
+    does); returns its DistInfo. For the body of mp.spawn'ed test processes."""
+    import torch
+
+    from imagenet.config import parse_config
+    from imagenet.distributed import init_distributed, plan_launch
+
+    torch.set_num_threads(1)
+    cfg = parse_config(["data", "--dist-url", f"tcp://127.0.0.1:{port}", "--world-size",
+                        str(world), "--rank", str(rank), "--dist-timeout", "120"])
+    info = init_distributed(cfg, plan_launch(cfg, {}, 0), 0)
+    assert (info.rank, info.world_size, info.backend) == (rank, world, "gloo")
+    return info

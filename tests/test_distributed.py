@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import join_gloo
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -299,13 +300,9 @@ def evaluate_counts(rank: int, world: int, size: int, batch: int) -> dict[str, f
 
 def _ddp_worker(rank: int, world: int, port: int, out: Path) -> None:
     """Body of each spawned process: join through imagenet.distributed, train, evaluate, save."""
-    from imagenet.distributed import cleanup, init_distributed
+    from imagenet.distributed import cleanup
 
-    torch.set_num_threads(1)
-    cfg = parse_config(["data", "--dist-url", f"tcp://127.0.0.1:{port}", "--world-size",
-                        str(world), "--rank", str(rank), "--dist-timeout", "120"])
-    info = init_distributed(cfg, plan_launch(cfg, {}, 0), 0)
-    assert (info.rank, info.world_size, info.backend) == (rank, world, "gloo")
+    join_gloo(rank, world, port)
     try:
         result = {"plain": train_weights(rank, world, batch=4, accum=1),
                   "accum": train_weights(rank, world, batch=2, accum=2),

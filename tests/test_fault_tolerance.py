@@ -43,7 +43,7 @@ class Live:
                                      env=child_env(PYTHONUNBUFFERED="1", FT_TOKEN=self.token,
                                                    **env))
         self.lines: list[str] = []
-        self._watchdog = threading.Timer(timeout, self.signal_group, (signal.SIGKILL,))
+        self._watchdog = threading.Timer(timeout, self.kill_all)
         self._watchdog.start()
 
     def wait_for(self, text: str) -> None:
@@ -60,6 +60,19 @@ class Live:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
+
+    def kill_all(self) -> None:
+        """The watchdog: SIGKILL the group and every process tagged with this run's token.
+
+        torchrun starts its workers in sessions of their own, out of reach of ``killpg``; they
+        hold the output pipe, so without this a hung worker would block ``finish`` forever.
+        """
+        self.signal_group(signal.SIGKILL)
+        for pid in _tagged_pids(self.token):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def finish(self) -> int:
         """Read the rest of the output; the exit code."""
@@ -219,10 +232,10 @@ def test_ctrl_c_saves_too(data, tmp_path):
     assert ckpt["epoch"] == 0 and ckpt["step_in_epoch"] >= 2
 
 
-def _worker_pid(token: str, rank: int) -> int | None:
-    """The torchrun worker of ``rank`` of the run tagged ``token``."""
+def _tagged_processes(token: str):
+    """(pid, environment, command line) of every process whose FT_TOKEN is ``token``."""
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             env = dict(item.split("=", 1) for item in
@@ -231,8 +244,19 @@ def _worker_pid(token: str, rank: int) -> int | None:
             cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if env.get("FT_TOKEN") == token and env.get("RANK") == str(rank) and "main.py" in cmdline:
-            return int(entry.name)
+        if env.get("FT_TOKEN") == token:
+            yield int(entry.name), env, cmdline
+
+
+def _tagged_pids(token: str) -> list[int]:
+    return [pid for pid, _, _ in _tagged_processes(token)]
+
+
+def _worker_pid(token: str, rank: int) -> int | None:
+    """The torchrun worker of ``rank`` of the run tagged ``token``."""
+    for pid, env, cmdline in _tagged_processes(token):
+        if env.get("RANK") == str(rank) and "main.py" in cmdline:
+            return pid
     return None
 
 
@@ -242,8 +266,9 @@ def test_torchrun_restart_after_a_killed_worker_loses_at_most_save_every_steps(
     every = 2
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "2", "--monitor-interval", "0.5", MAIN, str(data), *FLAGS,
-           "-b", "4", "-j", "0", "--save-every", str(every), "--output-dir", str(out)]
-    live = Live(cmd)
+           "-b", "4", "-j", "0", "--save-every", str(every), "--output-dir", str(out),
+           "--dist-timeout", "60"]  # a restart that cannot re-form the group fails fast
+    live = Live(cmd, timeout=400)
     live.wait_for(step_line(1, 3))
     pid = _worker_pid(live.token, rank=1)
     assert pid is not None, live.output
