@@ -114,3 +114,23 @@ def join_gloo(rank: int, world: int, port: int):
     info = init_distributed(cfg, plan_launch(cfg, {}, 0), 0)
     assert (info.rank, info.world_size, info.backend) == (rank, world, "gloo")
     return info
+
+
+def gloo_rank_saving(rank: int, world: int, port: int, out: Path, compute) -> None:
+    """mp.spawn body: join gloo, save ``compute(info)`` to ``out/rank{rank}.pt``, leave together.
+
+    ``compute`` must be a module-level function (spawned children unpickle it by name).
+    """
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from imagenet.distributed import cleanup
+
+    info = join_gloo(rank, world, port)
+    try:
+        torch.save(compute(info), out / f"rank{rank}.pt")
+        dist.barrier(timeout=datetime.timedelta(seconds=60))
+    finally:
+        cleanup()

@@ -8,15 +8,13 @@ The several-bucket runs are the regression test for the gloo abort of torch's Po
 
 from __future__ import annotations
 
-import datetime
 import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import TINY, join_gloo, run_main
+from conftest import TINY, gloo_rank_saving, run_main
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -100,25 +98,17 @@ def train(info, flags: list[str], batch: int, accum: int) -> dict:
             "weights": {k: v.detach().clone() for k, v in raw.state_dict().items()}}
 
 
-def _worker(rank: int, world: int, port: int, out: Path) -> None:
-    """Join through imagenet.distributed (gloo), train every run, save the results."""
-    from imagenet.distributed import cleanup
-
-    info = join_gloo(rank, world, port)
-    try:
-        results = {name: train(info, *run) for name, run in RUNS.items()}
-        torch.save(results, out / f"rank{rank}.pt")
-        dist.barrier(timeout=datetime.timedelta(seconds=60))
-    finally:
-        cleanup()
+def train_every_run(info) -> dict:
+    """What one rank trained with each entry of RUNS."""
+    return {name: train(info, *run) for name, run in RUNS.items()}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     """What each of 2 real gloo processes trained with each hook (loaded with weights_only)."""
     out = tmp_path_factory.mktemp("hooks")
-    procs = mp.start_processes(_worker, args=(2, free_port(), out), nprocs=2, join=False,
-                               start_method="spawn")
+    procs = mp.start_processes(gloo_rank_saving, args=(2, free_port(), out, train_every_run),
+                               nprocs=2, join=False, start_method="spawn")
     deadline = time.monotonic() + 300  # a collective mismatch can hang instead of failing
     while not procs.join(timeout=2):  # raises if a process failed
         if time.monotonic() > deadline:

@@ -7,15 +7,12 @@ process doing the same work on the same data order in this process.
 
 from __future__ import annotations
 
-import datetime
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import join_gloo
+from conftest import gloo_rank_saving
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -298,26 +295,19 @@ def evaluate_counts(rank: int, world: int, size: int, batch: int) -> dict[str, f
     return evaluate(model, loader, nn.CrossEntropyLoss(), torch.device("cpu"), size)
 
 
-def _ddp_worker(rank: int, world: int, port: int, out: Path) -> None:
-    """Body of each spawned process: join through imagenet.distributed, train, evaluate, save."""
-    from imagenet.distributed import cleanup
-
-    join_gloo(rank, world, port)
-    try:
-        result = {"plain": train_weights(rank, world, batch=4, accum=1),
-                  "accum": train_weights(rank, world, batch=2, accum=2),
-                  "val31": evaluate_counts(rank, world, size=31, batch=3)}
-        torch.save(result, out / f"rank{rank}.pt")
-        dist.barrier(timeout=datetime.timedelta(seconds=60))
-    finally:
-        cleanup()
+def train_and_evaluate(info) -> dict:
+    """What one rank of the 2-process group trains and evaluates."""
+    rank, world = info.rank, info.world_size
+    return {"plain": train_weights(rank, world, batch=4, accum=1),
+            "accum": train_weights(rank, world, batch=2, accum=2),
+            "val31": evaluate_counts(rank, world, size=31, batch=3)}
 
 
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory) -> list[dict]:
     """What each of 2 real gloo processes trained and evaluated."""
     out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_ddp_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    mp.spawn(gloo_rank_saving, args=(2, free_port(), out, train_and_evaluate), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
