@@ -24,7 +24,7 @@ from imagenet.vallabels import WNID, read_val_labels
 
 log = logging.getLogger(__name__)
 
-OWNER_MARKER = ".imagenet-prepare"  # in OUT: this tool created the folders below it
+OWNER_MARKER = ".imagenet-prepare"  # in OUT/<split>: this tool created that folder
 DONE_MARKER = ".imagenet-prepare-done"  # in a class folder / in val: complete, holds the count
 PART_SUFFIX = ".part"
 IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")
@@ -221,19 +221,23 @@ def count_images(folder: Path) -> tuple[int, int]:
 
 
 def claim_output(out: Path, splits: Sequence[str]) -> None:
-    """Create ``out`` and its owner marker; refuse split folders this tool did not create."""
-    if (out / OWNER_MARKER).is_file():
-        return
+    """Create each split folder with its owner marker; refuse a split this tool did not create.
+
+    The marker is per split: a train/ made by this tool says nothing about a val/ made by hand.
+    """
     for split in splits:
         folder = out / split
-        if folder.is_dir() and any(folder.iterdir()):
+        if (folder / OWNER_MARKER).is_file():
+            continue
+        if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
             raise UsageError(f"{folder} exists, is not empty and was not made by this tool; "
                              "move it away or choose another --out")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / OWNER_MARKER).write_text("made by python -m imagenet.prepare\n")
-    except OSError as exc:
-        raise UsageError(f"{out}: cannot create the output folder ({exc.strerror})") from None
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / OWNER_MARKER).write_text("made by python -m imagenet.prepare\n")
+        except OSError as exc:
+            raise UsageError(f"{folder}: cannot create the output folder ({exc.strerror})"
+                             ) from None
 
 
 def counts_match(split: str, folder: Path, expected: int) -> bool:

@@ -168,7 +168,7 @@ def test_devkit_builds_the_image_folder(archives, tmp_path):
     result = prepare(*full_args(archives, out), "--log-every", 1)
     assert result.returncode == 0, result.stdout + result.stderr
     assert image_files(out) == archives["images"]  # every image, right folder, same bytes
-    assert sorted(p.name for p in (out / "train").iterdir()) == WNIDS
+    assert sorted(p.name for p in (out / "train").iterdir() if p.is_dir()) == WNIDS
     assert sorted(p.name for p in (out / "val").iterdir() if p.is_dir()) == WNIDS
     assert "train: 9 images in 3 classes, as expected: OK" in result.stdout
     assert "val: 6 images in 3 classes, as expected: OK" in result.stdout
@@ -216,6 +216,21 @@ def test_refuses_a_folder_it_did_not_make(archives, tmp_path):
     assert result.returncode == 2
     assert str(out / "train") in result.stderr and "Traceback" not in result.stderr
     assert [p.name for p in (out / "train").iterdir()] == ["precious.txt"]
+
+
+def test_a_split_made_by_hand_next_to_one_it_made_is_refused(archives, tmp_path):
+    # train/ comes from this tool; val/ is the user's own: preparing val must not touch it.
+    out = tmp_path / "imagenet"
+    train_only = ["--train-tar", archives["train"], "--out", out,
+                  "--expect-train", sum(TRAIN_PER_CLASS)]
+    assert prepare(*train_only).returncode == 0
+    (out / "val" / WNIDS[0]).mkdir(parents=True)
+    mine = out / "val" / WNIDS[0] / "ILSVRC2012_val_00000002.JPEG"
+    mine.write_bytes(b"my own image")
+    result = prepare("--val-tar", archives["val"], "--devkit", archives["devkit"], "--out", out)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert str(out / "val") in result.stderr and "Traceback" not in result.stderr
+    assert mine.read_bytes() == b"my own image"
 
 
 def test_count_mismatch_warns_and_fails_with_strict(archives, tmp_path):
