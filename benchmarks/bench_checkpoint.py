@@ -1,7 +1,7 @@
 """What --save-every costs: checkpoint size and write time, and step time with and without it.
 
 Uses the trainer's own pieces (build_run on --dummy data, the real after_step hook that saves with
-``trainer.save``: RNG gather, torch.save to a temp file, fsync, os.replace), on the CPU, with
+``runstate.save``: RNG gather, torch.save to a temp file, fsync, os.replace), on the CPU, with
 1000 classes and SGD momentum buffers as in an ImageNet run. Run by hand (not a test):
 
     python benchmarks/bench_checkpoint.py -a resnet18 resnet50 -b 8 --size 64 --steps 12 \\
@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from imagenet import checkpoint as ckpt_io  # noqa: E402
-from imagenet import trainer  # noqa: E402
+from imagenet import runstate, trainer  # noqa: E402
 from imagenet.config import parse_config  # noqa: E402
 from imagenet.distributed import DistInfo  # noqa: E402
 from imagenet.engine import Step, train_one_epoch  # noqa: E402
@@ -53,11 +53,11 @@ def epoch_time(run: trainer.Run, save_every: int) -> float:
 
 
 def write_time(run: trainer.Run, reps: int) -> tuple[float, int]:
-    """Median seconds of one trainer.save (model + optimizer + scheduler + RNG) and its bytes."""
+    """Median seconds of one runstate.save (model + optimizer + scheduler + RNG) and its bytes."""
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        trainer.save(run, is_best=False)
+        runstate.save(run, is_best=False)
         times.append(time.perf_counter() - start)
     path = run.output_dir / ckpt_io.CHECKPOINT
     return sorted(times)[len(times) // 2], path.stat().st_size

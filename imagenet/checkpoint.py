@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint.pth.tar"
 BEST = "model_best.pth.tar"
+BEST_EMA = "model_best_ema.pth.tar"  # --model-ema: the EMA weights at their best top-1
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / DataParallel and torch.compile
 ZIP_MAGIC, PICKLE_MAGIC = b"PK\x03\x04", b"\x80"  # torch.save's zip format; legacy / pickle
 
@@ -80,7 +81,7 @@ def atomic_copy(src: Path, dst: Path) -> None:
 
 def remove_stale_temp_files(folder: Path) -> None:
     """Delete temp files that a killed writer left behind."""
-    for name in (CHECKPOINT, BEST):
+    for name in (CHECKPOINT, BEST, BEST_EMA):
         for tmp in folder.glob(f".{name}.tmp-*"):
             tmp.unlink(missing_ok=True)
 
@@ -182,9 +183,9 @@ def _few(keys: list[str], n: int = 5) -> str:
     return ", ".join(keys[:n]) + more
 
 
-def best_acc1_on_disk(folder: Path) -> float | None:
-    """best_acc1 recorded in ``folder``/model_best.pth.tar (None if absent or unreadable)."""
-    path = folder / BEST
+def best_acc1_on_disk(folder: Path, name: str = BEST) -> float | None:
+    """best_acc1 recorded in ``folder``/``name`` (None if absent or unreadable)."""
+    path = folder / name
     if not path.is_file():
         return None
     try:  # mmap: only the small best_acc1 entry is read, not the weights
@@ -194,9 +195,11 @@ def best_acc1_on_disk(folder: Path) -> float | None:
         return None
 
 
-def best_acc1_of(ckpt: Mapping[str, Any]) -> float:
-    """best_acc1 as a float (the classic saved a tensor)."""
-    value = ckpt.get("best_acc1", 0.0)
+def best_acc1_of(ckpt: Mapping[str, Any], key: str = "best_acc1") -> float:
+    """``ckpt[key]`` as a float, 0 when absent (the classic saved best_acc1 as a tensor)."""
+    value = ckpt.get(key)
+    if value is None:
+        return 0.0
     return float(value.item() if isinstance(value, torch.Tensor) else value)
 
 

@@ -48,6 +48,7 @@ class TrainContext:
     batch_transform: Callable | None = None  # MixUp / CutMix on the device batch
     ema: torch.optim.swa_utils.AveragedModel | None = None
     ema_steps: int = 32
+    ema_warmup_epochs: int = 0  # the EMA copies the weights instead of averaging during warm-up
     print_freq: int = 10
     epochs: int = 1
     on_print: Callable[[dict], None] | None = None
@@ -100,6 +101,10 @@ def _optimizer_step(ctx: TrainContext, step: Step) -> None:
     ctx.scheduler.step()
     if ctx.ema is not None and (step.global_step + 1) % ctx.ema_steps == 0:
         ctx.ema.update_parameters(ctx.model)
+        if step.epoch < ctx.ema_warmup_epochs:
+            # As torchvision's references: the next update copies the weights, so the average
+            # starts from the warmed-up model rather than from the random init.
+            ctx.ema.n_averaged.fill_(0)
 
 
 def train_one_epoch(ctx: TrainContext, loader: Iterable, step: Step) -> dict[str, float]:

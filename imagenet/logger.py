@@ -15,6 +15,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
+METRICS = "metrics.jsonl"
+
 
 def setup_logging(rank: int, debug: bool = False) -> None:
     """Rank 0 logs INFO to stdout; other ranks log warnings and errors only, tagged."""
@@ -49,6 +51,14 @@ def environment() -> dict[str, Any]:
             "python": platform.python_version(), "git_commit": git_commit()}
 
 
+def _epoch_of(line: str) -> float:
+    """The epoch of a metrics.jsonl line (damaged lines sort last, so they are dropped)."""
+    try:
+        return float(json.loads(line)["epoch"])
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
 class RunLogger:
     """Writes metrics on rank 0; a no-op on the others."""
 
@@ -78,20 +88,33 @@ class RunLogger:
     def epoch(self, record: Mapping[str, Any]) -> None:
         """One line in metrics.jsonl per epoch (cheap to grep and plot)."""
         if self.enabled:
-            with open(self.output_dir / "metrics.jsonl", "a") as f:
+            with open(self.output_dir / METRICS, "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+    def drop_epochs_from(self, epoch: int) -> None:
+        """Remove metrics.jsonl lines of ``epoch`` and later: this run writes them again."""
+        path = self.output_dir / METRICS
+        if not self.enabled or not path.is_file():
+            return
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if _epoch_of(line) < epoch]
+        if len(kept) != len(lines):
+            tmp = path.with_name(f".{METRICS}.tmp")
+            tmp.write_text("".join(kept))
+            tmp.replace(path)
 
     def images(self, tag: str, grid: torch.Tensor, step: int) -> None:
         """An image grid (e.g. augmented training samples)."""
         if self._tb is not None:
             self._tb.add_image(tag, grid, step)
 
-    def hparams(self, hparams: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
-        """The hyper-parameters next to the final metrics."""
+    def hparams(self, hparams: Mapping[str, Any], metrics: Mapping[str, float],
+                step: int) -> None:
+        """The hyper-parameters next to the final metrics (at the run's last step)."""
         if self._tb is not None:
             clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
                      for k, v in hparams.items()}
-            self._tb.add_hparams(clean, dict(metrics), run_name=".")
+            self._tb.add_hparams(clean, dict(metrics), run_name=".", global_step=step)
 
     def flush(self) -> None:
         """Push buffered events to disk."""

@@ -25,11 +25,13 @@ class DeviceSums:
         self.values = torch.zeros(len(names), dtype=torch.float64, device=device)
 
     def add(self, *values: torch.Tensor | float) -> None:
-        """Add one value per name (tensors stay on the device: no sync)."""
-        update = torch.stack([torch.as_tensor(v, dtype=torch.float64,
-                                              device=self.values.device).reshape(())
-                              for v in values])
-        self.values += update
+        """Add one value per name without a host-device sync.
+
+        Device tensors stay where they are; Python numbers go to the kernel as scalar
+        arguments (``torch.as_tensor(n, device=cuda)`` would be a blocking host-to-device copy).
+        """
+        for slot, value in zip(self.values, values):
+            slot.add_(value)
 
     def all_reduce(self) -> None:
         """Sum across ranks, once."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,17 +16,18 @@ import torchvision
 from torch import nn
 
 from imagenet import checkpoint as ckpt_io
-from imagenet import ddp, state
+from imagenet import ddp
 from imagenet.config import Config
 from imagenet.data import Data, build_data, shutdown_workers
-from imagenet.distributed import DistInfo, elastic_restart_count
-from imagenet.engine import Step, TrainContext, barrier, evaluate, train_one_epoch
+from imagenet.distributed import DistInfo
+from imagenet.engine import Step, TrainContext, evaluate, train_one_epoch
 from imagenet.errors import Preempted
 from imagenet.logger import RunLogger
-from imagenet.models import build_model, unwrap
+from imagenet.models import build_model
 from imagenet.optim import build_criterion, build_ema, build_optimizer, build_scheduler
 from imagenet.preemption import StopFlag
 from imagenet.progress import print_train_progress, print_val_progress
+from imagenet.runstate import resume, save
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class Run:
     logger: RunLogger
     step: Step
     best_acc1: float = 0.0
+    best_ema_acc1: float = 0.0  # --model-ema: the EMA weights' best top-1
     aug_seed: int = 0
 
 
@@ -116,147 +117,18 @@ def build_run(cfg: Config, dist: DistInfo, batch_size: int, workers: int) -> Run
         scaler=scaler, channels_last=cfg.channels_last, grad_accum_steps=cfg.grad_accum_steps,
         clip_grad_norm=cfg.clip_grad_norm, batch_transform=batch_transform(cfg, data.num_classes),
         ema=build_ema(raw, cfg, dist.world_size, batch_size), ema_steps=cfg.model_ema_steps,
+        ema_warmup_epochs=cfg.lr_warmup_epochs,
         print_freq=cfg.print_freq, epochs=cfg.epochs, on_print=print_train_progress)
     return Run(cfg, dist, output_dir, data, ctx, raw, RunLogger(output_dir, False),
                Step(epoch=cfg.start_epoch), aug_seed=aug_seed)
 
 
-def checkpoint_state(run: Run, epoch_done: bool) -> dict[str, Any]:
-    """The full run state; classic keys first. Collective: every rank must call it.
-
-    ``epoch_done``: the epoch is trained *and* validated, so a resume starts the next one.
-    Otherwise (epoch, step_in_epoch) says where training continues; step_in_epoch equal to
-    steps_per_epoch means only the epoch's validation is left (a signal at its last step).
-    """
-    rng = state.gather_rng(run.dist.rank, run.dist.world_size)
-    ctx, step = run.ctx, run.step
-    epoch, step_in_epoch = (step.epoch + 1, 0) if epoch_done else (step.epoch, step.step_in_epoch)
-    sampler = run.data.train_sampler
-    start = step_in_epoch * ctx.grad_accum_steps * run.data.train_loader.batch_size
-    return {
-        # The classic's meaning: the epoch to start at. Mid-epoch it is the current epoch.
-        "epoch": epoch,
-        "step_in_epoch": step_in_epoch,
-        "global_step": step.global_step,
-        "arch": run.cfg.arch,
-        "state_dict": run.raw_model.state_dict(),
-        "best_acc1": float(run.best_acc1),
-        "optimizer": ctx.optimizer.state_dict(),
-        "scheduler": ctx.scheduler.state_dict(),
-        "scaler": ctx.scaler.state_dict() if ctx.scaler is not None else None,
-        "ema": unwrap(ctx.ema).state_dict() if ctx.ema is not None else None,
-        "num_classes": run.data.num_classes,
-        "classes": run.data.classes,
-        "aug_seed": run.aug_seed,
-        "world_size": run.dist.world_size,
-        "batch_size": run.data.train_loader.batch_size,
-        "grad_accum_steps": ctx.grad_accum_steps,
-        "steps_per_epoch": ctx.steps_per_epoch,
-        # Per rank, the samples of this epoch already trained on; the order is (seed, epoch).
-        "sampler": {"seed": sampler.seed, "epoch": epoch, "start": start},
-        "rng": rng,  # python, numpy, torch CPU and CUDA states of every rank, by rank
-        "comm_hook": ddp.hook_state(ctx.model),
-        "config": run.cfg.to_dict(),
-    }
-
-
-def save(run: Run, is_best: bool, epoch_done: bool = False) -> None:
-    """Write checkpoint.pth.tar (and model_best.pth.tar first) on rank 0, atomically."""
-    payload = checkpoint_state(run, epoch_done)
-    if run.dist.is_main:
-        best = [run.output_dir / ckpt_io.BEST] if is_best else []
-        ckpt_io.atomic_save(payload, run.output_dir / ckpt_io.CHECKPOINT, copies=best)
-    # No rank moves on (or exits after a signal) before the file is in place: under mp.spawn the
-    # first rank to exit makes the parent terminate the others, rank 0 included.
-    barrier()
-
-
-def resume(run: Run) -> None:
-    """Restore model, optimizer, schedule, position, best accuracy and RNG from a checkpoint."""
-    restarted = elastic_restart_count() > 0
-    path = ckpt_io.resolve_resume(run.cfg.resume, run.output_dir, restarted)
-    if path is None:
-        if run.cfg.resume == "auto" or restarted:
-            log.info("=> no checkpoint in %s: starting fresh", run.output_dir)
-        return
-    log.info("=> loading checkpoint '%s'", path)
-    ckpt = ckpt_io.load_checkpoint(path)
-    ckpt_io.load_model_state(run.raw_model, ckpt, path, run.cfg.arch)
-    ctx = run.ctx
-    classic = "global_step" not in ckpt  # written by pytorch/examples' main.py
-    # Our schedule counts optimizer steps: it only carries over with the same steps per epoch.
-    same_schedule = not classic and ckpt.get("steps_per_epoch", ctx.steps_per_epoch) \
-        == ctx.steps_per_epoch
-    for key, obj in (("optimizer", ctx.optimizer), ("scheduler", ctx.scheduler),
-                     ("scaler", ctx.scaler)):
-        if obj is not None and ckpt.get(key) and (same_schedule or key != "scheduler"):
-            obj.load_state_dict(ckpt[key])
-    if ctx.ema is not None and ckpt.get("ema"):
-        unwrap(ctx.ema).load_state_dict(ckpt["ema"])
-    ddp.load_hook_state(ctx.model, ckpt.get("comm_hook"))
-    run.best_acc1 = resumed_best_acc1(ckpt, path, run.output_dir)
-    epoch, step_in_epoch = int(ckpt.get("epoch", 0)), int(ckpt.get("step_in_epoch", 0))
-    same_layout = (ckpt.get("world_size") == run.dist.world_size
-                   and ckpt.get("batch_size") == run.data.train_loader.batch_size
-                   and ckpt.get("grad_accum_steps", 1) == ctx.grad_accum_steps)
-    if step_in_epoch >= ckpt.get("steps_per_epoch", ctx.steps_per_epoch):
-        step_in_epoch = ctx.steps_per_epoch  # trained; only the validation is left
-    elif step_in_epoch and not same_layout:
-        log.warning("checkpoint was written mid-epoch with another world size, batch size or "
-                    "--grad-accum-steps; restarting epoch %d from its first step", epoch)
-        step_in_epoch = 0
-    global_step = int(ckpt.get("global_step", epoch * ctx.steps_per_epoch + step_in_epoch))
-    if not same_schedule:
-        if not classic:
-            log.warning("checkpoint has %s steps per epoch, this run %d: the learning-rate "
-                        "schedule is recomputed", ckpt.get("steps_per_epoch"), ctx.steps_per_epoch)
-        fast_forward_schedule(ctx, global_step if classic
-                              else epoch * ctx.steps_per_epoch + step_in_epoch)
-    run.step = Step(epoch, step_in_epoch, global_step)
-    run.aug_seed = int(ckpt.get("aug_seed", run.aug_seed))
-    run.data.train_loader.dataset.seed = run.aug_seed  # type: ignore[attr-defined]
-    if ckpt.get("sampler"):  # the data order of the epoch being continued
-        run.data.train_sampler.seed = int(ckpt["sampler"]["seed"])
-    saved_rng = state.rng_for_rank(ckpt.get("rng"), run.dist.rank)
-    if saved_rng is not None and same_layout:
-        state.restore_rng(saved_rng)
-    log.info("=> loaded checkpoint '%s' (epoch %d, step %d, best Acc@1 %.3f)", path, epoch,
-             step_in_epoch, run.best_acc1)
-
-
-def resumed_best_acc1(ckpt: dict[str, Any], path: Path, output_dir: Path) -> float:
-    """best_acc1 of the checkpoint, or of model_best next to it if that is higher.
-
-    model_best is written before checkpoint.pth.tar; a kill in between leaves it ahead, and
-    forgetting its accuracy would let a worse epoch overwrite it.
-    """
-    best = ckpt_io.best_acc1_of(ckpt)
-    if path.resolve().parent != output_dir.resolve():
-        return best
-    on_disk = ckpt_io.best_acc1_on_disk(output_dir)
-    if on_disk is not None and on_disk > best:
-        log.info("=> %s records best Acc@1 %.3f (the checkpoint %.3f): keeping the higher",
-                 ckpt_io.BEST, on_disk, best)
-        return on_disk
-    return best
-
-
-def fast_forward_schedule(ctx: TrainContext, steps: int) -> None:
-    """Bring our per-iteration schedule to ``steps`` (the classic stored a per-epoch StepLR)."""
-    for group in ctx.optimizer.param_groups:
-        group["lr"] = group.get("initial_lr", group["lr"])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()"
-        for _ in range(steps):
-            ctx.scheduler.step()
-
-
-def validate(run: Run, model: nn.Module) -> dict[str, float]:
-    """Evaluate ``model`` on the whole validation set and print the classic summary."""
+def validate(run: Run, model: nn.Module, name: str = "") -> dict[str, float]:
+    """Evaluate ``model`` on the whole validation set and print the classic summary line."""
     metrics = evaluate(model, run.data.val_loader, run.ctx.criterion, run.dist.device,
                        run.data.val_size, run.cfg.channels_last, run.ctx.amp_dtype,
                        run.cfg.print_freq, print_val_progress if run.dist.is_main else None)
-    log.info(" * Acc@1 %.3f Acc@5 %.3f  (%d images)", metrics["acc1"], metrics["acc5"],
+    log.info(" * %sAcc@1 %.3f Acc@5 %.3f  (%d images)", name, metrics["acc1"], metrics["acc5"],
              metrics["count"])
     return metrics
 
@@ -303,13 +175,17 @@ def train(run: Run, stop_flag: StopFlag) -> dict[str, float]:
         record: dict[str, Any] = {"epoch": epoch, "lr": ctx.optimizer.param_groups[0]["lr"],
                                   **{f"train_{k}": v for k, v in train_metrics.items()},
                                   **{f"val_{k}": v for k, v in val.items()}}
-        if ctx.ema is not None:
-            ema = validate(run, ctx.ema)
-            record.update({f"ema_val_{k}": v for k, v in ema.items()})
         is_best = val["acc1"] > run.best_acc1
         run.best_acc1 = max(val["acc1"], run.best_acc1)
         record["best_acc1"] = run.best_acc1
-        save(run, is_best, epoch_done=True)
+        is_best_ema = False
+        if ctx.ema is not None:
+            ema = validate(run, ctx.ema, name="EMA ")
+            record.update({f"ema_val_{k}": v for k, v in ema.items()})
+            is_best_ema = ema["acc1"] > run.best_ema_acc1
+            run.best_ema_acc1 = max(ema["acc1"], run.best_ema_acc1)
+            record["best_ema_acc1"] = run.best_ema_acc1
+        save(run, is_best, epoch_done=True, is_best_ema=is_best_ema)
         run.step.step_in_epoch = 0
         log_epoch(run, record)
         last = record
@@ -318,12 +194,18 @@ def train(run: Run, stop_flag: StopFlag) -> dict[str, float]:
 
 
 def log_epoch(run: Run, record: dict[str, Any]) -> None:
-    """Per-epoch TensorBoard scalars and one metrics.jsonl line."""
-    epoch = record["epoch"]
+    """Per-epoch TensorBoard scalars and one metrics.jsonl line.
+
+    The scalars are logged at the global step (the epoch is a scalar too), like the per-step
+    ones: a resume purges every tag from the checkpoint's step on, so no curve gets a duplicate
+    or backwards point.
+    """
+    step = run.step.global_step
     for prefix in ("train_", "val_", "ema_val_"):  # "val_" does not match "ema_val_"
         values = {k[len(prefix):]: v for k, v in record.items() if k.startswith(prefix)}
-        run.logger.scalars(f"epoch/{prefix[:-1]}", values, epoch)
-    run.logger.scalars("epoch", {"lr": record["lr"], "best_acc1": record["best_acc1"]}, epoch)
+        run.logger.scalars(f"epoch/{prefix[:-1]}", values, step)
+    run.logger.scalars("epoch", {k: record[k] for k in ("epoch", "lr", "best_acc1",
+                                                        "best_ema_acc1") if k in record}, step)
     run.logger.epoch(record)
     run.logger.flush()
 
@@ -374,10 +256,12 @@ def train_or_evaluate(run: Run, batch_size: int, workers: int) -> dict[str, floa
     resume(run)
     if cfg.evaluate:
         return validate(run, run.ctx.model)
-    # Step scalars are logged at the number of completed steps: the checkpoint's global_step is
-    # the last one that counts, later ones came from a killed run.
-    run.logger = RunLogger(run.output_dir, dist.is_main,
-                           purge_step=run.step.global_step + 1 if run.step.global_step else None)
+    # Scalars are logged at the number of completed steps: the checkpoint's global_step is the
+    # last one that counts; later ones came from a killed run (or, starting fresh in a used
+    # folder, from an older run) and are purged, as are their metrics.jsonl lines.
+    step = run.step.global_step
+    run.logger = RunLogger(run.output_dir, dist.is_main, purge_step=step + 1 if step else 0)
+    run.logger.drop_epochs_from(run.step.epoch)
     run.logger.write_config(cfg.to_dict(), {**info, "torchvision_models": torchvision.__version__})
     run.ctx.on_print = _tb_progress(run) if dist.is_main else None
     log_augmented_samples(run)
@@ -393,7 +277,8 @@ def train_or_evaluate(run: Run, batch_size: int, workers: int) -> dict[str, floa
         final = {"hparam/best_acc1": run.best_acc1, "hparam/val_acc1": last["val_acc1"],
                  "hparam/val_loss": last["val_loss"]}
         logger = RunLogger(run.output_dir, True)
-        logger.hparams({k: v for k, v in cfg.to_dict().items() if v is not None}, final)
+        logger.hparams({k: v for k, v in cfg.to_dict().items() if v is not None}, final,
+                       run.step.global_step)
         logger.close()
     log.info("=> done in %.1f s; best Acc@1 %.3f", time.perf_counter() - start, run.best_acc1)
     return {"best_acc1": run.best_acc1, **last}

@@ -14,6 +14,7 @@ Two backends:
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import math
@@ -216,6 +217,15 @@ def val_transform(resize_size: int, crop_size: int, interpolation: str = "biline
                        v2.CenterCrop(crop_size), ToCHW()])
 
 
+@functools.cache
+def _mean_std(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """ImageNet mean and std x 255 on ``device``, made once: a copy per batch from pageable
+    host memory can make the host wait for the device stream."""
+    # float32 whatever the training dtype is: bf16 cannot hold x * scale exactly.
+    return tuple(torch.tensor(v, dtype=torch.float32).mul_(255).view(1, 3, 1, 1).to(device)
+                 for v in (IMAGENET_MEAN, IMAGENET_STD))  # type: ignore[return-value]
+
+
 def normalize(batch: torch.Tensor, channels_last: bool = False,
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """uint8 NCHW batch -> (x / 255 - mean) / std in ``dtype``, on the batch's device."""
@@ -224,9 +234,6 @@ def normalize(batch: torch.Tensor, channels_last: bool = False,
                         f"{tuple(batch.shape)}")
     if channels_last:
         batch = batch.contiguous(memory_format=torch.channels_last)  # 1 byte/value: cheap here
-    # Arithmetic in float32 whatever ``dtype`` is: bf16 cannot hold x * scale exactly.
-    mean, std = (torch.tensor(v, dtype=torch.float32).mul_(255).view(1, 3, 1, 1)
-                 .to(batch.device, non_blocking=True)  # pageable copy: no stream sync
-                 for v in (IMAGENET_MEAN, IMAGENET_STD))
+    mean, std = _mean_std(batch.device)
     out = batch.float().sub_(mean).div_(std)  # in place: keeps the memory format
     return out if dtype == torch.float32 else out.to(dtype)

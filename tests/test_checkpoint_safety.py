@@ -17,7 +17,7 @@ from conftest import TINY, run_main
 
 from imagenet import checkpoint as ckpt_io
 from imagenet.errors import CheckpointError, UsageError
-from imagenet.trainer import resumed_best_acc1
+from imagenet.runstate import resumed_best
 
 # ---- kill-during-save torture
 
@@ -42,7 +42,7 @@ def _resume_point(folder: Path) -> tuple[int, float]:
     if not path.exists():
         return 0, -1.0
     ckpt = ckpt_io.load_checkpoint(path)
-    return ckpt["epoch"], resumed_best_acc1(ckpt, path, folder)
+    return ckpt["epoch"], resumed_best(ckpt, path, folder)
 
 
 def test_sigkill_during_saves_never_leaves_an_unloadable_or_inconsistent_file(tmp_path):
@@ -77,12 +77,12 @@ def test_resume_keeps_the_higher_best_acc1_of_model_best(tmp_path):
     # A kill between writing model_best and replacing checkpoint.pth.tar.
     torch.save({"state_dict": {}, "best_acc1": 70.0}, tmp_path / ckpt_io.BEST)
     ckpt = {"state_dict": {}, "best_acc1": 50.0}
-    assert resumed_best_acc1(ckpt, tmp_path / ckpt_io.CHECKPOINT, tmp_path) == 70.0
+    assert resumed_best(ckpt, tmp_path / ckpt_io.CHECKPOINT, tmp_path) == 70.0
     # A checkpoint from elsewhere does not adopt this folder's model_best.
     other = tmp_path / "other" / ckpt_io.CHECKPOINT
-    assert resumed_best_acc1(ckpt, other, tmp_path) == 50.0
+    assert resumed_best(ckpt, other, tmp_path) == 50.0
     (tmp_path / ckpt_io.BEST).write_bytes(b"garbage")  # unreadable: warn and ignore
-    assert resumed_best_acc1(ckpt, tmp_path / ckpt_io.CHECKPOINT, tmp_path) == 50.0
+    assert resumed_best(ckpt, tmp_path / ckpt_io.CHECKPOINT, tmp_path) == 50.0
 
 
 def test_atomic_save_replaces_and_leaves_no_temp_files(tmp_path):

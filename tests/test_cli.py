@@ -67,12 +67,18 @@ def test_tensorboard_events_read_back(trained):
     tags = set(acc.Tags()["scalars"])
     for tag in ("epoch/train/loss", "epoch/train/acc1", "epoch/val/loss", "epoch/val/acc1",
                 "epoch/val/acc5", "epoch/lr", "epoch/train/time", "epoch/train/images_per_sec",
-                "step/loss", "step/lr"):
+                "epoch/epoch", "step/loss", "step/lr", "step/images_per_sec", "step/data_wait"):
         assert tag in tags, tag
-    assert [e.step for e in acc.Scalars("epoch/val/acc1")] == [0, 1]
+    # Epoch scalars sit at the global step that ends the epoch (3 steps per epoch).
+    assert [e.step for e in acc.Scalars("epoch/val/acc1")] == [3, 6]
+    assert [e.value for e in acc.Scalars("epoch/epoch")] == [0, 1]
     assert "train/augmented_samples" in acc.Tags()["images"]
     records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert acc.Scalars("epoch/val/acc1")[1].value == pytest.approx(records[1]["val_acc1"])
+    # The hyper-parameters with the final metrics (TensorBoard's HPARAMS tab).
+    assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= set(
+        acc.PluginTagToContent("hparams"))
+    assert acc.Scalars("hparam/best_acc1")[-1].value == pytest.approx(records[1]["best_acc1"])
 
 
 def test_evaluate_reproduces_the_recorded_accuracy(trained):
@@ -169,14 +175,28 @@ def test_resumed_run_continues_the_tensorboard_curves(image_folder, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "out"
-    for epochs in ("1", "2"):
-        proc = run_main(str(image_folder), *TINY, "-p", "1", "--epochs", epochs,
-                        "--resume", "auto", "--output-dir", str(out))
+
+    def run(epochs: str, *extra: str) -> tuple[dict[str, list[int]], list[int]]:
+        """Train; then the steps of some TensorBoard tags and the epochs in metrics.jsonl."""
+        proc = run_main(str(image_folder), *TINY, "-p", "1", "--epochs", epochs, *extra,
+                        "--output-dir", str(out))
         assert proc.returncode == 0, proc.stderr
-    acc = EventAccumulator(str(out / "tb"))
-    acc.Reload()
-    steps = [e.step for e in acc.Scalars("step/loss")]
-    assert steps == [1, 2, 3, 4, 5, 6]  # 3 steps per epoch, no duplicates, never backwards
-    assert [e.step for e in acc.Scalars("epoch/val/acc1")] == [0, 1]
-    records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in records] == [0, 1]
+        acc = EventAccumulator(str(out / "tb"))
+        acc.Reload()
+        steps = {tag: [e.step for e in acc.Scalars(tag)] for tag in ("step/loss",
+                                                                     "epoch/val/acc1")}
+        records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+        return steps, [r["epoch"] for r in records]
+
+    run("1")
+    after_epoch_0 = (out / "checkpoint.pth.tar").read_bytes()
+    # 3 steps per epoch; the resumed run continues the curves.
+    assert run("2", "--resume", "auto") == ({"step/loss": [1, 2, 3, 4, 5, 6],
+                                             "epoch/val/acc1": [3, 6]}, [0, 1])
+    # Resuming from an older checkpoint redoes epoch 1: its old points and line are replaced,
+    # not duplicated.
+    (out / "checkpoint.pth.tar").write_bytes(after_epoch_0)
+    assert run("2", "--resume", "auto") == ({"step/loss": [1, 2, 3, 4, 5, 6],
+                                             "epoch/val/acc1": [3, 6]}, [0, 1])
+    # A fresh start in the same folder starts fresh curves.
+    assert run("1") == ({"step/loss": [1, 2, 3], "epoch/val/acc1": [3]}, [0])

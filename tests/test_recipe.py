@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -145,8 +146,18 @@ def test_ema_differs_from_the_model_and_is_checkpointed(image_folder, tmp_path):
     assert proc.returncode == 0, proc.stderr
     ckpt = torch.load(out / "checkpoint.pth.tar", weights_only=True)
     assert not torch.equal(ckpt["ema"]["module.conv1.weight"], ckpt["state_dict"]["conv1.weight"])
-    assert proc.stdout.count(" * Acc@1") == 2  # model and EMA are both evaluated
-    assert '"ema_val_acc1"' in (out / "metrics.jsonl").read_text()
+    # model and EMA are both evaluated, each on its own labelled line
+    assert proc.stdout.count(" * Acc@1") == 1 and proc.stdout.count(" * EMA Acc@1") == 1
+    record = json.loads((out / "metrics.jsonl").read_text())
+    assert ckpt["best_ema_acc1"] == record["best_ema_acc1"] == record["ema_val_acc1"]
+    # The EMA weights at their best, as a plain checkpoint that -e evaluates.
+    best_ema = torch.load(out / "model_best_ema.pth.tar", weights_only=True)
+    assert best_ema["best_acc1"] == record["ema_val_acc1"]
+    assert torch.equal(best_ema["state_dict"]["conv1.weight"], ckpt["ema"]["module.conv1.weight"])
+    proc = run_main(str(image_folder), *TINY, "-e", "--resume", str(out / "model_best_ema.pth.tar"),
+                    "--output-dir", str(tmp_path / "eval"))
+    assert proc.returncode == 0, proc.stderr
+    assert f" * Acc@1 {record['ema_val_acc1']:.3f}" in proc.stdout
 
 
 @pytest.mark.parametrize("argv", [["--mixup-alpha", "0.2"], ["--cutmix-alpha", "1.0"],
