@@ -19,7 +19,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 PYTHON=${PYTHON:-$here/.venv/bin/python}
 [ -x "$PYTHON" ] || PYTHON=python3
-: "${MASTER_ADDR:?set MASTER_ADDR to node 0's address (the same on every node)}"
+: "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0 (the same on every node)}"
 NNODES=${NNODES:-2}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_PORT=${MASTER_PORT:-29500}

@@ -1,4 +1,5 @@
-"""A real two-host run: two network namespaces joined by a veth pair, one main.py node in each.
+"""A real two-host run: two network namespaces joined by a veth pair, one node in each, started
+by run_multinode.sh in both of its styles (torchrun, and the classic shared --dist-url).
 
 Neither process gets GLOO_SOCKET_IFNAME: gloo would advertise this machine's hostname address,
 which does not exist inside the namespaces, so the run only works because imagenet.distributed
@@ -16,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MAIN, TINY, child_env, run_parallel, write_image_folder
+from conftest import ROOT, TINY, child_env, run_parallel, write_image_folder
 
 MASTER, PEER = "10.200.0.1", "10.200.0.2"
+RUN_MULTINODE = ROOT / "run_multinode.sh"
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:
@@ -60,22 +62,25 @@ def two_hosts(request) -> tuple[list[str], list[str]]:
     return names, ends
 
 
-def test_two_hosts_find_each_other_without_socket_ifname(two_hosts, tmp_path: Path):
+@pytest.mark.parametrize("style", ["dist-url", "torchrun"])
+def test_run_multinode_on_two_hosts_without_socket_ifname(two_hosts, tmp_path: Path, style):
+    """run_multinode.sh once per host, as its header says, in both of its styles."""
     names, ends = two_hosts
     data = write_image_folder(tmp_path / "data")
     outs = [tmp_path / "host0", tmp_path / "host1"]
     env = child_env()
     assert "GLOO_SOCKET_IFNAME" not in env and "NCCL_SOCKET_IFNAME" not in env
-    cmds = [["ip", "netns", "exec", names[r], sys.executable, MAIN, str(data), *TINY,
-             "--epochs", "1", "-b", "4", "-p", "1", "--seed", "0",
-             "--dist-url", f"tcp://{MASTER}:29500", "--world-size", "2", "--rank", str(r),
-             "--multiprocessing-distributed", "--nproc-per-node", "1", "--dist-timeout", "60",
+    envs = [{**env, "STYLE": style, "NNODES": "2", "NODE_RANK": str(r), "MASTER_ADDR": MASTER,
+             "MASTER_PORT": "29500", "NPROC_PER_NODE": "1", "PYTHON": sys.executable}
+            for r in range(2)]
+    cmds = [["ip", "netns", "exec", names[r], "bash", str(RUN_MULTINODE), str(data), *TINY,
+             "--epochs", "1", "-b", "4", "-p", "1", "--seed", "0", "--dist-timeout", "60",
              "--output-dir", str(outs[r])] for r in range(2)]
-    results = run_parallel(cmds, [env, env], tmp_path / "logs", timeout=240)
+    results = run_parallel(cmds, envs, tmp_path / "logs", timeout=240)
     for r in results:
         assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
     # rank 0 chose its veth end (the one holding 10.200.0.1) and said so
-    assert f"gloo/NCCL use interface {ends[0]}" in results[0].stdout
+    assert f"gloo/NCCL use interface {ends[0]}" in results[0].stdout + results[0].stderr
     ckpt = torch.load(outs[0] / "checkpoint.pth.tar", map_location="cpu", weights_only=True)
     assert ckpt["world_size"] == 2 and ckpt["epoch"] == 1
     record = json.loads((outs[0] / "metrics.jsonl").read_text())
