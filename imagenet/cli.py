@@ -27,6 +27,10 @@ from imagenet.distributed import (
 )
 from imagenet.errors import TrainerError
 from imagenet.logger import setup_logging
+from imagenet.preemption import PREEMPT_EXIT_CODE
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTED_BY = {sig.name for sig in FORWARDED_SIGNALS}  # a child dead of these: preempted
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,10 @@ def _worker(local_index: int, cfg: Config, launch: Launch, batch: int, workers: 
             if cfg.debug:
                 traceback.print_exc()
             sys.exit(exc.exit_code)
+        except KeyboardInterrupt:  # Ctrl-C before the stop handlers were installed
+            # mp.spawn's wrapper would swallow it and exit 0, as if training had completed.
+            print("interrupted", file=sys.stderr, flush=True)
+            sys.exit(130)
     else:
         _train(cfg, launch, local_index, batch, workers)
 
@@ -64,35 +72,46 @@ def _train(cfg: Config, launch: Launch, local_index: int, batch: int, workers: i
         cleanup()
 
 
-def _spawn(cfg: Config, launch: Launch, batch: int, workers: int) -> int:
-    """mp.spawn-style start of ``launch.nprocs`` children; returns the first failing code."""
+def _spawn(cfg: Config, launch: Launch, batch: int, workers: int, announce: str) -> int:
+    """mp.spawn-style start of ``launch.nprocs`` children; returns the first failing code.
+
+    ``announce`` is logged once SIGTERM/SIGUSR1 are forwarded: from then on a signal reaches
+    every child, even one sent while the children are being started.
+    """
     # Decided once here (not in each child) so that every child uses the same MASTER_ADDR/PORT.
     env = dict(os.environ)
     rendezvous(cfg, launch, env)
     master = {k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT") if k in env}
-    ctx = mp.start_processes(_worker, args=(cfg, launch, batch, workers, master),
-                             nprocs=launch.nprocs, join=False, start_method="spawn")
+    children: list = []
+    pending: list[int] = []  # signals that came before the children existed
 
     def forward(signum: int, _frame) -> None:
-        for p in ctx.processes:
+        if not children:
+            pending.append(signum)
+        for p in children:
             if p.is_alive():
                 os.kill(p.pid, signum)
 
-    # Ctrl-C reaches the children from the terminal already; SIGTERM/SIGUSR1 (SLURM, kill) are
-    # forwarded so every rank saves.
-    handlers = {sig: signal.signal(sig, how) for sig, how in (
-        (signal.SIGINT, signal.SIG_IGN), (signal.SIGTERM, forward), (signal.SIGUSR1, forward))}
+    # SIGTERM/SIGUSR1 (SLURM, kill) are forwarded so every rank saves. Python-level handlers
+    # do not reach the spawned children (a fresh interpreter each), unlike SIG_IGN: SIGINT is
+    # ignored only once they run, and Ctrl-C reaches them from the terminal already.
+    handlers = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
     try:
+        log.info("%s", announce)
+        ctx = mp.start_processes(_worker, args=(cfg, launch, batch, workers, master),
+                                 nprocs=launch.nprocs, join=False, start_method="spawn")
+        children.extend(ctx.processes)
+        for signum in pending:
+            forward(signum, None)
+        handlers[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
         while not ctx.join():
             pass
     except mp.ProcessExitedException as exc:
         # join() has stopped the other children; say which one ended the job (its own message,
         # if any, came before; a signal death such as the OOM killer's has none).
-        how = (f"was killed by {exc.signal_name}" if exc.signal_name
-               else f"exited with code {exc.exit_code}")
-        print(f"training process {exc.error_index} of this node {how}; stopped the others",
-              file=sys.stderr, flush=True)
-        return exc.exit_code if exc.exit_code and exc.exit_code > 0 else 1
+        code, message = child_exit(exc.error_index, exc.exit_code, exc.signal_name)
+        print(message, file=sys.stderr, flush=True)
+        return code
     except mp.ProcessRaisedException as exc:
         print(f"error: training process {exc.error_index} of this node failed:\n{exc}",
               file=sys.stderr, flush=True)
@@ -101,6 +120,25 @@ def _spawn(cfg: Config, launch: Launch, batch: int, workers: int) -> int:
         for sig, previous in handlers.items():
             signal.signal(sig, previous)
     return 0
+
+
+def child_exit(index: int, exit_code: int | None, signal_name: str | None) -> tuple[int, str]:
+    """This node's exit code and message when spawned training process ``index`` ended the job.
+
+    A child killed by a forwarded SIGTERM/SIGUSR1 had no handler yet (still starting; or done
+    and tearing down): it saved nothing, but the job was still preempted, so the exit code is
+    PREEMPT_EXIT_CODE and a requeue runs (it resumes from the last checkpoint, if any).
+    """
+    if signal_name in PREEMPTED_BY:
+        return PREEMPT_EXIT_CODE, (
+            f"training process {index} of this node was killed by {signal_name} before it could "
+            f"save (it was starting up or shutting down); stopped the others; exit code "
+            f"{PREEMPT_EXIT_CODE} so that a requeue resumes from the last checkpoint")
+    if signal_name == "SIGINT":  # Ctrl-C while it was starting up: as main() reports it
+        return 130, f"training process {index} of this node was interrupted; stopped the others"
+    how = f"was killed by {signal_name}" if signal_name else f"exited with code {exit_code}"
+    code = exit_code if exit_code and exit_code > 0 else 1
+    return code, f"training process {index} of this node {how}; stopped the others"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,9 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup_logging(0, cfg.debug)
         batch = per_process_batch(cfg.batch_size, launch.nprocs)
         workers = per_process_workers(cfg.workers, launch.nprocs)
-        log.info("=> %s; -b %d per node -> %d per process; -j %d per node -> %d per process",
-                 launch.reason, cfg.batch_size, batch, cfg.workers, workers)
-        return _spawn(cfg, launch, batch, workers)
+        return _spawn(cfg, launch, batch, workers, (
+            f"=> {launch.reason}; -b {cfg.batch_size} per node -> {batch} per process; "
+            f"-j {cfg.workers} per node -> {workers} per process"))
     except TrainerError as exc:
         if debug:
             raise

@@ -22,6 +22,10 @@ import pytest
 import torch
 from conftest import MAIN, child_env, write_image_folder
 
+from imagenet.cli import child_exit
+from imagenet.distributed import free_port
+from imagenet.preemption import PREEMPT_EXIT_CODE
+
 STEPS = 6  # optimizer steps per epoch in every layout below (48 images)
 FLAGS = ["-a", "resnet18", "--train-crop-size", "32", "--val-resize-size", "36",
          "--val-crop-size", "32", "-p", "1", "--lr", "0.05", "--epochs", "2", "--seed", "0",
@@ -310,3 +314,57 @@ print("still alive", flush=True)
     assert "stop requested: SIGTERM True" in proc.stdout
     assert "still alive" not in proc.stdout
     assert "second signal (SIGUSR1): exiting now" in proc.stderr + proc.stdout
+
+
+# ---- --multiprocessing-distributed: the parent's exit code when a child dies of a signal
+
+
+def waiting_for_a_missing_node(out: Path) -> list[str]:
+    """A spawn job whose one rank waits for node 1 of 2, which never comes: the rank sits in
+    the rendezvous, before any stop handler is installed, until the signal arrives."""
+    return [sys.executable, MAIN, "--dummy", "--multiprocessing-distributed",
+            "--nproc-per-node", "1", "--world-size", "2", "--rank", "0",
+            "--dist-url", f"tcp://127.0.0.1:{free_port()}", "--dist-timeout", "300",
+            "--output-dir", str(out)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_spawned_rank_killed_before_its_handlers_still_exits_with_the_preemption_code(tmp_path,
+                                                                                      sig):
+    live = Live(waiting_for_a_missing_node(tmp_path / "out"), timeout=120)
+    live.wait_for("per node ->")  # logged once the parent forwards these signals
+    os.kill(live.proc.pid, sig)  # to the parent only, as `kill` or `scancel --signal` do
+    code = live.finish()
+    assert code == PREEMPT_EXIT_CODE, live.output
+    name = signal.Signals(sig).name
+    assert f"training process 0 of this node was killed by {name} before it could save" \
+        in live.output, live.output
+    assert "Traceback" not in live.output
+
+
+def test_ctrl_c_while_a_spawn_job_starts_exits_130(tmp_path):
+    # Ctrl-C reaches every process of the terminal's group. A rank still starting up dies of it,
+    # or (in main.py's code) gets KeyboardInterrupt, which mp.spawn's wrapper would turn into
+    # exit code 0: either way the job reports the interrupt, as main.py does in one process.
+    cmd = waiting_for_a_missing_node(tmp_path / "out")
+    # A rank already waiting in the rendezvous sees the interrupt only when that times out.
+    cmd[cmd.index("--dist-timeout") + 1] = "20"
+    live = Live(cmd, timeout=120)
+    live.wait_for("per node ->")
+    live.signal_group(signal.SIGINT)
+    code = live.finish()
+    assert code == 130, live.output
+    assert "interrupted" in live.output, live.output
+
+
+def test_child_exit_codes():
+    preempted = child_exit(1, -signal.SIGUSR1, "SIGUSR1")
+    assert preempted[0] == PREEMPT_EXIT_CODE and "requeue" in preempted[1]
+    assert child_exit(0, -signal.SIGKILL, "SIGKILL") == (
+        1, "training process 0 of this node was killed by SIGKILL; stopped the others")
+    assert child_exit(0, -signal.SIGINT, "SIGINT") == (
+        130, "training process 0 of this node was interrupted; stopped the others")
+    assert child_exit(1, 130, None)[0] == 130  # KeyboardInterrupt in main.py's code
+    assert child_exit(1, 143, None)[0] == 143  # saved on a signal: its own code
+    assert child_exit(1, 2, None) == (
+        2, "training process 1 of this node exited with code 2; stopped the others")
