@@ -45,11 +45,16 @@ def _resume_point(folder: Path) -> tuple[int, float]:
     return ckpt["epoch"], resumed_best(ckpt, path, folder)
 
 
+KILLS = 20
+
+
 def test_sigkill_during_saves_never_leaves_an_unloadable_or_inconsistent_file(tmp_path):
     rng = random.Random(0)
     fork = multiprocessing.get_context("fork")
     kills_mid_write = 0
-    for _ in range(20):
+    for _ in range(KILLS):
+        # As the trainer does at start: so that a temp file below is this kill's, mid-write.
+        ckpt_io.remove_stale_temp_files(tmp_path)
         epoch, best = _resume_point(tmp_path)
         writer = fork.Process(target=_writer, args=(tmp_path, epoch, best), daemon=True)
         writer.start()
@@ -67,8 +72,10 @@ def test_sigkill_during_saves_never_leaves_an_unloadable_or_inconsistent_file(tm
         assert torch.all(best_file["state_dict"]["w"] == best_file["acc"])
         assert ckpt["best_acc1"] <= best_file["best_acc1"]
         assert ckpt["best_acc1"] == max(ckpt["acc"], ckpt["best_acc1"])
-    assert _resume_point(tmp_path)[0] > 20, "the writer hardly ran: the kills tested nothing"
-    assert kills_mid_write > 0, "no kill landed during a write"
+    assert _resume_point(tmp_path)[0] > KILLS, "the writer hardly ran: the kills tested nothing"
+    # About half the kills land in a write (8 to 15 of 20 measured; the others before the
+    # writer's first save or between saves). Fewer than 3 would mean the kills tested little.
+    assert kills_mid_write >= 3, f"only {kills_mid_write} of {KILLS} kills landed during a write"
     ckpt_io.remove_stale_temp_files(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt_io.CHECKPOINT, ckpt_io.BEST]
 
