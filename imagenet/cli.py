@@ -35,7 +35,7 @@ PREEMPTED_BY = {sig.name for sig in FORWARDED_SIGNALS}  # a child dead of these:
 log = logging.getLogger(__name__)
 
 
-def _worker(local_index: int, cfg: Config, launch: Launch, batch: int, workers: int,
+def _worker(local_index: int, cfg: Config, launch: Launch, batch: int, workers: int | None,
             master: dict[str, str]) -> None:
     """One training process (also the body of every mp.spawn child)."""
     os.environ.update(master)  # the parent's rendezvous choice (spawn mode only)
@@ -60,10 +60,13 @@ def _worker(local_index: int, cfg: Config, launch: Launch, batch: int, workers: 
         _train(cfg, launch, local_index, batch, workers)
 
 
-def _train(cfg: Config, launch: Launch, local_index: int, batch: int, workers: int) -> None:
+def _train(cfg: Config, launch: Launch, local_index: int, batch: int,
+           workers: int | None) -> None:
     from imagenet.trainer import run_training  # heavy imports only where training happens
 
     info = init_distributed(cfg, launch, local_index)
+    if workers is None:  # -j not given: share the cores among this node's processes
+        workers = per_process_workers(None, info.local_world_size)
     try:
         if info.device.type == "cpu" and info.rank == 0 and not cfg.no_accel:
             log.info("=> no CUDA device: training on the CPU")
@@ -162,9 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup_logging(0, cfg.debug)
         batch = per_process_batch(cfg.batch_size, launch.nprocs)
         workers = per_process_workers(cfg.workers, launch.nprocs)
+        given = "auto" if cfg.workers is None else f"{cfg.workers} per node"
         return _spawn(cfg, launch, batch, workers, (
             f"=> {launch.reason}; -b {cfg.batch_size} per node -> {batch} per process; "
-            f"-j {cfg.workers} per node -> {workers} per process"))
+            f"-j {given} -> {workers} per process"))
     except TrainerError as exc:
         if debug:
             raise

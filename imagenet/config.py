@@ -37,9 +37,12 @@ class Config:
     data: str = _flag("data", group="data", default="imagenet", nargs="?", metavar="DIR",
                       help="dataset root holding train/ and val/ in ImageFolder layout "
                            "(default: %(default)s)")
-    workers: int = _flag("-j", "--workers", group="data", default=4, type=int, metavar="N",
-                         help="data loading processes per node, split across its ranks like -b "
-                              "(default: %(default)s)")
+    workers: int | None = _flag("-j", "--workers", group="data", default=None, type=int,
+                                metavar="N",
+                                help="data loading processes per node, split across its ranks "
+                                     "like -b (default: auto = the usable CPU cores divided "
+                                     "among the node's processes, at most 8 each; the classic "
+                                     "used 4 per node)")
     dummy: bool = _flag("--dummy", group="data", default=False, action="store_true",
                         help="train on synthetic random tensors (speed tests; no DIR needed)")
     dummy_size: int = _flag("--dummy-size", group="data", default=1281167, type=int, metavar="N",
@@ -322,7 +325,7 @@ def validate(cfg: Config) -> None:
         if value <= 0:
             raise UsageError(f"{name} must be positive, got {value}")
     non_negative = {"--lr": cfg.lr, "--momentum": cfg.momentum, "--wd": cfg.weight_decay,
-                    "-j/--workers": cfg.workers, "--start-epoch": cfg.start_epoch,
+                    "-j/--workers": cfg.workers or 0, "--start-epoch": cfg.start_epoch,
                     "--save-every": cfg.save_every, "--label-smoothing": cfg.label_smoothing,
                     "--mixup-alpha": cfg.mixup_alpha, "--cutmix-alpha": cfg.cutmix_alpha,
                     "--lr-warmup-epochs": cfg.lr_warmup_epochs, "--lr-min": cfg.lr_min,

@@ -360,6 +360,18 @@ def per_process_batch(batch_per_node: int, nprocs: int) -> int:
     return batch_per_node // nprocs
 
 
-def per_process_workers(workers_per_node: int, nprocs: int) -> int:
-    """The classic split of -j across a node's spawned processes (rounded up)."""
+def per_process_workers(workers_per_node: int | None, nprocs: int) -> int:
+    """Loader workers of each of a node's ``nprocs`` processes: the classic split of -j
+    (rounded up), or ``auto_workers`` when -j was not given."""
+    if workers_per_node is None:
+        return auto_workers(nprocs)
     return (workers_per_node + nprocs - 1) // nprocs
+
+
+def auto_workers(nprocs: int, cores: int | None = None) -> int:
+    """Default loader workers per process: the usable cores shared among the node's processes,
+    1 to 8 each (the classic's fixed 4 per node leaves 1 per GPU on an 8-GPU node: starved)."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else os.cpu_count() or 1
+    return max(1, min(8, cores // max(nprocs, 1)))

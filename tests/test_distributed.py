@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from imagenet.config import parse_config
 from imagenet.distributed import (
     Launch,
+    auto_workers,
     check_sync_bn,
     choose_backend,
     choose_device,
@@ -177,6 +178,10 @@ def test_per_process_batch_and_workers():
     assert per_process_workers(4, 3) == 2
     assert per_process_workers(0, 2) == 0
     assert per_process_workers(8, 8) == 1
+    # -j not given: the cores shared among the node's processes, 1 to 8 each
+    assert [auto_workers(n, cores=16) for n in (1, 2, 4, 8, 32)] == [8, 8, 4, 2, 1]
+    assert auto_workers(1, cores=2) == 2
+    assert per_process_workers(None, 1) == auto_workers(1) >= 1
 
 
 def test_rendezvous_slurm_derives_master_from_nodelist_and_job_id():
