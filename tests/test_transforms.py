@@ -138,6 +138,28 @@ def test_backends_agree_on_shape_dtype_and_range(tmp_path: Path, interpolation: 
     assert abs(fast.float().std() - classic.float().std()) < 0.1 * classic.float().std()
 
 
+def _colours(img: torch.Tensor) -> set[tuple[int, ...]]:
+    """The distinct RGB triples of a uint8 CHW image."""
+    return set(map(tuple, img.flatten(1).T.tolist()))
+
+
+@pytest.mark.parametrize("backend", T.BACKENDS)
+def test_interpolation_changes_how_train_and_val_resize(jpeg: Path, backend: str) -> None:
+    img = T.load_image(jpeg, backend)
+    source = _colours(as_chw(img))
+    outputs = {}
+    for name in T.INTERPOLATIONS:
+        torch.manual_seed(0)  # the same crop box and flip for every mode
+        outputs[name] = (T.train_transform(48, name, backend=backend)(img),
+                         T.val_transform(60, 48, name, backend=backend)(img))
+    # nearest copies source pixels: no colour that is not in the photo
+    assert all(_colours(out) <= source for out in outputs["nearest"])
+    for i in (0, 1):  # bilinear and bicubic blend neighbours, each in its own way
+        assert not _colours(outputs["bilinear"][i]) <= source
+        assert not _colours(outputs["bicubic"][i]) <= source
+        assert not torch.equal(outputs["bilinear"][i], outputs["bicubic"][i])
+
+
 def test_random_erasing_fills_with_the_mean(jpeg: Path) -> None:
     tf = T.train_transform(64, random_erase=1.0)
     out = tf(T.load_image(jpeg, "tensor"))
