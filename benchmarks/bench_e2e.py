@@ -1,13 +1,21 @@
 """End-to-end main.py throughput on a JPEG folder: the classic settings vs ours, in one run.
 
-Makes an ImageFolder of photo-like ImageNet-size JPEGs (or takes DIR), then trains one epoch with
-each configuration as a subprocess and reads the throughput back from metrics.jsonl. Run by hand:
+Makes an ImageFolder of photo-like ImageNet-size JPEGs (or takes --data DIR), then trains one
+epoch with each configuration as a subprocess and reads the throughput back from metrics.jsonl:
+
+- classic: the PIL pipeline in fp32 (``--image-backend pil``), as pytorch/examples trains;
+- ours, fp32: the fast data path alone (``--image-backend tensor``);
+- ours, fast: the fast data path plus ``--amp bf16 --channels-last``.
+
+Run by hand (not a test)::
 
     python benchmarks/bench_e2e.py                       # generated data, resnet18, 224 px
     python benchmarks/bench_e2e.py --data /data/imagenet-subset -a resnet50
+    python benchmarks/bench_e2e.py -a mobilenet_v3_small --train-crop-size 128 --lr 0.05
 
-On a CPU-only machine the model step dominates; use a small --arch (e.g. mobilenet_v3_small) or a
-smaller crop to see the data path's share.
+Any flag this script does not know is passed to main.py for every configuration (no ``--``
+needed). On a CPU-only machine the model step dominates; use a small --arch (e.g.
+mobilenet_v3_small) or a smaller crop to see the data path's share.
 """
 
 from __future__ import annotations
@@ -17,16 +25,19 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_data import write_photo_like_jpegs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+CLASSIC = "classic (PIL, fp32)"
 CONFIGS = {
-    "classic (PIL, fp32)": ["--image-backend", "pil"],
-    "ours (tensor decode)": ["--image-backend", "tensor"],
-    "ours (tensor + channels_last)": ["--image-backend", "tensor", "--channels-last"],
+    CLASSIC: ["--image-backend", "pil"],
+    "ours, fp32 (tensor decode)": ["--image-backend", "tensor"],
+    "ours, fast (tensor+bf16+channels_last)": ["--image-backend", "tensor", "--amp", "bf16",
+                                               "--channels-last"],
 }
 
 
@@ -38,36 +49,67 @@ def make_folder(root: Path, classes: int, per_class: int) -> Path:
     return root
 
 
-def run(data: Path, out: Path, flags: list[str], args: argparse.Namespace) -> dict:
-    """One epoch of main.py; returns its metrics.jsonl record."""
+def run(data: Path, out: Path, flags: Sequence[str], args: argparse.Namespace) -> dict | None:
+    """One epoch of main.py: its metrics.jsonl record, or None (stderr shown) if it failed."""
     cmd = [sys.executable, str(ROOT / "main.py"), str(data), "-a", args.arch, "-b",
            str(args.batch_size), "-j", str(args.workers), "--epochs", "1", "-p", "1000",
-           "--output-dir", str(out), *flags, *args.extra]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+           "--output-dir", str(out), *flags, *args.main_args]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"\n!! failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-4000:]}",
+              file=sys.stderr, flush=True)
+        return None
     return json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def compare(data: Path, workdir: Path, args: argparse.Namespace,
+            configs: dict[str, list[str]] = CONFIGS) -> dict[str, dict | None]:
+    """Train one epoch per configuration on ``data``; print and return each metrics record."""
+    print(f"{args.arch}, -b {args.batch_size}, -j {args.workers}, data {data}; main.py flags "
+          f"for all: {' '.join(args.main_args) or '(none)'}")
+    print(f"{'configuration':<40}{'train img/s':>12}{'vs classic':>11}{'val acc1':>9}",
+          flush=True)
+    records: dict[str, dict | None] = {}
+    for i, (name, flags) in enumerate(configs.items()):
+        records[name] = record = run(data, workdir / f"run{i}", flags, args)
+        if record is None:
+            print(f"{name:<40}{'failed':>12}", flush=True)
+            continue
+        rate = record["train_images_per_sec"]
+        base = (records.get(CLASSIC) or {}).get("train_images_per_sec")
+        ratio = f"{rate / base:10.2f}x" if base else f"{'n/a':>11}"
+        print(f"{name:<40}{rate:12.1f}{ratio}{record['val_acc1']:9.2f}", flush=True)
+    return records
+
+
+def get_parser() -> argparse.ArgumentParser:
+    """This script's flags; the rest of the command line goes to main.py."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
+                                     epilog="Unknown flags are passed to main.py.")
     parser.add_argument("--data", type=Path, help="ImageFolder root (default: generate one)")
     parser.add_argument("-a", "--arch", default="resnet18")
     parser.add_argument("-b", "--batch-size", type=int, default=32)
     parser.add_argument("-j", "--workers", type=int, default=2)
-    parser.add_argument("--classes", type=int, default=4)
+    parser.add_argument("--classes", type=int, default=4, help="generated classes")
     parser.add_argument("--per-class", type=int, default=48, help="generated train images/class")
-    parser.add_argument("extra", nargs="*", help="more main.py flags for every configuration")
-    args = parser.parse_args()
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Our flags, with everything else collected in ``main_args``."""
+    args, rest = get_parser().parse_known_args(argv)
+    args.main_args = [a for a in rest if a != "--"]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Generate or take the data, run every configuration; exit 1 if any failed."""
+    args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         data = args.data or make_folder(Path(tmp) / "data", args.classes, args.per_class)
-        print(f"{args.arch}, -b {args.batch_size}, -j {args.workers}, data {data}")
-        print(f"{'configuration':<32}{'train img/s':>12}{'vs classic':>11}{'val acc1':>9}")
-        base = None
-        for name, flags in CONFIGS.items():
-            record = run(data, Path(tmp) / name.split()[0] / str(len(flags)), flags, args)
-            rate = record["train_images_per_sec"]
-            base = base or rate
-            print(f"{name:<32}{rate:12.1f}{rate / base:10.2f}x{record['val_acc1']:9.2f}")
+        records = compare(data, Path(tmp), args)
+    return 0 if all(records.values()) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
