@@ -173,6 +173,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def describe(paths: Sequence[Path]) -> str:
+    """Count, mean size and file size of the JPEGs."""
+    sizes = np.array([Image.open(p).size for p in paths])
+    kib = np.mean([p.stat().st_size for p in paths]) / 1024
+    return (f"{len(paths)} JPEGs, mean {sizes[:, 0].mean():.0f}x{sizes[:, 1].mean():.0f} px, "
+            f"{kib:.0f} KiB; torch threads {torch.get_num_threads()}; torch {torch.__version__}")
+
+
+def measure(paths: Sequence[Path], crop: int = 224, resize: int = 256,
+            interpolation: str = "bilinear", passes: int = 3) -> dict[str, dict[str, float]]:
+    """Print and return img/s of every pipeline, {"train"|"val": {name: img/s}}."""
+    results = {}
+    for split, steps in pipelines(crop, resize, interpolation).items():
+        results[split] = rates = images_per_second(paths, steps, passes)
+        print_table(f"{split} ({crop} px crop, {interpolation})", rates)
+    return results
+
+
+def print_agreement(agreement: dict[str, float]) -> None:
+    """The val_agreement line."""
+    print("\nval images, tensor vs pil backend (0..255 scale): mean |diff| "
+          f"{agreement['mean_abs']:.3f}, max {agreement['max_abs']:.0f}, "
+          f"{100 * agreement['frac_gt_2']:.3f}% of values differ by >2; "
+          f"decode alone: mean |diff| {agreement['decode_mean_abs']:.3f}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Generate or find the images, time every pipeline, print tables and the agreement."""
     args = parse_args(argv)
@@ -184,19 +210,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                            in IMAGE_SUFFIXES)[: args.num_images]
         else:
             paths = write_photo_like_jpegs(Path(tmp), args.num_images, args.seed)
-        sizes = np.array([Image.open(p).size for p in paths])
-        kib = np.mean([p.stat().st_size for p in paths]) / 1024
-        print(f"{len(paths)} JPEGs, mean {sizes[:, 0].mean():.0f}x{sizes[:, 1].mean():.0f} px, "
-              f"{kib:.0f} KiB; torch threads {torch.get_num_threads()}; "
-              f"torch {torch.__version__}")
-        for split, steps in pipelines(args.crop, args.resize, args.interpolation).items():
-            rates = images_per_second(paths, steps, args.passes)
-            print_table(f"{split} ({args.crop} px crop, {args.interpolation})", rates)
-        agreement = val_agreement(paths, args.resize, args.crop, args.interpolation)
-    print("\nval images, tensor vs pil backend (0..255 scale): mean |diff| "
-          f"{agreement['mean_abs']:.3f}, max {agreement['max_abs']:.0f}, "
-          f"{100 * agreement['frac_gt_2']:.3f}% of values differ by >2; "
-          f"decode alone: mean |diff| {agreement['decode_mean_abs']:.3f}")
+        print(describe(paths))
+        measure(paths, args.crop, args.resize, args.interpolation, args.passes)
+        print_agreement(val_agreement(paths, args.resize, args.crop, args.interpolation))
 
 
 if __name__ == "__main__":
