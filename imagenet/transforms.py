@@ -193,10 +193,12 @@ def train_transform(crop_size: int, interpolation: str = "bilinear",
     else:
         raise ValueError(f"unknown image backend {backend!r}; choose from {BACKENDS}")
     if auto_augment:
-        if backend == "tensor" and mode == v2.InterpolationMode.BICUBIC:
-            # The policies' rotate/shear/translate on tensors support nearest and bilinear only.
-            log.info("auto augment on uint8 tensors uses bilinear (bicubic needs --image-backend "
-                     "pil); crops are still resized with bicubic")
+        # The policies' rotate/shear/translate on tensors support nearest and bilinear only, and
+        # AugMix works on tensors even when given a PIL image.
+        on_tensors = backend == "tensor" or auto_augment == "augmix"
+        if on_tensors and mode == v2.InterpolationMode.BICUBIC:
+            log.info("--auto-augment %s on tensors uses bilinear (its rotations and shears have "
+                     "no bicubic); crops are still resized with bicubic", auto_augment)
             mode = v2.InterpolationMode.BILINEAR
         steps.append(auto_augment_transform(auto_augment, mode, ra_magnitude, augmix_severity))
     steps.append(ToCHW())
