@@ -266,10 +266,15 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
-# Demo-sized defaults applied by --demo to flags the user did not give (measured in the demo issue).
-DEMO_DEFAULTS = {"epochs": 6, "batch_size": 64, "lr": 0.1, "workers": 2,
-                 "train_crop_size": 56, "val_resize_size": 64, "val_crop_size": 56,
-                 "lr_step_size": 4, "print_freq": 5}
+# Demo-sized defaults applied by --demo to flags the user did not give. ResNet-18 from scratch
+# on 1,000 64 px images: small crops keep an epoch near 10 s on 2 CPU cores; AdamW + cosine learn
+# in the ~220 steps that leaves (SGD at lr 0.1 stayed at chance); crops keep half the image or
+# more, since a smaller one often misses the shape that is the class. Measured: ~70% top-1 on the
+# 10 classes (chance 10%) in ~2.7 min.
+DEMO_DEFAULTS = {"epochs": 14, "batch_size": 64, "opt": "adamw", "lr": 0.002,
+                 "weight_decay": 0.01, "lr_scheduler": "cosine", "workers": 2,
+                 "train_crop_size": 40, "train_crop_scale": 0.5, "val_resize_size": 46,
+                 "val_crop_size": 40, "print_freq": 5}
 
 
 def get_args_parser() -> argparse.ArgumentParser:

@@ -68,8 +68,10 @@ def test_help_is_grouped_and_states_defaults(capsys):
 
 
 def test_demo_sets_small_defaults_but_respects_given_flags():
-    cfg = parse_config(["--demo", "--epochs", "2"])
-    assert cfg.epochs == 2 and cfg.train_crop_size < 224 and cfg.batch_size < 256
+    cfg = parse_config(["--demo", "--epochs", "2", "--lr=0.01"])
+    assert cfg.epochs == 2 and cfg.lr == 0.01
+    assert cfg.train_crop_size < 224 and cfg.batch_size < 256 and cfg.opt == "adamw"
+    assert parse_config([]).opt == "sgd"  # without --demo: the classic's
 
 
 @pytest.mark.parametrize("argv, flag", [

@@ -126,3 +126,18 @@ def test_concurrent_calls_make_one_complete_set(tmp_path: Path):
     assert _files(root) == _files(make_demo_dataset(tmp_path / "reference", **SMALL))
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".demo-")]
     assert leftovers == []
+
+
+@pytest.mark.slow
+def test_the_demo_run_learns(tmp_path: Path):
+    """main.py --demo with its own defaults, shortened to 3 epochs: far above chance (10%)."""
+    from conftest import run_main
+
+    out = tmp_path / "out"
+    proc = run_main("--demo", "--epochs", "3", "--seed", "0", "--output-dir", str(out))
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["val_count"] for r in records] == [200] * 3  # 10 classes x 20 val images
+    assert records[-1]["val_acc1"] > 25, records  # 43% measured; chance is 10%
+    assert records[-1]["train_loss"] < records[0]["train_loss"]
+    assert (out / "demo-data" / MARKER).is_file()
