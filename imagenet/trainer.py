@@ -175,14 +175,15 @@ def train(run: Run, stop_flag: StopFlag) -> dict[str, float]:
         record: dict[str, Any] = {"epoch": epoch, "lr": ctx.optimizer.param_groups[0]["lr"],
                                   **{f"train_{k}": v for k, v in train_metrics.items()},
                                   **{f"val_{k}": v for k, v in val.items()}}
-        is_best = val["acc1"] > run.best_acc1
+        is_best = improves(val["acc1"], run.best_acc1, run.output_dir / ckpt_io.BEST)
         run.best_acc1 = max(val["acc1"], run.best_acc1)
         record["best_acc1"] = run.best_acc1
         is_best_ema = False
         if ctx.ema is not None:
             ema = validate(run, ctx.ema, name="EMA ")
             record.update({f"ema_val_{k}": v for k, v in ema.items()})
-            is_best_ema = ema["acc1"] > run.best_ema_acc1
+            is_best_ema = improves(ema["acc1"], run.best_ema_acc1,
+                                   run.output_dir / ckpt_io.BEST_EMA)
             run.best_ema_acc1 = max(ema["acc1"], run.best_ema_acc1)
             record["best_ema_acc1"] = run.best_ema_acc1
         save(run, is_best, epoch_done=True, is_best_ema=is_best_ema)
@@ -191,6 +192,12 @@ def train(run: Run, stop_flag: StopFlag) -> dict[str, float]:
         last = record
     stop_flag.drain()
     return last
+
+
+def improves(acc1: float, best: float, best_file: Path) -> bool:
+    """Whether this epoch's weights become the best file: top-1 beat the best so far, or nothing
+    has scored yet and there is no best file (a first epoch at 0% still gets one)."""
+    return acc1 > best or (best == 0.0 and not best_file.is_file())
 
 
 def log_epoch(run: Run, record: dict[str, Any]) -> None:

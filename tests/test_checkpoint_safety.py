@@ -194,3 +194,13 @@ def test_the_malicious_file_would_run_code_if_loaded_unsafely(tmp_path):
     with pytest.raises(CheckpointError, match="refusing"):
         ckpt_io.load_checkpoint(path)
     assert not marker.exists()
+
+
+def test_a_best_file_is_written_for_the_first_epoch_even_at_zero_accuracy(tmp_path):
+    from imagenet.trainer import improves
+
+    best_file = tmp_path / ckpt_io.BEST
+    assert improves(0.0, 0.0, best_file)  # nothing scored yet, no file: write one
+    best_file.write_bytes(b"x")
+    assert not improves(0.0, 0.0, best_file)
+    assert improves(12.5, 10.0, best_file) and not improves(10.0, 10.0, best_file)
