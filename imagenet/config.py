@@ -151,8 +151,8 @@ class Config:
                               help="schedule after warm-up, stepped per iteration "
                                    "(default: %(default)s = x0.1 every 30 epochs)")
     lr_step_size: int = _flag("--lr-step-size", group="optimisation", default=30, type=int,
-                              metavar="EPOCHS", help="step schedule period, epochs "
-                                                     "(default: %(default)s)")
+                              metavar="EPOCHS", help="step schedule period, epochs after "
+                                                     "the warm-up (default: %(default)s)")
     lr_milestones: tuple[int, ...] = _flag(
         "--lr-milestones", group="optimisation", default=(30, 60, 80), type=int, nargs="+",
         metavar="EPOCH", help="multistep schedule epochs (default: 30 60 80)")
@@ -348,6 +348,10 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--random-erase is a probability in [0, 1], got {cfg.random_erase}")
     if not 0.0 <= cfg.label_smoothing < 1.0:
         raise UsageError(f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}")
+    if cfg.lr_scheduler == "multistep" and min(cfg.lr_milestones) <= cfg.lr_warmup_epochs:
+        raise UsageError(f"--lr-milestones are epochs of the whole run and must come after the "
+                         f"--lr-warmup-epochs {cfg.lr_warmup_epochs}, got "
+                         f"{' '.join(map(str, cfg.lr_milestones))}")
     if cfg.pretrained and cfg.weights:
         raise UsageError("give either --pretrained or --weights NAME, not both")
     if cfg.dummy and cfg.demo:

@@ -82,6 +82,8 @@ def test_demo_sets_small_defaults_but_respects_given_flags():
     (["-a", "get_model"], "-a/--arch"),
     (["--random-erase", "1.5"], "--random-erase"),
     (["--pretrained", "--weights", "IMAGENET1K_V1"], "--pretrained"),
+    (["--lr-scheduler", "multistep", "--lr-milestones", "2", "8", "--lr-warmup-epochs", "3"],
+     "--lr-milestones"),
 ])
 def test_bad_values_name_the_flag(argv, flag):
     with pytest.raises(UsageError, match=flag.replace("/", ".")):
