@@ -1,14 +1,15 @@
 """--ddp-comm-hook over a slow link: two "hosts" (network namespaces joined by a veth pair), one
 training process in each, gloo between them. Run by hand, as root (not a test):
 
-    python benchmarks/bench_comm.py steptime [--rate 10mbit] [--hooks none bf16 powersgd]
+    python benchmarks/bench_comm.py steptime [--rate 10mbit] [--hooks none bf16 powersgd:4]
     python benchmarks/bench_comm.py top1 [--rate none] [--hooks none powersgd] [--epochs 6]
 
 steptime: ResNet-18 (1000 classes), the same batch on both hosts, seconds per optimizer step
 through imagenet.ddp.wrap (the trainer's DDP and hooks) for each hook, after warm-up steps.
-PowerSGD runs with --powersgd-start-iter 0 so every step is compressed. All models are built
-(DDP broadcasts the weights) before the link is throttled: only training steps cross the slow
-link. Also printed: the compute-only step time (DDP's no_sync, nothing sent).
+PowerSGD runs with --powersgd-start-iter 0 so every step is compressed; ``powersgd:R`` sets
+its rank (default 2). All models are built (DDP broadcasts the weights) before the link is
+throttled: only training steps cross the slow link. Also printed: the compute-only step time
+(DDP's no_sync, nothing sent).
 top1: ``main.py --demo`` on both hosts for each hook; top-1 (last and best epoch) from
 metrics.jsonl and the wall time.
 
@@ -152,10 +153,12 @@ def worker(args: argparse.Namespace) -> None:
                             world_size=2)
     info = DistInfo(args.rank, 0, 2, 1, torch.device("cpu"), "gloo")
     runs = {}
-    for hook in args.hooks:
+    for hook in args.hooks:  # "powersgd:R" chooses the PowerSGD rank (default 2)
         torch.manual_seed(0)
         raw = torchvision.models.resnet18(num_classes=1000)
-        cfg = parse_config(["data", "--ddp-comm-hook", hook, "--powersgd-start-iter", "0"])
+        name, _, rank = hook.partition(":")
+        cfg = parse_config(["data", "--ddp-comm-hook", name, "--powersgd-start-iter", "0",
+                            "--powersgd-rank", rank or "2"])
         runs[hook] = (ddp.wrap(raw, cfg, info), torch.optim.SGD(raw.parameters(), lr=1e-3))
     generator = torch.Generator().manual_seed(args.rank)
     images = torch.randn(args.batch, 3, args.image_size, args.image_size, generator=generator)
@@ -177,7 +180,7 @@ def worker(args: argparse.Namespace) -> None:
     for hook, (model, opt) in runs.items():
         # PowerSGD steps are cheap: time more of them, after two warm-up steps (the first has
         # one bucket; after DDP's rebuild the P/Q memory is allocated again).
-        cheap = hook == "powersgd"
+        cheap = hook.startswith("powersgd")
         dist.barrier()
         for _ in range(max(args.warmup, 2) if cheap else args.warmup):
             step(model, opt)

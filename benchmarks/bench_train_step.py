@@ -1,8 +1,9 @@
 """Train-step throughput: fp32 vs channels_last vs bf16 vs bf16+channels_last, side by side.
 
 Runs our real training step (imagenet.engine.train_one_epoch) on synthetic uint8 batches, so it
-measures what main.py does per step, and reports the machine's fp32/bf16 matmul peak and the share
-of it the step reaches. Run by hand (not a test):
+measures what main.py does per step, next to the textbook torch loop on the same model and variant
+(the reference it must keep up with), and reports the machine's fp32/bf16 matmul peak and the
+share of it the step reaches. Run by hand (not a test):
 
     python benchmarks/bench_train_step.py -a resnet18 -b 32 --size 224 --threads 2 --steps 6
 """
@@ -83,6 +84,35 @@ def step_rate(arch: str, batch: int, size: int, steps: int, variant: str) -> flo
     return batch * steps / (time.perf_counter() - start)
 
 
+def plain_rate(arch: str, batch: int, size: int, steps: int, variant: str) -> float:
+    """Images per second of the textbook torch loop (float batch ready, SGD, nothing else):
+    the reference our step is held to, under the same precision/layout variant."""
+    flags, dtype = VARIANTS[variant]
+    channels_last = "--channels-last" in flags
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(arch)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model = model.to(memory_format=fmt)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    criterion = torch.nn.CrossEntropyLoss()
+    images = torch.randn(batch, 3, size, size).contiguous(memory_format=fmt)
+    target = torch.randint(0, 1000, (batch,))
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = criterion(model(images), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(2):  # warm-up
+        step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return batch * steps / (time.perf_counter() - start)
+
+
 def measure(arch: str, batch: int, size: int, steps: int) -> dict:
     """Print and return the matmul peaks, FLOPs per image and every variant's img/s."""
     peak = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
@@ -93,17 +123,21 @@ def measure(arch: str, batch: int, size: int, steps: int) -> dict:
     if peak["bf16"] < peak["fp32"]:
         print("  (bf16 matmul is slower than fp32 here: no native bf16 instructions. Autocast's "
               "bf16 convolutions go through oneDNN and can beat that rate, so see both columns)")
-    print(f"{'variant':<20}{'img/s':>8}{'vs fp32':>9}{'GFLOP/s':>9}{'of fp32 pk':>11}"
-          f"{'of own pk':>10}", flush=True)
-    rates, of_peak, of_fp32 = {}, {}, {}
+    print("ours = imagenet.engine's step from a uint8 batch; plain = the textbook torch loop on a "
+          "ready float batch, same variant")
+    print(f"{'variant':<20}{'img/s':>8}{'plain':>8}{'vs plain':>9}{'vs fp32':>9}{'GFLOP/s':>9}"
+          f"{'of fp32 pk':>11}{'of own pk':>10}", flush=True)
+    rates, plain, of_peak, of_fp32 = {}, {}, {}, {}
     for variant in VARIANTS:
         rates[variant] = rate = step_rate(arch, batch, size, steps, variant)
+        plain[variant] = plain_rate(arch, batch, size, steps, variant)
         achieved = rate * flops / 1e9
         of_fp32[variant] = achieved / peak["fp32"]
         of_peak[variant] = achieved / peak["bf16" if "bf16" in variant else "fp32"]
-        print(f"{variant:<20}{rate:8.1f}{rate / rates['fp32']:8.2f}x{achieved:9.0f}"
-              f"{of_fp32[variant]:11.0%}{of_peak[variant]:10.0%}", flush=True)
-    return {"peak": peak, "flops": flops, "rates": rates, "of_peak": of_peak,
+        print(f"{variant:<20}{rate:8.1f}{plain[variant]:8.1f}{rate / plain[variant]:8.2f}x"
+              f"{rate / rates['fp32']:8.2f}x{achieved:9.0f}{of_fp32[variant]:11.0%}"
+              f"{of_peak[variant]:10.0%}", flush=True)
+    return {"peak": peak, "flops": flops, "rates": rates, "plain": plain, "of_peak": of_peak,
             "of_fp32_peak": of_fp32}
 
 
