@@ -7,7 +7,7 @@ training process in each, gloo between them. Run by hand, as root (not a test):
 steptime: ResNet-18 (1000 classes), the same batch on both hosts, seconds per optimizer step
 through imagenet.ddp.wrap (the trainer's DDP and hooks) for each hook, after warm-up steps.
 PowerSGD runs with --powersgd-start-iter 0 so every step is compressed; ``powersgd:R`` sets
-its rank (default 2). All models are built (DDP broadcasts the weights) before the link is
+its rank (default 4). All models are built (DDP broadcasts the weights) before the link is
 throttled: only training steps cross the slow link. Also printed: the compute-only step time
 (DDP's no_sync, nothing sent).
 top1: ``main.py --demo`` on both hosts for each hook; top-1 (last and best epoch) from
@@ -153,12 +153,12 @@ def worker(args: argparse.Namespace) -> None:
                             world_size=2)
     info = DistInfo(args.rank, 0, 2, 1, torch.device("cpu"), "gloo")
     runs = {}
-    for hook in args.hooks:  # "powersgd:R" chooses the PowerSGD rank (default 2)
+    for hook in args.hooks:  # "powersgd:R" chooses the PowerSGD rank (default 4)
         torch.manual_seed(0)
         raw = torchvision.models.resnet18(num_classes=1000)
         name, _, rank = hook.partition(":")
         cfg = parse_config(["data", "--ddp-comm-hook", name, "--powersgd-start-iter", "0",
-                            "--powersgd-rank", rank or "2"])
+                            "--powersgd-rank", rank or "4"])
         runs[hook] = (ddp.wrap(raw, cfg, info), torch.optim.SGD(raw.parameters(), lr=1e-3))
     generator = torch.Generator().manual_seed(args.rank)
     images = torch.randn(args.batch, 3, args.image_size, args.image_size, generator=generator)

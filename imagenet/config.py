@@ -226,7 +226,7 @@ class Config:
                                choices=COMM_HOOKS,
                                help="gradient compression for slow links "
                                     "(default: %(default)s)")
-    powersgd_rank: int = _flag("--powersgd-rank", group="distributed", default=2, type=int,
+    powersgd_rank: int = _flag("--powersgd-rank", group="distributed", default=4, type=int,
                                metavar="R", help="PowerSGD matrix rank (default: %(default)s)")
     powersgd_start_iter: int = _flag("--powersgd-start-iter", group="distributed", default=10,
                                      type=int, metavar="N",
