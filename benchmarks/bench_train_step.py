@@ -78,9 +78,15 @@ def step_rate(arch: str, batch: int, size: int, steps: int, variant: str) -> flo
                        channels_last=cfg.channels_last, print_freq=10**6)
     images = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8)
     target = torch.randint(0, 1000, (batch,))
-    train_one_epoch(ctx, [(images, target)] * 2, Step())  # warm-up (allocator, oneDNN kernels)
+    return timed(lambda n: train_one_epoch(ctx, [(images, target)] * n, Step()), batch, steps)
+
+
+def timed(run_steps, batch: int, steps: int) -> float:
+    """Images per second of ``run_steps(steps)`` after ``run_steps(2)`` as warm-up (allocator,
+    oneDNN kernel selection)."""
+    run_steps(2)
     start = time.perf_counter()
-    train_one_epoch(ctx, [(images, target)] * steps, Step())
+    run_steps(steps)
     return batch * steps / (time.perf_counter() - start)
 
 
@@ -98,19 +104,15 @@ def plain_rate(arch: str, batch: int, size: int, steps: int, variant: str) -> fl
     images = torch.randn(batch, 3, size, size).contiguous(memory_format=fmt)
     target = torch.randint(0, 1000, (batch,))
 
-    def step() -> None:
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-            loss = criterion(model(images), target)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def run_steps(n: int) -> None:
+        for _ in range(n):
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+                loss = criterion(model(images), target)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
-    for _ in range(2):  # warm-up
-        step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return batch * steps / (time.perf_counter() - start)
+    return timed(run_steps, batch, steps)
 
 
 def measure(arch: str, batch: int, size: int, steps: int,
