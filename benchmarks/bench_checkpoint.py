@@ -1,8 +1,8 @@
 """What --save-every costs: checkpoint size and write time, and step time with and without it.
 
-Uses the trainer's own pieces (build_run on --dummy data, the real after_step hook that saves with
-``runstate.save``: RNG gather, torch.save to a temp file, fsync, os.replace), on the CPU, with
-1000 classes and SGD momentum buffers as in an ImageNet run. Run by hand (not a test):
+Uses the trainer's own pieces (build_run on --dummy data, the real after_step hook that saves
+with ``checkpoint.state.save``: RNG gather, torch.save to a temp file, fsync, os.replace), on the
+CPU, with 1000 classes and SGD momentum buffers as in an ImageNet run. Run by hand (not a test):
 
     python benchmarks/bench_checkpoint.py -a resnet18 resnet50 -b 8 --size 64 --steps 12 \\
         --save-every 3 --threads 2
@@ -21,45 +21,45 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from imagenet import checkpoint as ckpt_io  # noqa: E402
-from imagenet import runstate, trainer  # noqa: E402
+from imagenet import trainer  # noqa: E402
+from imagenet.build import Run, build_run  # noqa: E402
+from imagenet.checkpoint import files, state  # noqa: E402
 from imagenet.config import parse_config  # noqa: E402
 from imagenet.distributed import DistInfo  # noqa: E402
-from imagenet.engine import Step, train_one_epoch  # noqa: E402
+from imagenet.engine import Hooks, Step, train_one_epoch  # noqa: E402
+from imagenet.launch import Layout  # noqa: E402
 from imagenet.preemption import StopFlag  # noqa: E402
 
 
-def build(arch: str, batch: int, size: int, steps: int, output_dir: Path) -> trainer.Run:
+def build(arch: str, batch: int, size: int, steps: int, output_dir: Path) -> Run:
     """A one-process run on synthetic 1000-class data with ``steps`` steps per epoch."""
     cfg = parse_config(["--dummy", "--dummy-size", str(batch * steps), "--dummy-val-size", "8",
                         "-a", arch, "-b", str(batch), "-j", "0", "--seed", "0",
                         "--train-crop-size", str(size), "--val-crop-size", str(size),
                         "--val-resize-size", str(size), "--output-dir", str(output_dir),
                         "-p", "1000000"])
-    run = trainer.build_run(cfg, DistInfo(), batch, 0)
-    run.ctx.on_print = None
-    return run
+    return build_run(cfg, DistInfo(), Layout(1, batch, 1, 0))
 
 
-def epoch_time(run: trainer.Run, save_every: int) -> float:
+def epoch_time(run: Run, save_every: int) -> float:
     """Seconds per step over one epoch, saving every ``save_every`` steps (0: never)."""
     run.cfg = dataclasses.replace(run.cfg, save_every=save_every)
-    run.ctx.after_step = trainer.make_after_step(run, StopFlag())
+    hooks = Hooks(after_step=trainer.saver(run, StopFlag()))
     run.step = Step()
     run.data.train_sampler.set_epoch(0)
     start = time.perf_counter()
-    train_one_epoch(run.ctx, run.data.train_loader, run.step)
-    return (time.perf_counter() - start) / run.ctx.steps_per_epoch
+    train_one_epoch(run.engine, run.data.train_loader, run.step, hooks)
+    return (time.perf_counter() - start) / run.engine.opts.steps_per_epoch
 
 
-def write_time(run: trainer.Run, reps: int) -> tuple[float, int]:
-    """Median seconds of one runstate.save (model + optimizer + scheduler + RNG) and its bytes."""
+def write_time(run: Run, reps: int) -> tuple[float, int]:
+    """Median seconds of one state.save (model + optimizer + scheduler + RNG) and its bytes."""
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        runstate.save(run, is_best=False)
+        state.save(run, is_best=False)
         times.append(time.perf_counter() - start)
-    path = run.output_dir / ckpt_io.CHECKPOINT
+    path = run.output_dir / files.CHECKPOINT
     return sorted(times)[len(times) // 2], path.stat().st_size
 
 

@@ -5,7 +5,7 @@ training process in each, gloo between them. Run by hand, as root (not a test):
     python benchmarks/bench_comm.py top1 [--rate none] [--hooks none powersgd] [--epochs 6]
 
 steptime: ResNet-18 (1000 classes), the same batch on both hosts, seconds per optimizer step
-through imagenet.ddp.wrap (the trainer's DDP and hooks) for each hook, after warm-up steps.
+through imagenet.models.wrap (the trainer's DDP and hooks) for each hook, after warm-up steps.
 PowerSGD runs with --powersgd-start-iter 0 so every step is compressed; ``powersgd:R`` sets
 its rank (default 4). All models are built (DDP broadcasts the weights) before the link is
 throttled: only training steps cross the slow link. Also printed: the compute-only step time
@@ -141,9 +141,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torchvision
 
-    from imagenet import ddp
     from imagenet.config import parse_config
     from imagenet.distributed import DistInfo, set_socket_interface
+    from imagenet.models import wrap
 
     logging.basicConfig(level=logging.INFO if args.rank == 0 else logging.WARNING,
                         format="%(message)s", stream=sys.stdout)
@@ -159,7 +159,7 @@ def worker(args: argparse.Namespace) -> None:
         name, _, rank = hook.partition(":")
         cfg = parse_config(["data", "--ddp-comm-hook", name, "--powersgd-start-iter", "0",
                             "--powersgd-rank", rank or "4"])
-        runs[hook] = (ddp.wrap(raw, cfg, info), torch.optim.SGD(raw.parameters(), lr=1e-3))
+        runs[hook] = (wrap(raw, cfg, info), torch.optim.SGD(raw.parameters(), lr=1e-3))
     generator = torch.Generator().manual_seed(args.rank)
     images = torch.randn(args.batch, 3, args.image_size, args.image_size, generator=generator)
     labels = torch.randint(0, 1000, (args.batch,), generator=generator)

@@ -26,15 +26,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torchvision
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from imagenet.build import build_engine  # noqa: E402
+from imagenet.config import parse_config  # noqa: E402
 from imagenet.data import DummyDataset, ResumableDistributedSampler, SeededDataset  # noqa: E402
-from imagenet.distributed import free_port  # noqa: E402
-from imagenet.engine import Step, TrainContext, train_one_epoch  # noqa: E402
+from imagenet.engine import Step, train_one_epoch  # noqa: E402
+from imagenet.launch import Layout, free_port  # noqa: E402
 
 
 def join(rank: int, world: int, port: int) -> None:
@@ -52,20 +53,18 @@ def train_speed(rank: int, world: int, port: int, args: argparse.Namespace, thre
     torch.manual_seed(0)
     raw = torchvision.models.get_model(args.arch, num_classes=1000)
     model = DDP(raw) if world > 1 else raw
-    opt = torch.optim.SGD(raw.parameters(), lr=0.01, momentum=0.9)
+    cfg = parse_config(["--dummy", "-a", args.arch, "--lr", "0.01", "--wd", "0", "-p", "1000000"])
+    layout = Layout(world, args.global_batch // world, 1, 0)
+    engine = build_engine(cfg, raw, model, torch.device("cpu"), layout, args.steps, 1000)
     for phase, steps in (("warm-up", 2), ("timed", args.steps)):  # warm-up: allocator, buckets
         size = args.global_batch * steps
         data = SeededDataset(DummyDataset(size, 1000, args.image_size), seed=0)
         loader = DataLoader(data, batch_size=args.global_batch // world,
                             sampler=ResumableDistributedSampler(size, rank, world))
-        ctx = TrainContext(model=model, criterion=nn.CrossEntropyLoss(), optimizer=opt,
-                           scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                           device=torch.device("cpu"), steps_per_epoch=steps, world_size=world,
-                           print_freq=10**6)
         if world > 1:
             dist.barrier()
         start = time.perf_counter()
-        train_one_epoch(ctx, loader, Step())
+        train_one_epoch(engine, loader, Step())
         if world > 1:
             dist.barrier()
         if rank == 0 and phase == "timed":

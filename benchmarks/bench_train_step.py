@@ -20,9 +20,10 @@ import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from imagenet.build import build_engine  # noqa: E402
 from imagenet.config import parse_config  # noqa: E402
-from imagenet.engine import Step, TrainContext, train_one_epoch  # noqa: E402
-from imagenet.optim import build_criterion, build_optimizer, build_scheduler  # noqa: E402
+from imagenet.engine import Step, train_one_epoch  # noqa: E402
+from imagenet.launch import Layout  # noqa: E402
 
 VARIANTS = {"fp32": ([], None), "channels_last": (["--channels-last"], None),
             "bf16": (["--amp", "bf16"], torch.bfloat16),
@@ -71,14 +72,12 @@ def step_rate(arch: str, batch: int, size: int, steps: int, variant: str) -> flo
     model = torchvision.models.get_model(arch)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = build_optimizer(model, cfg)
-    ctx = TrainContext(model=model, criterion=build_criterion(cfg), optimizer=optimizer,
-                       scheduler=build_scheduler(optimizer, cfg, 1000),
-                       device=torch.device("cpu"), steps_per_epoch=steps, amp_dtype=dtype,
-                       channels_last=cfg.channels_last, print_freq=10**6)
+    engine = build_engine(cfg, model, model, torch.device("cpu"), Layout(1, batch, 1, 0),
+                          steps, 1000)
+    assert engine.opts.amp_dtype == dtype
     images = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8)
     target = torch.randint(0, 1000, (batch,))
-    return timed(lambda n: train_one_epoch(ctx, [(images, target)] * n, Step()), batch, steps)
+    return timed(lambda n: train_one_epoch(engine, [(images, target)] * n, Step()), batch, steps)
 
 
 def timed(run_steps, batch: int, steps: int) -> float:

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from imagenet import transforms as T  # noqa: E402
-from imagenet.checkpoint import load_checkpoint, load_model_state  # noqa: E402
+from imagenet.checkpoint.files import load_checkpoint, load_model_state  # noqa: E402
 from imagenet.data import image_folder  # noqa: E402
 from imagenet.metrics import topk_correct  # noqa: E402
 from imagenet.models import build_model, resolve_weights  # noqa: E402
@@ -61,7 +61,7 @@ class ValSettings:
 
 def train_demo_model(work: Path, args: argparse.Namespace) -> tuple[Path, Path]:
     """Demo shapes at ``--image-size`` px and a ResNet-18 trained on them: (data, checkpoint)."""
-    from imagenet.demo import make_demo_dataset
+    from imagenet.tools.demo import make_demo_dataset
 
     params = {"train_per_class": args.train_per_class, "val_per_class": args.val_per_class,
               "image_size": args.image_size, "epochs": args.epochs, "recipe": 2}

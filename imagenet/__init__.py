@@ -1,0 +1,32 @@
+"""ImageNet / ImageFolder trainer for torchvision models. The modules, in the order a run uses them:
+
+Starting
+  cli          main(): parse the flags, plan the launch, start the processes, turn errors into one
+               line and an exit code. The only place that exits.
+  config       the flags -> a frozen Config; every field declares its classic flag.
+  errors       the exceptions cli turns into exit codes (2 usage, 1 runtime, 143 preempted).
+  launch       pure decisions: launch mode, each process's rank and device, the backend, and the
+               per-process batch and loader workers (Layout). Reads the launchers' variables.
+  distributed  joins the process group (errors that say what to check), barrier, cleanup.
+
+One training process (trainer.run_training: build -> resume -> train)
+  build        Run: everything a process holds, built from the flags; build_engine makes the
+               objects of a training step (also used by the tests and benchmarks).
+  data         datasets, the resumable training sampler, the exact validation shards, loaders.
+  transforms   JPEG decoding and augmentation to uint8 tensors; normalisation on the device.
+  models       a torchvision model by name, its weights; wrapped for DDP (and unwrapped).
+  comm_hooks   DDP gradient compression for slow links (fp16/bf16/PowerSGD) and its state.
+  optim        optimizer, per-iteration learning-rate schedule, loss, EMA.
+  checkpoint   files (atomic writes, safe loads), state (what a run saves, how a resume puts it
+               back), rng (every rank's random streams).
+  trainer      the epoch loop: train, validate, keep the best, save, log.
+  engine       train_one_epoch and evaluate; dicts in, dicts out, no files.
+  metrics      top-k counts and sums that stay on the device and are all-reduced once.
+  preemption   SIGTERM/SIGUSR1/SIGINT: finish the step, save, agree across ranks, exit 143.
+  logger       console and progress lines, TensorBoard, metrics.jsonl, config.json (rank 0).
+
+Side tools (not imported by a training run unless asked for)
+  tools.prepare     python -m imagenet.tools.prepare: ILSVRC2012 archives -> ImageFolder.
+  tools.envcheck    main.py --env-check: installation, devices and a real all-reduce.
+  tools.demo        the built-in demo data set (--demo, run_single.sh).
+"""

@@ -6,26 +6,23 @@ import logging
 import os
 import signal
 import sys
-import traceback
 from collections.abc import Sequence
 
 import torch
 import torch.multiprocessing as mp
 
 from imagenet.config import Config, parse_config
-from imagenet.distributed import (
+from imagenet.distributed import cleanup, init_distributed
+from imagenet.errors import INTERRUPTED_EXIT_CODE, TrainerError, report
+from imagenet.launch import (
     Launch,
     check_sync_bn,
     choose_backend,
-    cleanup,
-    init_distributed,
-    per_process_batch,
-    per_process_workers,
     plan_launch,
+    plan_layout,
     rendezvous,
     resolve_ranks,
 )
-from imagenet.errors import TrainerError
 from imagenet.logger import setup_logging
 from imagenet.preemption import PREEMPT_EXIT_CODE
 
@@ -35,47 +32,37 @@ PREEMPTED_BY = {sig.name for sig in FORWARDED_SIGNALS}  # a child dead of these:
 log = logging.getLogger(__name__)
 
 
-def _worker(local_index: int, cfg: Config, launch: Launch, batch: int, workers: int | None,
-            master: dict[str, str]) -> None:
-    """One training process (also the body of every mp.spawn child)."""
+def _worker(local_index: int, cfg: Config, launch: Launch, master: dict[str, str]) -> None:
+    """One training process: join the others, then train (the body of every mp.spawn child)."""
     os.environ.update(master)  # the parent's rendezvous choice (spawn mode only)
     rank = resolve_ranks(launch, local_index, cfg, os.environ)[0]
     setup_logging(rank, cfg.debug)
-    if launch.mode == "spawn":
-        # Children die with a message, not a traceback; mp.spawn then stops their siblings.
-        try:
-            _train(cfg, launch, local_index, batch, workers)
-        except TrainerError as exc:
-            # stderr like main()'s "error:" line (rank 0's log handler writes to stdout)
-            tag = "" if rank == 0 else f"[rank {rank}] "
-            print(f"{tag}error: {exc}", file=sys.stderr, flush=True)
-            if cfg.debug:
-                traceback.print_exc()
-            sys.exit(exc.exit_code)
-        except KeyboardInterrupt:  # Ctrl-C before the stop handlers were installed
-            # mp.spawn's wrapper would swallow it and exit 0, as if training had completed.
-            print("interrupted", file=sys.stderr, flush=True)
-            sys.exit(130)
-    else:
-        _train(cfg, launch, local_index, batch, workers)
-
-
-def _train(cfg: Config, launch: Launch, local_index: int, batch: int,
-           workers: int | None) -> None:
     from imagenet.trainer import run_training  # heavy imports only where training happens
 
-    info = init_distributed(cfg, launch, local_index)
-    if workers is None:  # -j not given: share the cores among this node's processes
-        workers = per_process_workers(None, info.local_world_size)
     try:
-        if info.device.type == "cpu" and info.rank == 0 and not cfg.no_accel:
-            log.info("=> no CUDA device: training on the CPU")
-        run_training(cfg, info, batch, workers)
-    finally:
-        cleanup()
+        info = init_distributed(cfg, launch, local_index)
+        try:
+            if info.device.type == "cpu" and info.rank == 0 and not cfg.no_accel:
+                log.info("=> no CUDA device: training on the CPU")
+            run_training(cfg, info, plan_layout(cfg, launch, info.world_size,
+                                                info.local_world_size))
+        finally:
+            cleanup()
+    except TrainerError as exc:
+        if launch.mode != "spawn":
+            raise  # main() reports it
+        # A spawned child dies with the message, not a traceback; mp.spawn stops its siblings.
+        sys.exit(report(exc, cfg.debug, rank))
+    except KeyboardInterrupt:
+        if launch.mode != "spawn":
+            raise
+        # Ctrl-C before the stop handlers were installed: mp.spawn's wrapper would swallow it
+        # and exit 0, as if training had completed.
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.exit(INTERRUPTED_EXIT_CODE)
 
 
-def _spawn(cfg: Config, launch: Launch, batch: int, workers: int, announce: str) -> int:
+def _spawn(cfg: Config, launch: Launch, announce: str) -> int:
     """mp.spawn-style start of ``launch.nprocs`` children; returns the first failing code.
 
     ``announce`` is logged once SIGTERM/SIGUSR1 are forwarded: from then on a signal reaches
@@ -101,7 +88,7 @@ def _spawn(cfg: Config, launch: Launch, batch: int, workers: int, announce: str)
     handlers = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
     try:
         log.info("%s", announce)
-        ctx = mp.start_processes(_worker, args=(cfg, launch, batch, workers, master),
+        ctx = mp.start_processes(_worker, args=(cfg, launch, master),
                                  nprocs=launch.nprocs, join=False, start_method="spawn")
         children.extend(ctx.processes)
         for signum in pending:
@@ -138,7 +125,8 @@ def child_exit(index: int, exit_code: int | None, signal_name: str | None) -> tu
             f"save (it was starting up or shutting down); stopped the others; exit code "
             f"{PREEMPT_EXIT_CODE} so that a requeue resumes from the last checkpoint")
     if signal_name == "SIGINT":  # Ctrl-C while it was starting up: as main() reports it
-        return 130, f"training process {index} of this node was interrupted; stopped the others"
+        return INTERRUPTED_EXIT_CODE, (f"training process {index} of this node was interrupted; "
+                                       "stopped the others")
     how = f"was killed by {signal_name}" if signal_name else f"exited with code {exit_code}"
     code = exit_code if exit_code and exit_code > 0 else 1
     return code, f"training process {index} of this node {how}; stopped the others"
@@ -150,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = parse_config(argv)
         if cfg.env_check:
-            from imagenet.envcheck import run_env_check
+            from imagenet.tools.envcheck import run_env_check
 
             return run_env_check(cfg)
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -160,21 +148,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             choose_backend(cfg.dist_backend, device_type)
             check_sync_bn(cfg.sync_bn, device_type)
         if launch.mode != "spawn":
-            _worker(0, cfg, launch, cfg.batch_size, cfg.workers, {})
+            _worker(0, cfg, launch, {})
             return 0
         setup_logging(0, cfg.debug)
-        batch = per_process_batch(cfg.batch_size, launch.nprocs)
-        workers = per_process_workers(cfg.workers, launch.nprocs)
+        layout = plan_layout(cfg, launch, launch.nnodes * launch.nprocs, launch.nprocs)
         given = "auto" if cfg.workers is None else f"{cfg.workers} per node"
-        return _spawn(cfg, launch, batch, workers, (
-            f"=> {launch.reason}; -b {cfg.batch_size} per node -> {batch} per process; "
-            f"-j {given} -> {workers} per process"))
+        return _spawn(cfg, launch, (
+            f"=> {launch.reason}; -b {cfg.batch_size} per node -> {layout.batch_size} per "
+            f"process; -j {given} -> {layout.workers} per process"))
     except TrainerError as exc:
-        if debug:
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return report(exc, debug)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
-
+        return INTERRUPTED_EXIT_CODE

@@ -261,10 +261,6 @@ class Config:
         return {k: list(v) if isinstance(v, tuple) else v
                 for k, v in dataclasses.asdict(self).items()}
 
-    def replace(self, **changes: Any) -> Config:
-        """A copy with some fields changed (the original stays frozen)."""
-        return dataclasses.replace(self, **changes)
-
 
 # Demo-sized defaults applied by --demo to flags the user did not give. ResNet-18 from scratch
 # on 1,000 64 px images: small crops keep an epoch near 10 s on 2 CPU cores; AdamW + cosine learn

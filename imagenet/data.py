@@ -23,6 +23,7 @@ from torchvision import datasets
 from imagenet import transforms as T
 from imagenet.config import Config
 from imagenet.errors import DataError, UsageError
+from imagenet.launch import Layout
 from imagenet.preemption import ignore_stop_signals
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ def check_folder(root: Path) -> tuple[Path, Path]:
     for part in (train, val):
         if not part.is_dir():
             raise UsageError(f"'{part}' is missing: the data folder must hold train/<class>/*.jpg "
-                             "and val/<class>/*.jpg (see python -m imagenet.prepare for "
+                             "and val/<class>/*.jpg (see python -m imagenet.tools.prepare for "
                              "the ILSVRC archives)")
     return train, val
 
@@ -199,9 +200,10 @@ def shutdown_workers(*loaders: DataLoader) -> None:
         loader._iterator = None
 
 
-def build_data(cfg: Config, data_root: Path, rank: int, world_size: int, batch_size: int,
-               workers: int, aug_seed: int, pin_memory: bool) -> Data:
+def build_data(cfg: Config, data_root: Path, rank: int, world_size: int, layout: Layout,
+               aug_seed: int, pin_memory: bool) -> Data:
     """Loaders for this rank: resumable shuffled training shard, unpadded validation shard."""
+    batch_size, workers = layout.batch_size, layout.workers
     train, val, classes = build_datasets(cfg, data_root)
     sampler = ResumableDistributedSampler(len(train), rank, world_size,  # type: ignore[arg-type]
                                           seed=cfg.seed or 0)

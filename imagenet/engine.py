@@ -1,23 +1,27 @@
-"""train_one_epoch and evaluate: return dicts of metrics; no files, no argv."""
+"""train_one_epoch and evaluate: return dicts of metrics; no files, no argv, no flags.
+
+The contract is in the types: ``Parts`` (the objects a step uses and updates), ``Options`` (how
+a step runs, frozen) and ``Hooks`` (what the caller wants done during an epoch).
+``build.build_engine`` makes the first two from the command line, for the trainer, the tests and
+the benchmarks alike.
+Nothing in a step waits for the device: losses, counts and the finiteness check stay on it until
+a progress line or the epoch's end reads them.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from imagenet.errors import NonFiniteLossError, RunError
 from imagenet.metrics import DeviceSums, topk_correct
 from imagenet.transforms import normalize
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,42 +33,95 @@ class Step:
     global_step: int = 0
 
 
-@dataclass
-class TrainContext:
-    """The objects one training step needs."""
+@dataclass(frozen=True)
+class Options:
+    """How a step runs; fixed for the whole run."""
 
-    model: nn.Module  # possibly DDP / compiled
-    criterion: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
     device: torch.device
     steps_per_epoch: int  # optimizer steps
+    epochs: int = 1  # for the ETA of the run
     world_size: int = 1
-    amp_dtype: torch.dtype | None = None
-    scaler: torch.amp.GradScaler | None = None
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    amp_dtype: torch.dtype | None = None  # autocast dtype; None = fp32
     channels_last: bool = False
-    grad_accum_steps: int = 1
     clip_grad_norm: float | None = None
-    batch_transform: Callable | None = None  # MixUp / CutMix on the device batch
-    ema: torch.optim.swa_utils.AveragedModel | None = None
-    ema_steps: int = 32
+    ema_steps: int = 32  # optimizer steps between EMA updates
     ema_warmup_epochs: int = 0  # the EMA copies the weights instead of averaging during warm-up
-    print_freq: int = 10
-    epochs: int = 1
-    on_print: Callable[[dict], None] | None = None
-    # Called after every optimizer step with a function that raises if a loss was not finite
-    # (call it before saving); returns True to stop the epoch (preemption).
+    print_freq: int = 10  # steps between progress records
+
+
+@dataclass
+class Parts:
+    """The objects a training step uses and updates."""
+
+    model: nn.Module  # what the step calls: DDP / compiled / plain
+    criterion: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler  # stepped once per optimizer step
+    scaler: torch.amp.GradScaler | None = None  # --amp fp16
+    ema: torch.optim.swa_utils.AveragedModel | None = None
+    batch_transform: Callable | None = None  # MixUp / CutMix on the device batch
+
+
+@dataclass
+class Engine:
+    """What train_one_epoch and evaluate need from the run."""
+
+    parts: Parts
+    opts: Options
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """Called by ``train_one_epoch``."""
+
+    # Every ``print_freq`` steps and at the epoch's end, with a progress record (one host sync).
+    on_progress: Callable[[dict], None] | None = None
+    # After every optimizer step, with a function that raises if a loss so far was not finite
+    # (call it before saving); returns True to end the epoch now (preemption).
     after_step: Callable[[Step, Callable[[], None]], bool] | None = None
-    job_start: float = field(default_factory=time.perf_counter)
-    job_images: int = 0  # images (all ranks) trained by this process's job so far
 
 
-def to_device(images: torch.Tensor, target: torch.Tensor, ctx: TrainContext
+@dataclass
+class _Sums:
+    """Sums since the last progress record, and since the epoch began."""
+
+    device: torch.device
+    names: tuple[str, ...] = ("loss", "correct1", "correct5", "count")
+    epoch: DeviceSums = field(init=False)
+    window: DeviceSums = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.epoch = DeviceSums(self.names, self.device)
+        self.window = DeviceSums(self.names, self.device)
+
+    def add(self, *values) -> None:
+        self.epoch.add(*values)
+        self.window.add(*values)
+
+    def restart(self) -> None:
+        self.window = DeviceSums(self.names, self.device)
+
+
+@dataclass
+class _Clock:
+    """Times of the epoch and of the current progress window."""
+
+    epoch_start: float
+    window_start: float
+    first_step: int  # step_in_epoch when this process began the epoch (resumed: not 0)
+    data_time: float = 0.0  # waiting for the loader in this window
+
+    def restart(self) -> None:
+        self.window_start, self.data_time = time.perf_counter(), 0.0
+
+
+def to_device(images: torch.Tensor, target: torch.Tensor, opts: Options
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 batch -> normalised float on the device (non_blocking from pinned memory)."""
-    images = images.to(ctx.device, non_blocking=True)
-    target = target.to(ctx.device, non_blocking=True)
-    return normalize(images, channels_last=ctx.channels_last), target
+    images = images.to(opts.device, non_blocking=True)
+    target = target.to(opts.device, non_blocking=True)
+    return normalize(images, channels_last=opts.channels_last), target
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):
@@ -86,85 +143,96 @@ def _micro_batches(loader: Iterable, k: int) -> Iterable[list]:
         yield group
 
 
-def _optimizer_step(ctx: TrainContext, step: Step) -> None:
+def _forward_backward(engine: Engine, group: list, sums: _Sums, bad_step: torch.Tensor,
+                      step: Step) -> torch.Tensor:
+    """Forward and backward over one optimizer step's micro-batches; returns the last loss."""
+    parts, opts = engine.parts, engine.opts
+    loss = torch.zeros((), device=opts.device)
+    for i, (images, target) in enumerate(group):
+        images, target = to_device(images, target, opts)
+        hard_target = target
+        if parts.batch_transform is not None:
+            images, target = parts.batch_transform(images, target)
+        last_micro = i == len(group) - 1
+        # DDP all-reduces on the last micro-batch only.
+        sync = parts.model.no_sync() if (not last_micro and hasattr(parts.model, "no_sync")) \
+            else contextlib.nullcontext()
+        with sync:
+            with autocast(opts.device, opts.amp_dtype):
+                output = parts.model(images)
+                loss = parts.criterion(output, target)
+            scaled = loss / len(group)
+            (parts.scaler.scale(scaled) if parts.scaler is not None else scaled).backward()
+        loss = loss.detach().float()
+        correct = topk_correct(output.detach(), target if target.ndim == 2 else hard_target)
+        sums.add(loss * images.shape[0], correct[0], correct[1], images.shape[0])
+        # Record (without a host sync) the first step whose loss was not finite.
+        bad_step.copy_(torch.where((bad_step < 0) & ~torch.isfinite(loss),
+                                   torch.full_like(bad_step, step.step_in_epoch), bad_step))
+    return loss
+
+
+def _optimizer_step(engine: Engine, step: Step) -> None:
     """Unscale, clip, step, update the schedule and the EMA."""
-    if ctx.clip_grad_norm is not None:
-        if ctx.scaler is not None:
-            ctx.scaler.unscale_(ctx.optimizer)  # clip the true gradients, not scaled ones
-        nn.utils.clip_grad_norm_(ctx.model.parameters(), ctx.clip_grad_norm)
-    if ctx.scaler is not None:
-        ctx.scaler.step(ctx.optimizer)
-        ctx.scaler.update()
+    parts, opts = engine.parts, engine.opts
+    if opts.clip_grad_norm is not None:
+        if parts.scaler is not None:
+            parts.scaler.unscale_(parts.optimizer)  # clip the true gradients, not scaled ones
+        nn.utils.clip_grad_norm_(parts.model.parameters(), opts.clip_grad_norm)
+    if parts.scaler is not None:
+        parts.scaler.step(parts.optimizer)
+        parts.scaler.update()
     else:
-        ctx.optimizer.step()
-    ctx.optimizer.zero_grad(set_to_none=True)
-    ctx.scheduler.step()
-    if ctx.ema is not None and (step.global_step + 1) % ctx.ema_steps == 0:
-        ctx.ema.update_parameters(ctx.model)
-        if step.epoch < ctx.ema_warmup_epochs:
+        parts.optimizer.step()
+    parts.optimizer.zero_grad(set_to_none=True)
+    parts.scheduler.step()
+    if parts.ema is not None and (step.global_step + 1) % opts.ema_steps == 0:
+        parts.ema.update_parameters(parts.model)
+        if step.epoch < opts.ema_warmup_epochs:
             # As torchvision's references: the next update copies the weights, so the average
             # starts from the warmed-up model rather than from the random init.
-            ctx.ema.n_averaged.fill_(0)
+            parts.ema.n_averaged.fill_(0)
 
 
-def train_one_epoch(ctx: TrainContext, loader: Iterable, step: Step) -> dict[str, float]:
-    """Train from ``step.step_in_epoch`` to the end of the epoch; return the epoch's metrics."""
-    ctx.model.train()
-    sums = DeviceSums(("loss", "correct1", "correct5", "count"), ctx.device)
-    window = DeviceSums(("loss", "correct1", "correct5", "count"), ctx.device)
-    bad_step = torch.full((), -1, dtype=torch.long, device=ctx.device)
+def train_one_epoch(engine: Engine, loader: Iterable, step: Step,
+                    hooks: Hooks = Hooks()) -> dict[str, float]:
+    """Train from ``step.step_in_epoch`` to the end of the epoch; return the epoch's metrics.
+
+    ``loader`` yields the epoch's remaining micro-batches; ``step`` is advanced in place.
+    """
+    opts = engine.opts
+    engine.parts.model.train()
+    sums = _Sums(opts.device)
+    bad_step = torch.full((), -1, dtype=torch.long, device=opts.device)
     start = time.perf_counter()
-    tick, data_time, last_loss = start, 0.0, torch.zeros((), device=ctx.device)
-    window_start, first_step = start, step.step_in_epoch
-    for group in _micro_batches(loader, ctx.grad_accum_steps):
-        data_time += time.perf_counter() - tick
-        for i, (images, target) in enumerate(group):
-            images, target = to_device(images, target, ctx)
-            hard_target = target
-            if ctx.batch_transform is not None:
-                images, target = ctx.batch_transform(images, target)
-            last_micro = i == len(group) - 1
-            sync = ctx.model.no_sync() if (not last_micro and hasattr(ctx.model, "no_sync")) \
-                else contextlib.nullcontext()
-            with sync:
-                with autocast(ctx.device, ctx.amp_dtype):
-                    output = ctx.model(images)
-                    loss = ctx.criterion(output, target)
-                scaled = loss / len(group)
-                (ctx.scaler.scale(scaled) if ctx.scaler is not None else scaled).backward()
-            detached = loss.detach().float()
-            correct = topk_correct(output.detach(), target if target.ndim == 2 else hard_target)
-            n = images.shape[0]
-            for s in (sums, window):
-                s.add(detached * n, correct[0], correct[1], n)
-            last_loss = detached
-            # Record (without a host sync) the first step whose loss was not finite.
-            bad_step = torch.where((bad_step < 0) & ~torch.isfinite(detached),
-                                   torch.full_like(bad_step, step.step_in_epoch), bad_step)
-        _optimizer_step(ctx, step)
+    clock = _Clock(start, start, step.step_in_epoch)
+    loss = torch.zeros((), device=opts.device)
+    tick = start
+    for group in _micro_batches(loader, opts.grad_accum_steps):
+        clock.data_time += time.perf_counter() - tick
+        loss = _forward_backward(engine, group, sums, bad_step, step)
+        _optimizer_step(engine, step)
         step.step_in_epoch += 1
         step.global_step += 1
-        ctx.job_images += sum(b[0].shape[0] for b in group) * ctx.world_size
-        stop = ctx.after_step(step, partial(check_finite, bad_step, step.epoch)) \
-            if ctx.after_step is not None else False
-        if step.step_in_epoch % ctx.print_freq == 0 or step.step_in_epoch == ctx.steps_per_epoch:
-            check_finite(bad_step, step.epoch)
-            now = time.perf_counter()
-            _report(ctx, step, window, last_loss, sums, now - window_start, data_time,
-                    now - start, first_step)
-            window = DeviceSums(window.names, ctx.device)
-            window_start, data_time = now, 0.0
+        check = partial(check_finite, bad_step, step.epoch)
+        stop = hooks.after_step(step, check) if hooks.after_step is not None else False
+        if step.step_in_epoch % opts.print_freq == 0 or step.step_in_epoch == opts.steps_per_epoch:
+            check()
+            if hooks.on_progress is not None:
+                hooks.on_progress(_progress(engine, step, sums, loss, clock))
+            sums.restart()
+            clock.restart()
         if stop:
             break
         tick = time.perf_counter()
     check_finite(bad_step, step.epoch)
-    totals = sums.read()
+    totals = sums.epoch.read()
     count = max(totals["count"], 1)
     elapsed = time.perf_counter() - start
     return {"loss": totals["loss"] / count, "acc1": 100 * totals["correct1"] / count,
             "acc5": 100 * totals["correct5"] / count, "images": totals["count"],
             "time": elapsed,
-            "images_per_sec": totals["count"] * ctx.world_size / max(elapsed, 1e-9)}
+            "images_per_sec": totals["count"] * opts.world_size / max(elapsed, 1e-9)}
 
 
 def check_finite(bad_step: torch.Tensor, epoch: int) -> None:
@@ -176,58 +244,61 @@ def check_finite(bad_step: torch.Tensor, epoch: int) -> None:
             "the last good checkpoint is kept. Lower --lr, try --clip-grad-norm, or check the data")
 
 
-def _report(ctx: TrainContext, step: Step, window: DeviceSums, last_loss: torch.Tensor,
-            sums: DeviceSums, window_time: float, data_time: float, epoch_time: float,
-            first_step: int) -> None:
-    """Read the window back (one sync) and hand a progress record to ``on_print``."""
-    w, total = window.read(), sums.read()
-    n, steps_in_window = max(w["count"], 1), max(step.step_in_epoch - first_step, 1)
-    done_here = step.step_in_epoch - first_step
-    per_step = epoch_time / max(done_here, 1)
-    remaining_epoch = (ctx.steps_per_epoch - step.step_in_epoch) * per_step
-    remaining_run = remaining_epoch + (ctx.epochs - step.epoch - 1) * ctx.steps_per_epoch * per_step
-    job_elapsed = time.perf_counter() - ctx.job_start
+def _progress(engine: Engine, step: Step, sums: _Sums, loss: torch.Tensor,
+              clock: _Clock) -> dict:
+    """The progress record (reads the sums back: one sync)."""
+    opts = engine.opts
+    w, total = sums.window.read(), sums.epoch.read()
+    now = time.perf_counter()
+    window_time = now - clock.window_start
+    n = max(w["count"], 1)
+    done_here = step.step_in_epoch - clock.first_step
+    steps_in_window = min(max(done_here, 1), opts.print_freq)
+    per_step = (now - clock.epoch_start) / max(done_here, 1)
+    remaining_epoch = (opts.steps_per_epoch - step.step_in_epoch) * per_step
+    remaining_run = remaining_epoch + (opts.epochs - step.epoch - 1) * opts.steps_per_epoch \
+        * per_step
     record = {
-        "epoch": step.epoch, "step": step.step_in_epoch, "steps": ctx.steps_per_epoch,
-        "global_step": step.global_step, "loss": float(last_loss.item()),
+        "epoch": step.epoch, "step": step.step_in_epoch, "steps": opts.steps_per_epoch,
+        "global_step": step.global_step, "loss": float(loss.item()),
         "loss_avg": total["loss"] / max(total["count"], 1), "acc1": 100 * w["correct1"] / n,
-        "acc5": 100 * w["correct5"] / n, "lr": ctx.optimizer.param_groups[0]["lr"],
-        "batch_time": window_time / min(steps_in_window, ctx.print_freq),
-        "data_time": data_time / min(steps_in_window, ctx.print_freq),
-        "data_wait": data_time / max(window_time, 1e-9),
-        "images_per_sec": ctx.job_images / max(job_elapsed, 1e-9),
+        "acc5": 100 * w["correct5"] / n, "lr": engine.parts.optimizer.param_groups[0]["lr"],
+        "batch_time": window_time / steps_in_window,
+        "data_time": clock.data_time / steps_in_window,
+        "data_wait": clock.data_time / max(window_time, 1e-9),
+        "images": w["count"] * opts.world_size,  # all ranks, this window
         "eta_epoch": remaining_epoch, "eta_run": remaining_run,
     }
-    if ctx.device.type == "cuda":
-        record["max_mem_gb"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
-    if ctx.on_print is not None:
-        ctx.on_print(record)
+    if opts.device.type == "cuda":
+        record["max_mem_gb"] = torch.cuda.max_memory_allocated(opts.device) / 2**30
+    return record
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Iterable, criterion: nn.Module, device: torch.device,
-             expected_count: int, channels_last: bool = False, amp_dtype: torch.dtype | None = None,
-             print_freq: int = 10, on_print: Callable[[dict], None] | None = None
-             ) -> dict[str, float]:
-    """Loss and top-1/top-5 over the whole validation set, summed across ranks once."""
+def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count: int,
+             on_progress: Callable[[dict], None] | None = None) -> dict[str, float]:
+    """Loss and top-1/top-5 of ``model`` over the whole validation set, summed across ranks once.
+
+    ``expected_count`` is the size of the validation set: the summed count must equal it.
+    """
+    opts, criterion = engine.opts, engine.parts.criterion
     model.eval()
-    sums = DeviceSums(("loss", "correct1", "correct5", "count"), device)
+    sums = DeviceSums(("loss", "correct1", "correct5", "count"), opts.device)
     start = time.perf_counter()
     total_batches = len(loader)  # type: ignore[arg-type]
     for i, (images, target) in enumerate(loader):
-        images = normalize(images.to(device, non_blocking=True), channels_last=channels_last)
-        target = target.to(device, non_blocking=True)
-        with autocast(device, amp_dtype):
+        images, target = to_device(images, target, opts)
+        with autocast(opts.device, opts.amp_dtype):
             output = model(images)
             loss = criterion(output.float(), target)
         correct = topk_correct(output, target)
         sums.add(loss.float() * images.shape[0], correct[0], correct[1], images.shape[0])
-        if on_print is not None and ((i + 1) % print_freq == 0 or i + 1 == total_batches):
+        if on_progress is not None and ((i + 1) % opts.print_freq == 0 or i + 1 == total_batches):
             local = sums.read()
-            on_print({"batch": i + 1, "batches": total_batches,
-                      "acc1": 100 * local["correct1"] / max(local["count"], 1),
-                      "acc5": 100 * local["correct5"] / max(local["count"], 1),
-                      "batch_time": (time.perf_counter() - start) / (i + 1)})
+            on_progress({"batch": i + 1, "batches": total_batches,
+                         "acc1": 100 * local["correct1"] / max(local["count"], 1),
+                         "acc5": 100 * local["correct5"] / max(local["count"], 1),
+                         "batch_time": (time.perf_counter() - start) / (i + 1)})
     sums.all_reduce()
     totals = sums.read()
     count = int(round(totals["count"]))
@@ -238,9 +309,3 @@ def evaluate(model: nn.Module, loader: Iterable, criterion: nn.Module, device: t
             "acc1": 100 * totals["correct1"] / max(count, 1),
             "acc5": 100 * totals["correct5"] / max(count, 1), "count": count,
             "time": time.perf_counter() - start}
-
-
-def barrier() -> None:
-    """Wait for all ranks (no-op without a process group)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()

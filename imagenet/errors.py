@@ -1,4 +1,9 @@
-"""Exceptions that ``main.py`` turns into one message and an exit code."""
+"""Exceptions that the entry points turn into one message and an exit code (``report``)."""
+
+import sys
+import traceback
+
+INTERRUPTED_EXIT_CODE = 130  # Ctrl-C before anything could be saved: the shell's code for SIGINT
 
 
 class TrainerError(Exception):
@@ -14,6 +19,15 @@ class TrainerError(Exception):
             last = [line for line in message.strip().splitlines() if line.strip()][-1]
             message = last.split(": ", 1)[1] if ": " in last else last
         super().__init__(message)
+
+
+def report(exc: TrainerError, debug: bool = False, rank: int = 0) -> int:
+    """Print the one ``error:`` line (after the traceback with --debug); return the exit code."""
+    if debug:
+        traceback.print_exc()
+    tag = "" if rank == 0 else f"[rank {rank}] "
+    print(f"{tag}error: {exc}", file=sys.stderr, flush=True)
+    return exc.exit_code
 
 
 class UsageError(TrainerError):

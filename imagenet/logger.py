@@ -1,13 +1,18 @@
-"""Console logging, TensorBoard, metrics.jsonl and config.json - all rank-aware."""
+"""Console logging and progress lines, TensorBoard, metrics.jsonl and config.json - rank-aware.
+
+Rank 0 writes; on the other ranks ``RunLogger`` is a no-op and only warnings reach the console.
+"""
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import platform
 import subprocess
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +34,30 @@ def setup_logging(rank: int, debug: bool = False) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+
+def _duration(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=int(max(seconds, 0))))
+
+
+def print_train_progress(r: Mapping[str, Any]) -> None:
+    """One line like the classic's, plus lr, throughput, data wait and ETAs."""
+    width = len(str(r["steps"]))
+    mem = f"  mem {r['max_mem_gb']:.1f}G" if "max_mem_gb" in r else ""
+    log.info("Epoch: [%d][%*d/%d]  Time %6.3f  Data %6.3f  Loss %.4e (%.4e)  Acc@1 %6.2f  "
+             "Acc@5 %6.2f  LR %.3g  %.1f img/s  data-wait %3.0f%%  ETA %s (run %s)%s",
+             r["epoch"], width, r["step"], r["steps"], r["batch_time"], r["data_time"],
+             r["loss"], r["loss_avg"], r["acc1"], r["acc5"], r["lr"], r["images_per_sec"],
+             100 * min(r["data_wait"], 1.0), _duration(r["eta_epoch"]), _duration(r["eta_run"]),
+             mem)
+
+
+def print_val_progress(r: Mapping[str, Any]) -> None:
+    """The classic's 'Test:' line (this rank's shard so far)."""
+    width = len(str(r["batches"]))
+    log.info("Test: [%*d/%d]  Time %6.3f  Acc@1 %6.2f  Acc@5 %6.2f", width, r["batch"],
+             r["batches"], r["batch_time"], r["acc1"], r["acc5"])
 
 
 def git_commit() -> str | None:
@@ -115,6 +144,23 @@ class RunLogger:
             clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
                      for k, v in hparams.items()}
             self._tb.add_hparams(clean, dict(metrics), run_name=".", global_step=step)
+
+    def progress_hook(self) -> Callable[[dict], None] | None:
+        """The engine's ``on_progress``: the progress line (with the images/s of all ranks since
+        this logger started) and the step scalars in TensorBoard; None off rank 0."""
+        if not self.enabled:
+            return None
+        start, images = time.perf_counter(), 0
+
+        def on_progress(record: dict) -> None:
+            nonlocal images
+            images += record["images"]
+            record["images_per_sec"] = images / max(time.perf_counter() - start, 1e-9)
+            print_train_progress(record)
+            self.scalars("step", {k: record[k] for k in ("loss", "lr", "images_per_sec",
+                                                          "data_wait")}, record["global_step"])
+
+        return on_progress
 
     def flush(self) -> None:
         """Push buffered events to disk."""

@@ -1,4 +1,4 @@
-"""Build a torchvision model by name; load its weights; wrap and unwrap."""
+"""Build a torchvision model by name and load its weights; wrap it for training and unwrap it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ from pathlib import Path
 import torch
 import torchvision
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
+from imagenet import comm_hooks
+from imagenet.config import Config
+from imagenet.distributed import DistInfo
 from imagenet.errors import RunError, UsageError
 
 log = logging.getLogger(__name__)
@@ -71,10 +75,31 @@ def replace_classifier(model: nn.Module, num_classes: int) -> None:
     log.info("=> replaced classifier '%s' for %d classes", last_name, num_classes)
 
 
+def wrap(raw: nn.Module, cfg: Config, dist: DistInfo) -> nn.Module:
+    """The module the training step calls: raw -> (SyncBN) -> (compiled) -> (DDP + comm hook)."""
+    model = raw
+    if cfg.sync_bn and dist.distributed:
+        # convert_sync_batchnorm returns a new module only for a bare BatchNorm root; torchvision
+        # models are containers, so ``raw`` keeps the converted layers in place.
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if cfg.compile:
+        model = torch.compile(model)
+    if not dist.distributed:
+        if cfg.ddp_comm_hook != "none":
+            log.info("=> one process: --ddp-comm-hook %s has nothing to send", cfg.ddp_comm_hook)
+        return model
+    device_ids = [dist.device.index] if dist.device.type == "cuda" else None
+    model = DDP(model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb)
+    comm_hooks.register_comm_hook(model, raw, cfg, dist.backend or "gloo")
+    if dist.is_main:
+        comm_hooks.log_payload(raw, cfg, dist.world_size)
+    return model
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain model inside DDP and torch.compile wrappers."""
     while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
+        if isinstance(model, DDP):
             model = model.module
         elif hasattr(model, "_orig_mod"):
             model = model._orig_mod

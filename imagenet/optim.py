@@ -7,6 +7,7 @@ from torch import nn
 from torch.optim import lr_scheduler
 
 from imagenet.config import Config
+from imagenet.launch import Layout
 
 NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm,
                nn.modules.instancenorm._InstanceNorm, nn.LocalResponseNorm)
@@ -72,8 +73,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config,
     return lr_scheduler.SequentialLR(optimizer, [first, main], milestones=[warmup])
 
 
-def build_ema(model: nn.Module, cfg: Config, world_size: int,
-              batch_per_process: int) -> torch.optim.swa_utils.AveragedModel | None:
+def build_ema(model: nn.Module, cfg: Config,
+              layout: Layout) -> torch.optim.swa_utils.AveragedModel | None:
     """EMA of the weights (torch's AveragedModel), updated every --model-ema-steps steps.
 
     As in torchvision's references, the per-step decay is rescaled to the update interval and the
@@ -81,7 +82,7 @@ def build_ema(model: nn.Module, cfg: Config, world_size: int,
     """
     if not cfg.model_ema:
         return None
-    images_per_update = world_size * batch_per_process * cfg.grad_accum_steps * cfg.model_ema_steps
+    images_per_update = layout.global_batch * cfg.model_ema_steps
     adjust = images_per_update / cfg.epochs
     alpha = min(1.0, (1.0 - cfg.model_ema_decay) * adjust)
     return torch.optim.swa_utils.AveragedModel(

@@ -22,9 +22,11 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from imagenet.errors import Preempted
+
 log = logging.getLogger(__name__)
 
-PREEMPT_EXIT_CODE = 143  # = errors.Preempted.exit_code; "saved on a signal; requeue to resume"
+PREEMPT_EXIT_CODE = Preempted.exit_code  # "saved on a signal; requeue to resume"
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 DUPLICATE_WINDOW = 1.0  # seconds
 

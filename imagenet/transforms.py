@@ -29,6 +29,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
+from imagenet.config import AUTO_AUGMENT
 from imagenet.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,6 @@ log = logging.getLogger(__name__)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 BACKENDS = ("tensor", "pil")
-AUTO_AUGMENT = ("ra", "ta_wide", "augmix", "imagenet")
 INTERPOLATIONS = {
     "nearest": v2.InterpolationMode.NEAREST,
     "bilinear": v2.InterpolationMode.BILINEAR,
@@ -217,6 +217,18 @@ def val_transform(resize_size: int, crop_size: int, interpolation: str = "biline
     return v2.Compose([v2.Resize(resize_size, interpolation=interpolation_mode(interpolation),
                                  antialias=True),
                        v2.CenterCrop(crop_size), ToCHW()])
+
+
+def batch_transform(mixup_alpha: float, cutmix_alpha: float, num_classes: int) -> Callable | None:
+    """MixUp and/or CutMix (torchvision v2) for the device batch; None when both are off."""
+    chosen = []
+    if mixup_alpha > 0:
+        chosen.append(v2.MixUp(alpha=mixup_alpha, num_classes=num_classes))
+    if cutmix_alpha > 0:
+        chosen.append(v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes))
+    if not chosen:
+        return None
+    return chosen[0] if len(chosen) == 1 else v2.RandomChoice(chosen)
 
 
 @functools.cache

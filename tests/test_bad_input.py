@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, run_main, write_image_folder
+from helpers import TINY, run_main, write_image_folder
 
 from imagenet.cli import main
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from conftest import TINY, run_main
+from helpers import TINY, run_main
 
-from imagenet import checkpoint as ckpt_io
+from imagenet.checkpoint import files
+from imagenet.checkpoint.state import resumed_best
 from imagenet.errors import CheckpointError, UsageError
-from imagenet.runstate import resumed_best
 
 # ---- kill-during-save torture
 
@@ -32,16 +32,16 @@ def _writer(folder: Path, epoch: int, best: float) -> None:
         best = max(best, acc)
         payload = {"epoch": epoch, "acc": acc, "best_acc1": best,
                    "state_dict": {"w": torch.full((1 << 19,), acc)}}  # 2 MB: kills land mid-write
-        ckpt_io.atomic_save(payload, folder / ckpt_io.CHECKPOINT,
-                            copies=[folder / ckpt_io.BEST] if is_best else [])
+        files.atomic_save(payload, folder / files.CHECKPOINT,
+                            copies=[folder / files.BEST] if is_best else [])
 
 
 def _resume_point(folder: Path) -> tuple[int, float]:
     """Where a restarted writer continues: the trainer's resume rule for best_acc1."""
-    path = folder / ckpt_io.CHECKPOINT
+    path = folder / files.CHECKPOINT
     if not path.exists():
         return 0, -1.0
-    ckpt = ckpt_io.load_checkpoint(path)
+    ckpt = files.load_checkpoint(path)
     return ckpt["epoch"], resumed_best(ckpt, path, folder)
 
 
@@ -54,7 +54,7 @@ def test_sigkill_during_saves_never_leaves_an_unloadable_or_inconsistent_file(tm
     kills_mid_write = 0
     for _ in range(KILLS):
         # As the trainer does at start: so that a temp file below is this kill's, mid-write.
-        ckpt_io.remove_stale_temp_files(tmp_path)
+        files.remove_stale_temp_files(tmp_path)
         epoch, best = _resume_point(tmp_path)
         writer = fork.Process(target=_writer, args=(tmp_path, epoch, best), daemon=True)
         writer.start()
@@ -63,10 +63,10 @@ def test_sigkill_during_saves_never_leaves_an_unloadable_or_inconsistent_file(tm
         writer.join()
         assert writer.exitcode == -signal.SIGKILL
         kills_mid_write += bool(list(tmp_path.glob(".*.tmp-*")))
-        if not (tmp_path / ckpt_io.CHECKPOINT).exists():
+        if not (tmp_path / files.CHECKPOINT).exists():
             continue  # killed before its first save completed
-        ckpt = ckpt_io.load_checkpoint(tmp_path / ckpt_io.CHECKPOINT)
-        best_file = ckpt_io.load_checkpoint(tmp_path / ckpt_io.BEST)
+        ckpt = files.load_checkpoint(tmp_path / files.CHECKPOINT)
+        best_file = files.load_checkpoint(tmp_path / files.BEST)
         # model_best holds the weights of its own accuracy, and never lags the checkpoint.
         assert best_file["best_acc1"] == best_file["acc"]
         assert torch.all(best_file["state_dict"]["w"] == best_file["acc"])
@@ -76,29 +76,29 @@ def test_sigkill_during_saves_never_leaves_an_unloadable_or_inconsistent_file(tm
     # About half the kills land in a write (8 to 15 of 20 measured; the others before the
     # writer's first save or between saves). Fewer than 3 would mean the kills tested little.
     assert kills_mid_write >= 3, f"only {kills_mid_write} of {KILLS} kills landed during a write"
-    ckpt_io.remove_stale_temp_files(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt_io.CHECKPOINT, ckpt_io.BEST]
+    files.remove_stale_temp_files(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [files.CHECKPOINT, files.BEST]
 
 
 def test_resume_keeps_the_higher_best_acc1_of_model_best(tmp_path):
     # A kill between writing model_best and replacing checkpoint.pth.tar.
-    torch.save({"state_dict": {}, "best_acc1": 70.0}, tmp_path / ckpt_io.BEST)
+    torch.save({"state_dict": {}, "best_acc1": 70.0}, tmp_path / files.BEST)
     ckpt = {"state_dict": {}, "best_acc1": 50.0}
-    assert resumed_best(ckpt, tmp_path / ckpt_io.CHECKPOINT, tmp_path) == 70.0
+    assert resumed_best(ckpt, tmp_path / files.CHECKPOINT, tmp_path) == 70.0
     # A checkpoint from elsewhere does not adopt this folder's model_best.
-    other = tmp_path / "other" / ckpt_io.CHECKPOINT
+    other = tmp_path / "other" / files.CHECKPOINT
     assert resumed_best(ckpt, other, tmp_path) == 50.0
-    (tmp_path / ckpt_io.BEST).write_bytes(b"garbage")  # unreadable: warn and ignore
-    assert resumed_best(ckpt, tmp_path / ckpt_io.CHECKPOINT, tmp_path) == 50.0
+    (tmp_path / files.BEST).write_bytes(b"garbage")  # unreadable: warn and ignore
+    assert resumed_best(ckpt, tmp_path / files.CHECKPOINT, tmp_path) == 50.0
 
 
 def test_atomic_save_replaces_and_leaves_no_temp_files(tmp_path):
-    path, best = tmp_path / ckpt_io.CHECKPOINT, tmp_path / ckpt_io.BEST
-    ckpt_io.atomic_save({"state_dict": {"w": torch.ones(2)}, "epoch": 1}, path, copies=[best])
-    ckpt_io.atomic_save({"state_dict": {"w": torch.zeros(2)}, "epoch": 2}, path)
-    assert ckpt_io.load_checkpoint(path)["epoch"] == 2
-    assert ckpt_io.load_checkpoint(best)["epoch"] == 1  # replaced by a new file, not edited
-    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt_io.CHECKPOINT, ckpt_io.BEST]
+    path, best = tmp_path / files.CHECKPOINT, tmp_path / files.BEST
+    files.atomic_save({"state_dict": {"w": torch.ones(2)}, "epoch": 1}, path, copies=[best])
+    files.atomic_save({"state_dict": {"w": torch.zeros(2)}, "epoch": 2}, path)
+    assert files.load_checkpoint(path)["epoch"] == 2
+    assert files.load_checkpoint(best)["epoch"] == 1  # replaced by a new file, not edited
+    assert sorted(p.name for p in tmp_path.iterdir()) == [files.CHECKPOINT, files.BEST]
 
 
 # ---- which checkpoint a restart resumes
@@ -109,17 +109,17 @@ def test_resolve_resume_prefers_the_output_dir_checkpoint_after_a_restart(tmp_pa
     given.write_bytes(b"x")
     out = tmp_path / "out"
     out.mkdir()
-    assert ckpt_io.resolve_resume(str(given), out, restarted=True) == given  # nothing newer yet
-    assert ckpt_io.resolve_resume(None, out, restarted=True) is None
-    assert ckpt_io.resolve_resume("auto", out, restarted=False) is None
-    (out / ckpt_io.CHECKPOINT).write_bytes(b"x")
-    assert ckpt_io.resolve_resume(str(given), out, restarted=True) == out / ckpt_io.CHECKPOINT
-    assert ckpt_io.resolve_resume(None, out, restarted=True) == out / ckpt_io.CHECKPOINT
-    assert ckpt_io.resolve_resume("auto", out, restarted=False) == out / ckpt_io.CHECKPOINT
-    assert ckpt_io.resolve_resume(str(given), out, restarted=False) == given
-    assert ckpt_io.resolve_resume(None, out, restarted=False) is None
+    assert files.resolve_resume(str(given), out, restarted=True) == given  # nothing newer yet
+    assert files.resolve_resume(None, out, restarted=True) is None
+    assert files.resolve_resume("auto", out, restarted=False) is None
+    (out / files.CHECKPOINT).write_bytes(b"x")
+    assert files.resolve_resume(str(given), out, restarted=True) == out / files.CHECKPOINT
+    assert files.resolve_resume(None, out, restarted=True) == out / files.CHECKPOINT
+    assert files.resolve_resume("auto", out, restarted=False) == out / files.CHECKPOINT
+    assert files.resolve_resume(str(given), out, restarted=False) == given
+    assert files.resolve_resume(None, out, restarted=False) is None
     with pytest.raises(UsageError, match="--resume: no checkpoint at"):
-        ckpt_io.resolve_resume(str(tmp_path / "missing"), out, restarted=False)
+        files.resolve_resume(str(tmp_path / "missing"), out, restarted=False)
 
 
 # ---- refusals, end to end through main.py
@@ -176,7 +176,7 @@ def test_bad_checkpoints_are_refused_with_one_clear_error(image_folder, tmp_path
     assert len(errors) == 1 and expected in errors[0] and str(path) in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
     assert not marker.exists(), "the checkpoint ran code while being loaded"
-    assert not (tmp_path / "out" / ckpt_io.CHECKPOINT).exists()
+    assert not (tmp_path / "out" / files.CHECKPOINT).exists()
 
 
 def test_the_malicious_file_would_run_code_if_loaded_unsafely(tmp_path):
@@ -192,15 +192,16 @@ def test_the_malicious_file_would_run_code_if_loaded_unsafely(tmp_path):
         assert marker.exists()
         marker.unlink()
     with pytest.raises(CheckpointError, match="refusing"):
-        ckpt_io.load_checkpoint(path)
+        files.load_checkpoint(path)
     assert not marker.exists()
 
 
 def test_a_best_file_is_written_for_the_first_epoch_even_at_zero_accuracy(tmp_path):
-    from imagenet.trainer import improves
+    from imagenet.build import Best
 
-    best_file = tmp_path / ckpt_io.BEST
-    assert improves(0.0, 0.0, best_file)  # nothing scored yet, no file: write one
-    best_file.write_bytes(b"x")
-    assert not improves(0.0, 0.0, best_file)
-    assert improves(12.5, 10.0, best_file) and not improves(10.0, 10.0, best_file)
+    best = Best(tmp_path / files.BEST)
+    assert best.update(0.0)  # nothing scored yet, no file: write one
+    best.path.write_bytes(b"x")
+    assert not best.update(0.0)
+    assert best.update(10.0) and best.update(12.5)
+    assert not best.update(10.0) and not best.update(12.5) and best.acc1 == 12.5

@@ -8,17 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, child_env, run_main
-
-
-def _load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
+from helpers import TINY, child_env, load_checkpoint, run_main
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, Path, str]:
     """One 2-epoch run shared by the tests that only read its artifacts."""
-    from conftest import write_image_folder
+    from helpers import write_image_folder
 
     base = tmp_path_factory.mktemp("trained")
     data = write_image_folder(base / "data")
@@ -30,8 +26,8 @@ def trained(tmp_path_factory) -> tuple[Path, Path, str]:
 
 def test_run_writes_both_checkpoints_with_the_promised_keys(trained):
     _, out, stdout = trained
-    ckpt = _load(out / "checkpoint.pth.tar")
-    best = _load(out / "model_best.pth.tar")
+    ckpt = load_checkpoint(out / "checkpoint.pth.tar")
+    best = load_checkpoint(out / "model_best.pth.tar")
     for key in ("epoch", "arch", "state_dict", "best_acc1", "optimizer", "scheduler", "config"):
         assert key in ckpt
     assert ckpt["epoch"] == 2 and ckpt["arch"] == "resnet18"
@@ -83,7 +79,7 @@ def test_tensorboard_events_read_back(trained):
 
 def test_evaluate_reproduces_the_recorded_accuracy(trained):
     data, out, _ = trained
-    best = _load(out / "model_best.pth.tar")
+    best = load_checkpoint(out / "model_best.pth.tar")
     proc = run_main(str(data), *TINY, "-e", "--resume", str(out / "model_best.pth.tar"),
                     "--output-dir", str(out / "eval"))
     assert proc.returncode == 0, proc.stderr
@@ -96,7 +92,7 @@ def test_resume_continues_at_the_next_epoch_and_keeps_best(trained, tmp_path):
     data, out, _ = trained
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    ckpt = _load(out / "checkpoint.pth.tar")
+    ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     ckpt["best_acc1"] = 101.0  # unbeatable: model_best must not be overwritten after resume
     torch.save(ckpt, run_dir / "checkpoint.pth.tar")
     (run_dir / "model_best.pth.tar").write_bytes(b"sentinel")
@@ -105,7 +101,7 @@ def test_resume_continues_at_the_next_epoch_and_keeps_best(trained, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "(epoch 2, step 0, best Acc@1 101.000)" in proc.stdout
     assert proc.stdout.count(" * Acc@1") == 1  # only epoch 2 ran
-    resumed = _load(run_dir / "checkpoint.pth.tar")
+    resumed = load_checkpoint(run_dir / "checkpoint.pth.tar")
     assert resumed["epoch"] == 3 and resumed["best_acc1"] == 101.0
     assert (run_dir / "model_best.pth.tar").read_bytes() == b"sentinel"
     assert resumed["global_step"] == ckpt["global_step"] + 3
@@ -130,7 +126,7 @@ def test_classic_checkpoint_with_module_prefix_resumes(trained, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "(epoch 31, step 0, best Acc@1 12.500)" in proc.stdout
     assert "LR 0.01 " in proc.stdout or "LR 0.001 " in proc.stdout
-    ckpt = _load(tmp_path / "out" / "checkpoint.pth.tar")
+    ckpt = load_checkpoint(tmp_path / "out" / "checkpoint.pth.tar")
     assert ckpt["epoch"] == 32
     assert ckpt["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.01)
 
@@ -141,7 +137,8 @@ def test_dummy_data_follows_the_size_flags(tmp_path):
                     "--output-dir", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert "(5 images)" in proc.stdout
-    assert _load(tmp_path / "checkpoint.pth.tar")["state_dict"]["fc.weight"].shape == (4, 512)
+    state = load_checkpoint(tmp_path / "checkpoint.pth.tar")["state_dict"]
+    assert state["fc.weight"].shape == (4, 512)
 
 
 def test_pretrained_offline_says_where_to_put_the_file(trained, tmp_path):
@@ -166,7 +163,7 @@ def test_pretrained_weights_load_from_the_cache_and_adapt_the_classifier(trained
                     "--lr", "0", "--output-dir", str(tmp_path / "out"),
                     env=child_env(TORCH_HOME=str(tmp_path / "th")))
     assert proc.returncode == 0, proc.stderr
-    state = _load(tmp_path / "out" / "checkpoint.pth.tar")["state_dict"]
+    state = load_checkpoint(tmp_path / "out" / "checkpoint.pth.tar")["state_dict"]
     assert torch.equal(state["conv1.weight"], reference.state_dict()["conv1.weight"])
     assert state["fc.weight"].shape == (3, 512)
 

@@ -3,7 +3,7 @@ PowerSGD composes with --grad-accum-steps and approaches plain DDP at a high ran
 survives a checkpoint/resume through main.py.
 
 The several-bucket runs are the regression test for the gloo abort of torch's PowerSGD hook
-("Received data size doesn't match expected size"; see imagenet.ddp.PowerSGDHook).
+("Received data size doesn't match expected size"; see imagenet.comm_hooks.PowerSGDHook).
 """
 
 from __future__ import annotations
@@ -14,13 +14,22 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import TINY, gloo_rank_saving, run_main
+from helpers import (
+    TINY,
+    StripedImages,
+    gloo_rank_saving,
+    load_checkpoint,
+    run_main,
+    tiny_engine,
+    tiny_net,
+)
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from imagenet import ddp
+from imagenet import comm_hooks
 from imagenet.config import parse_config
-from imagenet.distributed import free_port
+from imagenet.launch import free_port
+from imagenet.models import wrap
 
 IMAGE, CLASSES, IMAGES, EPOCHS = 32, 3, 64, 6
 BUCKET_MB = "0.01"  # 10 KiB: the tiny net below then has 3 DDP buckets
@@ -37,56 +46,30 @@ RUNS = {
 }
 
 
-class Stripes(Dataset):
-    """uint8 images whose class is the orientation/colour of faint stripes under noise."""
-
-    def __init__(self, n: int) -> None:
-        g = torch.Generator().manual_seed(99)
-        self.labels = torch.randint(0, CLASSES, (n,), generator=g)
-        noise = torch.randint(0, 160, (n, 3, IMAGE, IMAGE), generator=g)
-        stripes = (torch.arange(IMAGE) // 4 % 2 * 60).view(1, -1)
-        for i, c in enumerate(self.labels.tolist()):
-            noise[i, c] += stripes if c != 1 else stripes.T
-        self.images = noise.clamp(0, 255).to(torch.uint8)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, i: int):
-        return self.images[i], int(self.labels[i])
-
-
-def tiny_net() -> nn.Module:
-    """Three convs and a linear layer, the same initial weights in every process; no BatchNorm,
-    so one batch of 8 and two accumulated micro-batches of 4 have the same gradient."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1), nn.ReLU(), nn.Conv2d(16, 32, 3, 2, 1),
-                         nn.ReLU(), nn.Conv2d(32, 32, 3, 2, 1), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, CLASSES))
+def tiny_net_3_buckets() -> nn.Module:
+    """Three convs and a linear layer; no BatchNorm, so one batch of 8 and two accumulated
+    micro-batches of 4 have the same gradient."""
+    return tiny_net((16, 32, 32), classes=CLASSES)
 
 
 def train(info, flags: list[str], batch: int, accum: int) -> dict:
-    """EPOCHS epochs of engine.train_one_epoch on the DDP model ddp.wrap builds from ``flags``."""
+    """EPOCHS epochs of engine.train_one_epoch on the DDP model that models.wrap builds."""
     from imagenet.data import ResumableDistributedSampler, SeededDataset
-    from imagenet.engine import Step, TrainContext, train_one_epoch
+    from imagenet.engine import Step, train_one_epoch
 
-    cfg = parse_config(["data", "--bucket-cap-mb", BUCKET_MB, *flags])
-    raw = tiny_net()
-    model = ddp.wrap(raw, cfg, info)
+    flags = ["--bucket-cap-mb", BUCKET_MB, "--lr", "0.05", "--wd", "0", *flags]
+    raw = tiny_net_3_buckets()
+    model = wrap(raw, parse_config(["data", *flags]), info)
     sampler = ResumableDistributedSampler(IMAGES, info.rank, info.world_size, seed=3)
-    loader = DataLoader(SeededDataset(Stripes(IMAGES), seed=5), batch_size=batch,
-                        sampler=sampler)
-    opt = torch.optim.SGD(raw.parameters(), lr=0.05, momentum=0.9)
-    steps = len(loader) // accum
-    ctx = TrainContext(model=model, criterion=nn.CrossEntropyLoss(), optimizer=opt,
-                       scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                       device=info.device, steps_per_epoch=steps, world_size=info.world_size,
-                       grad_accum_steps=accum, print_freq=10**6)
+    loader = DataLoader(SeededDataset(StripedImages(IMAGES, CLASSES, IMAGE), seed=5),
+                        batch_size=batch, sampler=sampler)
+    engine = tiny_engine(model, *flags, steps=len(loader) // accum, world=info.world_size,
+                         batch=batch, classes=CLASSES)
     step, losses = Step(), []
     for epoch in range(EPOCHS):
         sampler.set_epoch(epoch)
         step.epoch, step.step_in_epoch = epoch, 0
-        losses.append(train_one_epoch(ctx, loader, step)["loss"])
+        losses.append(train_one_epoch(engine, loader, step)["loss"])
     logged = model._get_ddp_logging_data()
     hook = getattr(model, "_imagenet_hook_state", None)
     return {"losses": losses, "optimizer_steps": step.global_step,
@@ -94,7 +77,7 @@ def train(info, flags: list[str], batch: int, accum: int) -> dict:
             "hook_iter": hook.state.iter if hook else -1,
             "hook_buckets": len(hook.layouts) if hook else -1,
             "compressed_buckets": len(hook.state.p_memory_dict) if hook else -1,
-            "checkpoint": ddp.hook_state(model),
+            "checkpoint": comm_hooks.hook_state(model),
             "weights": {k: v.detach().clone() for k, v in raw.state_dict().items()}}
 
 
@@ -153,7 +136,7 @@ def test_high_rank_powersgd_approaches_plain_ddp(results):
     """Tolerance: rank 8's weights differ from plain DDP's by under 5% of how far plain DDP moved
     them (measured: 1.4%; rank 2: 15%), and its last-epoch loss is within 0.05 of plain DDP's."""
     plain, high = results[0]["none"], results[0]["powersgd_r8"]
-    start = tiny_net().state_dict()
+    start = tiny_net_3_buckets().state_dict()
     moved = torch.cat([(plain["weights"][k] - start[k]).flatten() for k in start]).norm()
     apart = torch.cat([(high["weights"][k] - plain["weights"][k]).flatten()
                        for k in start]).norm()
@@ -166,12 +149,12 @@ def test_payload_estimate_follows_torch_powersgd_rules():
     net = nn.Sequential(nn.Conv2d(16, 32, 3), nn.BatchNorm2d(32), nn.Linear(100, 50),
                         nn.Linear(4, 3))
     elements = 32 * 16 * 9 + 32 + 2 * 32 + 50 * 100 + 50 + 4 * 3 + 3
-    assert ddp.payload_bytes(net, "none") == (4 * elements, 4 * elements)
-    assert ddp.payload_bytes(net, "bf16") == (4 * elements, 2 * elements)
+    assert comm_hooks.payload_bytes(net, "none") == (4 * elements, 4 * elements)
+    assert comm_hooks.payload_bytes(net, "bf16") == (4 * elements, 2 * elements)
     # rank 2: conv 32x144 and linear 50x100 become P and Q; biases, BN and the 3x4 linear
     # (2 x (3 + 4) * 2 > 12: not worth it) go uncompressed
     sent = 2 * (32 + 144) + 2 * (50 + 100) + 32 + 2 * 32 + 50 + 4 * 3 + 3
-    assert ddp.payload_bytes(net, "powersgd", rank=2) == (4 * elements, 4 * sent)
+    assert comm_hooks.payload_bytes(net, "powersgd", rank=2) == (4 * elements, 4 * sent)
 
 
 def test_powersgd_checkpoint_resume_through_main(image_folder: Path, tmp_path: Path):
@@ -184,7 +167,7 @@ def test_powersgd_checkpoint_resume_through_main(image_folder: Path, tmp_path: P
     payload = next(line for line in first.stdout.splitlines() if "gradient payload" in line)
     assert "MiB uncompressed," in payload and "with powersgd rank 4 (" in payload
     assert "x less) after 2 uncompressed step(s)" in payload
-    ckpt = torch.load(out / "checkpoint.pth.tar", map_location="cpu", weights_only=True)
+    ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     steps = ckpt["global_step"]  # 24 images / (2 ranks x 4) = 3
     saved = ckpt["comm_hook"]
     assert steps == 3 and saved["iter"] == steps and len(saved["warm_start"]) >= 3
@@ -195,7 +178,7 @@ def test_powersgd_checkpoint_resume_through_main(image_folder: Path, tmp_path: P
     assert second.returncode == 0, second.stdout + second.stderr
     assert (f"PowerSGD state restored at step {steps} (warm start of "
             f"{len(saved['warm_start'])} bucket(s))") in second.stdout
-    ckpt = torch.load(out / "checkpoint.pth.tar", map_location="cpu", weights_only=True)
+    ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert ckpt["epoch"] == 2 and ckpt["global_step"] == 2 * steps
     assert ckpt["comm_hook"]["iter"] == 2 * steps  # continued, not restarted at 0
 

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 from torchvision import datasets
 
-from imagenet.demo import DEMO_CLASSES, MARKER, make_demo_dataset
+from imagenet.tools.demo import DEMO_CLASSES, MARKER, make_demo_dataset
 
 SMALL = {"train_per_class": 3, "val_per_class": 2, "image_size": 32}
 
@@ -131,7 +131,7 @@ def test_concurrent_calls_make_one_complete_set(tmp_path: Path):
 @pytest.mark.slow
 def test_the_demo_run_learns(tmp_path: Path):
     """main.py --demo with its own defaults, shortened to 3 epochs: far above chance (10%)."""
-    from conftest import run_main
+    from helpers import run_main
 
     out = tmp_path / "out"
     proc = run_main("--demo", "--epochs", "3", "--seed", "0", "--output-dir", str(out))

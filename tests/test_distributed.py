@@ -12,12 +12,14 @@ import subprocess
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import gloo_rank_saving
+from helpers import StripedImages, gloo_rank_saving, tiny_engine, tiny_net
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from imagenet.config import parse_config
-from imagenet.distributed import (
+from imagenet.distributed import interface_to, set_socket_interface
+from imagenet.errors import UsageError
+from imagenet.launch import (
     Launch,
     auto_workers,
     check_sync_bn,
@@ -25,15 +27,12 @@ from imagenet.distributed import (
     choose_device,
     first_slurm_host,
     free_port,
-    interface_to,
     per_process_batch,
     per_process_workers,
     plan_launch,
     rendezvous,
     resolve_ranks,
-    set_socket_interface,
 )
-from imagenet.errors import UsageError
 
 
 def cfg_of(*argv: str):
@@ -236,29 +235,9 @@ def test_interface_to_a_local_address_names_its_interface():
 IMAGE = 16  # px
 
 
-class Pictures(Dataset):
-    """Fixed random uint8 images and labels (a stand-in for a decoded image folder)."""
-
-    def __init__(self, n: int, classes: int = 3) -> None:
-        g = torch.Generator().manual_seed(1234)
-        self.images = torch.randint(0, 256, (n, 3, IMAGE, IMAGE), dtype=torch.uint8, generator=g)
-        self.labels = torch.randint(0, classes, (n,), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, i: int):
-        return self.images[i], int(self.labels[i])
-
-
 def tiny_model(bn: bool = False) -> nn.Module:
-    """conv + linear, the same initial weights in every process."""
-    torch.manual_seed(0)
-    layers = [nn.Conv2d(3, 6, 3, stride=2, padding=1)]
-    if bn:
-        layers.append(nn.BatchNorm2d(6))
-    layers += [nn.ReLU(), nn.Flatten(), nn.Linear(6 * 8 * 8, 3)]
-    return nn.Sequential(*layers)
+    """conv (+ BatchNorm) + linear, the same initial weights in every process."""
+    return tiny_net((6,), bn=bn, pool=IMAGE // 2)
 
 
 def train_weights(rank: int, world: int, batch: int, accum: int, size: int = 48
@@ -267,19 +246,17 @@ def train_weights(rank: int, world: int, batch: int, accum: int, size: int = 48
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from imagenet.data import ResumableDistributedSampler, SeededDataset
-    from imagenet.engine import Step, TrainContext, train_one_epoch
+    from imagenet.engine import Step, train_one_epoch
 
     sampler = ResumableDistributedSampler(size, rank, world, seed=7)
     sampler.set_epoch(3)
-    loader = DataLoader(SeededDataset(Pictures(size), seed=5), batch_size=batch, sampler=sampler)
+    loader = DataLoader(SeededDataset(StripedImages(size, size=IMAGE), seed=5), batch_size=batch,
+                        sampler=sampler)
     raw = tiny_model()
     model = DDP(raw) if world > 1 else raw
-    opt = torch.optim.SGD(raw.parameters(), lr=0.2, momentum=0.9, weight_decay=1e-4)
-    ctx = TrainContext(model=model, criterion=nn.CrossEntropyLoss(), optimizer=opt,
-                       scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                       device=torch.device("cpu"), steps_per_epoch=len(loader) // accum,
-                       world_size=world, grad_accum_steps=accum, print_freq=10**6)
-    metrics = train_one_epoch(ctx, loader, Step(epoch=3))
+    engine = tiny_engine(model, "--lr", "0.2", "--grad-accum-steps", str(accum),
+                         steps=len(loader) // accum, world=world, batch=batch)
+    metrics = train_one_epoch(engine, loader, Step(epoch=3))
     assert metrics["images"] == size // world
     return {k: v.detach().clone() for k, v in raw.state_dict().items()}
 
@@ -296,8 +273,9 @@ def evaluate_counts(rank: int, world: int, size: int, batch: int) -> dict[str, f
     with torch.no_grad():  # non-trivial running statistics
         raw(torch.randn(8, 3, IMAGE, IMAGE) * 3 + 1)
     model = DDP(raw) if world > 1 else raw
-    loader = DataLoader(Pictures(size), batch_size=batch, sampler=ShardSampler(size, rank, world))
-    return evaluate(model, loader, nn.CrossEntropyLoss(), torch.device("cpu"), size)
+    loader = DataLoader(StripedImages(size, size=IMAGE), batch_size=batch,
+                        sampler=ShardSampler(size, rank, world))
+    return evaluate(tiny_engine(model, steps=1), model, loader, size)
 
 
 def train_and_evaluate(info) -> dict:

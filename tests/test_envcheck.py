@@ -6,10 +6,10 @@ import re
 import subprocess
 import sys
 
-from conftest import ROOT, child_env, run_main
+from helpers import ROOT, child_env, run_main
 
-from imagenet.envcheck import WRONG_HINT, summary, verdict
-from imagenet.envprobe import Plan
+from imagenet.tools.envcheck import WRONG_HINT, summary, verdict
+from imagenet.tools.envprobe import Plan
 
 
 def _last_line(text: str) -> str:
@@ -49,9 +49,9 @@ def test_nccl_without_cuda_fails_clearly_without_starting_ranks():
 
 
 def test_module_entry_point_takes_main_flags():
-    proc = subprocess.run([sys.executable, "-m", "imagenet.envcheck", "--dist-backend", "nccl",
-                           "--nproc-per-node", "3"], capture_output=True, text=True, timeout=120,
-                          env=child_env(), cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "imagenet.tools.envcheck", "--dist-backend",
+                           "nccl", "--nproc-per-node", "3"], capture_output=True, text=True,
+                          timeout=120, env=child_env(), cwd=ROOT)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "env-check: 3 rank(s) on cpu" in proc.stdout
     assert "SKIP forward/backward rank 2" in proc.stdout

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MAIN, child_env, write_image_folder
+from helpers import MAIN, child_env, load_checkpoint, main_cmd, write_image_folder
 
 from imagenet.cli import child_exit
-from imagenet.distributed import free_port
+from imagenet.launch import free_port
 from imagenet.preemption import PREEMPT_EXIT_CODE
 
 STEPS = 6  # optimizer steps per epoch in every layout below (48 images)
@@ -91,8 +91,9 @@ class Live:
         return "".join(self.lines)
 
 
-def main_cmd(data: Path, out: Path, *extra: str, flags: list[str] = FLAGS) -> list[str]:
-    return [sys.executable, MAIN, str(data), *flags, "--output-dir", str(out), *extra]
+def run_cmd(data: Path, out: Path, *extra: str, flags: list[str] = FLAGS) -> list[str]:
+    """main.py with the resume-test flags on ``data``, writing to ``out``."""
+    return main_cmd(str(data), *flags, "--output-dir", str(out), *extra)
 
 
 def run_to_end(cmd: list[str]) -> str:
@@ -109,10 +110,6 @@ def kill_at(cmd: list[str], line: str, sig: int = signal.SIGKILL) -> tuple[int, 
     live.signal_group(sig)
     code = live.finish()
     return code, live.output
-
-
-def load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def assert_equal(a, b, where: str = "") -> None:
@@ -139,10 +136,12 @@ RUN_STATE = ("epoch", "step_in_epoch", "global_step", "state_dict", "ema", "opti
 
 def assert_same_run(out: Path, reference: Path) -> None:
     """Final checkpoint and model_best equal the uninterrupted run's; nothing left over."""
-    got, want = load(out / "checkpoint.pth.tar"), load(reference / "checkpoint.pth.tar")
+    got = load_checkpoint(out / "checkpoint.pth.tar")
+    want = load_checkpoint(reference / "checkpoint.pth.tar")
     for key in RUN_STATE:
         assert_equal(got[key], want[key], key)
-    best, want_best = load(out / "model_best.pth.tar"), load(reference / "model_best.pth.tar")
+    best = load_checkpoint(out / "model_best.pth.tar")
+    want_best = load_checkpoint(reference / "model_best.pth.tar")
     assert_equal(best["state_dict"], want_best["state_dict"], "model_best")
     assert best["best_acc1"] == got["best_acc1"] == want["best_acc1"]
     assert not list(out.glob(".*tmp*")), "temp files left behind"
@@ -157,8 +156,8 @@ def data(tmp_path_factory) -> Path:
 def reference(data, tmp_path_factory) -> dict[str, Path]:
     """Uninterrupted runs without loader workers: one process, and two (mp.spawn)."""
     base = tmp_path_factory.mktemp("reference")
-    runs = {"single": main_cmd(data, base / "single", *SINGLE, "-j", "0"),
-            "spawn": main_cmd(data, base / "spawn", *SPAWN, "-j", "0")}
+    runs = {"single": run_cmd(data, base / "single", *SINGLE, "-j", "0"),
+            "spawn": run_cmd(data, base / "spawn", *SPAWN, "-j", "0")}
     for cmd in runs.values():
         run_to_end(cmd)
     return {name: base / name for name in runs}
@@ -174,7 +173,7 @@ def boundary_kill_then_finish(cmd: list[str], out: Path, resumed_step: int) -> N
     code, output = kill_at([*cmd, "--resume", "auto"], step_line(1, 2))
     assert code in (-signal.SIGKILL, 128 + signal.SIGKILL), output
     assert f"(epoch 0, step {resumed_step}," in output, output
-    ckpt = load(out / "checkpoint.pth.tar")
+    ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["global_step"]) == (1, 0, STEPS)
     output = run_to_end([*cmd, "--resume", "auto"])
     assert "(epoch 1, step 0," in output, output
@@ -192,12 +191,12 @@ def test_sigkill_mid_epoch_and_at_epoch_boundary_resume_bitwise(data, reference,
                                                                 layout):
     flags, workers, ref, per_process = LAYOUTS[layout]
     out = tmp_path / "out"
-    cmd = main_cmd(data, out, *flags, "-j", workers)
+    cmd = run_cmd(data, out, *flags, "-j", workers)
     # Mid-epoch: checkpoints every 2 steps, killed after step 3 -> resumes at step 2 or 4.
     code, output = kill_at([*cmd, "--save-every", "2"], step_line(0, 3))
     assert code == -signal.SIGKILL, output
     assert f"; {per_process} loader worker(s) per process;" in output, output
-    ckpt = load(out / "checkpoint.pth.tar")
+    ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert ckpt["epoch"] == 0 and ckpt["step_in_epoch"] in (2, 4), output
     assert len(ckpt["rng"]) == ckpt["world_size"] == (2 if flags is SPAWN else 1)
     boundary_kill_then_finish(cmd, out, ckpt["step_in_epoch"])
@@ -207,11 +206,11 @@ def test_sigkill_mid_epoch_and_at_epoch_boundary_resume_bitwise(data, reference,
 def test_sigterm_finishes_the_step_saves_and_exits_143(data, reference, tmp_path):
     out = tmp_path / "out"
     # To the whole group, as SLURM does: the two loader workers must ignore it.
-    cmd = main_cmd(data, out, *SINGLE, "-j", "2")
+    cmd = run_cmd(data, out, *SINGLE, "-j", "2")
     code, output = kill_at(cmd, step_line(0, 3), signal.SIGTERM)
     assert code == 143, output
     assert "SIGTERM received" in output and "Traceback" not in output
-    ckpt = load(out / "checkpoint.pth.tar")
+    ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     stopped = re.search(r"stopped by SIGTERM at epoch 0 step (\d+)", output)
     assert stopped, output
     assert ckpt["epoch"] == 0 and ckpt["step_in_epoch"] == int(stopped.group(1))
@@ -227,32 +226,32 @@ def test_sigusr1_under_spawn_then_sigkill_at_epoch_boundary_resume_bitwise(data,
     out = tmp_path / "out"
     # SLURM's --signal reaches the parent, both ranks and their loader workers; the parent
     # forwards it as well, so each rank gets it twice: that must still count as one signal.
-    code, output = kill_at(main_cmd(data, out, *SPAWN, "-j", "2"), step_line(0, 2),
+    code, output = kill_at(run_cmd(data, out, *SPAWN, "-j", "2"), step_line(0, 2),
                            signal.SIGUSR1)
     assert code == 143, output
     assert "stopped by SIGUSR1" in output and "without saving" not in output, output
-    ckpt = load(out / "checkpoint.pth.tar")
+    ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert ckpt["epoch"] == 0 and 2 <= ckpt["step_in_epoch"] < STEPS
     assert len(ckpt["rng"]) == 2 and ckpt["world_size"] == 2
     # The rest without loader workers: the data, and so the result, do not depend on them.
-    boundary_kill_then_finish(main_cmd(data, out, *SPAWN, "-j", "0"), out, ckpt["step_in_epoch"])
+    boundary_kill_then_finish(run_cmd(data, out, *SPAWN, "-j", "0"), out, ckpt["step_in_epoch"])
     assert_same_run(out, reference["spawn"])
 
 
 def test_ctrl_c_saves_too(data, tmp_path):
     out = tmp_path / "out"
-    code, output = kill_at(main_cmd(data, out, *SINGLE, "-j", "2"), step_line(0, 2),
+    code, output = kill_at(run_cmd(data, out, *SINGLE, "-j", "2"), step_line(0, 2),
                            signal.SIGINT)
     assert code == 143, output
     assert "SIGINT received" in output and "Traceback" not in output
-    ckpt = load(out / "checkpoint.pth.tar")
+    ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert ckpt["epoch"] == 0 and ckpt["step_in_epoch"] >= 2
 
 
 def test_a_second_different_signal_during_training_exits_at_once_without_saving(data,
                                                                                 tmp_path):
     out = tmp_path / "out"
-    live = Live(main_cmd(data, out, *SINGLE, "-j", "0"))
+    live = Live(run_cmd(data, out, *SINGLE, "-j", "0"))
     live.wait_for(step_line(0, 2))
     # Stopped while both are sent, the run receives them together however busy the machine is:
     # no step (and no save) can complete between the first and the second.
@@ -272,12 +271,12 @@ def test_fp16_grad_scaler_state_is_checkpointed_and_restored_bitwise(data, tmp_p
     # squeezenet1_1: fp16 autocast on the CPU is ~25x slower than fp32 for resnet18, ~7x here.
     flags = [*FLAGS, "-a", "squeezenet1_1", "--amp", "fp16", *SINGLE, "-j", "0"]
     reference = tmp_path / "reference"
-    run_to_end(main_cmd(data, reference, flags=flags))
+    run_to_end(run_cmd(data, reference, flags=flags))
     out = tmp_path / "out"
-    cmd = main_cmd(data, out, flags=flags)
+    cmd = run_cmd(data, out, flags=flags)
     code, output = kill_at([*cmd, "--save-every", "2"], step_line(1, 3))
     assert code == -signal.SIGKILL, output
-    ckpt = load(out / "checkpoint.pth.tar")
+    ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert ckpt["epoch"] == 1 and ckpt["step_in_epoch"] in (2, 4), output
     # Every step moves the scaler (a skipped step halves the scale, a good one counts towards
     # growth): a resume that started from a fresh scaler would end elsewhere.
@@ -285,7 +284,8 @@ def test_fp16_grad_scaler_state_is_checkpointed_and_restored_bitwise(data, tmp_p
     output = run_to_end([*cmd, "--resume", "auto"])
     assert f"(epoch 1, step {ckpt['step_in_epoch']}," in output, output
     assert_same_run(out, reference)
-    got, want = load(out / "checkpoint.pth.tar"), load(reference / "checkpoint.pth.tar")
+    got = load_checkpoint(out / "checkpoint.pth.tar")
+    want = load_checkpoint(reference / "checkpoint.pth.tar")
     assert want["scaler"] is not None
     assert_equal(got["scaler"], want["scaler"], "scaler")
 

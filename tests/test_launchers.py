@@ -15,10 +15,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MAIN, TINY, child_env, run_parallel, write_image_folder
+from helpers import (
+    MAIN,
+    TINY,
+    child_env,
+    load_checkpoint,
+    main_cmd,
+    run_parallel,
+    write_image_folder,
+)
 
 from imagenet.cli import main
-from imagenet.distributed import free_port
+from imagenet.launch import free_port
 
 VAL_IMAGES = 31
 TRAIN_IMAGES = 24
@@ -36,10 +44,6 @@ def data(tmp_path_factory) -> Path:
     return root
 
 
-def main_cmd(*args: str) -> list[str]:
-    return [sys.executable, MAIN, *args]
-
-
 def ok(results) -> None:
     """Every process of the job exited 0 (show all output otherwise)."""
     for r in results:
@@ -49,7 +53,7 @@ def ok(results) -> None:
 def check_artifacts(out: Path, world: int, per_process: int, steps: int, results) -> None:
     """Rank 0 wrote one checkpoint, one metrics line and config.json; only it printed progress."""
     ok(results)
-    ckpt = torch.load(out / "checkpoint.pth.tar", map_location="cpu", weights_only=True)
+    ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     for key in ("epoch", "arch", "state_dict", "best_acc1", "optimizer", "scheduler", "config",
                 "world_size", "rng"):
         assert key in ckpt, key

@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import ROOT, TINY, child_env, run_parallel, write_image_folder
+from helpers import ROOT, TINY, child_env, load_checkpoint, run_parallel, write_image_folder
 
 MASTER, PEER = "10.200.0.1", "10.200.0.2"
 RUN_MULTINODE = ROOT / "run_multinode.sh"
@@ -81,7 +80,7 @@ def test_run_multinode_on_two_hosts_without_socket_ifname(two_hosts, tmp_path: P
         assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
     # rank 0 chose its veth end (the one holding 10.200.0.1) and said so
     assert f"gloo/NCCL use interface {ends[0]}" in results[0].stdout + results[0].stderr
-    ckpt = torch.load(outs[0] / "checkpoint.pth.tar", map_location="cpu", weights_only=True)
+    ckpt = load_checkpoint(outs[0] / "checkpoint.pth.tar")
     assert ckpt["world_size"] == 2 and ckpt["epoch"] == 1
     record = json.loads((outs[0] / "metrics.jsonl").read_text())
     assert record["val_count"] == 9

@@ -1,4 +1,4 @@
-"""``python -m imagenet.prepare`` on miniature archives with the real ILSVRC2012 structure."""
+"""``python -m imagenet.tools.prepare`` on miniature archives with the real ILSVRC2012 structure."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from imagenet.matfile import load_mat
+from imagenet.tools.matfile import load_mat
 
 ROOT = Path(__file__).resolve().parents[1]
 WNIDS = ["n01440764", "n01443537", "n01484850"]
@@ -133,7 +133,7 @@ def archives(tmp_path_factory) -> dict[str, Path]:
 
 def prepare(*args: object) -> subprocess.CompletedProcess:
     """Run the command as a user would."""
-    cmd = [sys.executable, "-m", "imagenet.prepare", *map(str, args)]
+    cmd = [sys.executable, "-m", "imagenet.tools.prepare", *map(str, args)]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 

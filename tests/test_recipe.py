@@ -10,30 +10,34 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from conftest import TINY, run_main, write_image_folder
+from helpers import (
+    TINY,
+    load_checkpoint,
+    run_main,
+    tiny_engine,
+    tiny_net,
+    uint8_batches,
+    write_image_folder,
+)
 from torch import nn
 from torchvision.transforms import v2
 
 from imagenet import transforms as T
+from imagenet.build import Run, build_run
 from imagenet.config import parse_config
 from imagenet.distributed import DistInfo
-from imagenet.engine import Step, TrainContext, evaluate, train_one_epoch
-from imagenet.models import unwrap
-from imagenet.optim import build_criterion, build_ema, build_optimizer, build_scheduler
-from imagenet.trainer import Run, amp_dtype, batch_transform, build_run
+from imagenet.engine import Step, evaluate, train_one_epoch
+from imagenet.launch import Layout
+from imagenet.models import unwrap, wrap
+from imagenet.optim import build_criterion, build_optimizer, build_scheduler
 
 # torchvision 0.29 deprecates its decoders in favour of TorchCodec (not installed here).
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
 
 
 def _tiny_bn_free() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
-                         nn.Flatten(), nn.Linear(16, 3))
-
-
-def _with_norm() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(3))
+    """No BatchNorm: micro-batches and one big batch have the same gradient."""
+    return tiny_net((4,), pool=2)
 
 
 @pytest.mark.parametrize("opt, cls, nesterov", [("sgd", torch.optim.SGD, False),
@@ -48,15 +52,14 @@ def test_optimizer_choice(opt, cls, nesterov):
 
 
 def test_norm_and_bias_weight_decay_groups():
-    model = _with_norm()
-    model(torch.zeros(1, 3, 8, 8))  # materialise the lazy layer
+    model = tiny_net((4,), bn=True)
     cfg = parse_config(["--wd", "0.05", "--norm-weight-decay", "0", "--bias-weight-decay", "0.01"])
     groups = build_optimizer(model, cfg).param_groups
     by_decay = {g["weight_decay"]: {id(p) for p in g["params"]} for g in groups}
     bn = model[1]
     assert by_decay[0.0] == {id(bn.weight), id(bn.bias)}
-    assert by_decay[0.01] == {id(model[0].bias), id(model[3].bias)}
-    assert by_decay[0.05] == {id(model[0].weight), id(model[3].weight)}
+    assert by_decay[0.01] == {id(model[0].bias), id(model[5].bias)}
+    assert by_decay[0.05] == {id(model[0].weight), id(model[5].weight)}
 
 
 def _lrs(argv: list[str], iters: int, steps: int) -> list[float]:
@@ -101,32 +104,21 @@ def test_warmup_is_smooth_per_iteration(method):
     assert lrs[10] == pytest.approx(1.0)
 
 
-def _batches(n: int, size: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 256, (size, 3, 16, 16), dtype=torch.uint8, generator=g),
-             torch.randint(0, 3, (size,), generator=g)) for _ in range(n)]
+def _batches(n: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return uint8_batches(n, size)
 
 
-def _context(model: nn.Module, argv: list[str], steps: int) -> TrainContext:
-    cfg = parse_config(argv)
-    optimizer = build_optimizer(model, cfg)
-    return TrainContext(model=model, criterion=build_criterion(cfg), optimizer=optimizer,
-                        scheduler=build_scheduler(optimizer, cfg, steps),
-                        device=torch.device("cpu"), steps_per_epoch=steps,
-                        grad_accum_steps=cfg.grad_accum_steps, print_freq=100,
-                        clip_grad_norm=cfg.clip_grad_norm,
-                        amp_dtype=amp_dtype(cfg),
-                        batch_transform=batch_transform(cfg, 3),
-                        ema=build_ema(model, cfg, 1, 4), ema_steps=cfg.model_ema_steps)
+def _engine(model: nn.Module, argv: list[str], steps: int):
+    return tiny_engine(model, "-p", "100", *argv, steps=steps, batch=4)
 
 
 def test_grad_accumulation_equals_one_big_batch():
     big = _batches(2, 8)
     small = [(x[i:i + 4], y[i:i + 4]) for x, y in big for i in (0, 4)]
     ref, acc = _tiny_bn_free(), _tiny_bn_free()
-    train_one_epoch(_context(ref, ["--lr", "0.5"], 2), big, Step())
-    ctx = _context(acc, ["--lr", "0.5", "--grad-accum-steps", "2"], 2)
-    train_one_epoch(ctx, small, Step())
+    train_one_epoch(_engine(ref, ["--lr", "0.5"], 2), big, Step())
+    engine = _engine(acc, ["--lr", "0.5", "--grad-accum-steps", "2"], 2)
+    train_one_epoch(engine, small, Step())
     for p, q in zip(ref.parameters(), acc.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert not torch.equal(ref[0].weight, _tiny_bn_free()[0].weight)
@@ -148,15 +140,15 @@ def _record_output_dtypes(model: nn.Module) -> tuple[dict[str, set[torch.dtype]]
 @pytest.mark.parametrize("amp, expected", [("bf16", torch.bfloat16), (None, torch.float32)])
 def test_bf16_autocast_trains_on_cpu(amp, expected):
     model = _tiny_bn_free()
-    ctx = _context(model, (["--amp", amp] if amp else []) + ["--lr", "0.05"], 20)
+    engine = _engine(model, (["--amp", amp] if amp else []) + ["--lr", "0.05"], 20)
     data = _batches(1, 16) * 20
-    first = train_one_epoch(ctx, data[:1], Step())["loss"]
+    first = train_one_epoch(engine, data[:1], Step())["loss"]
     seen, handles = _record_output_dtypes(model)
-    last = train_one_epoch(ctx, data, Step())
+    last = train_one_epoch(engine, data, Step())
     # The trainer's autocast really runs conv and linear in bf16 (fp32 without --amp).
     assert seen == {"0": {expected}, "4": {expected}}
     seen.clear()
-    evaluate(model, data[:1], ctx.criterion, torch.device("cpu"), 16, amp_dtype=ctx.amp_dtype)
+    evaluate(engine, model, data[:1], 16)
     assert seen == {"0": {expected}, "4": {expected}}
     for h in handles:
         h.remove()
@@ -166,23 +158,24 @@ def test_bf16_autocast_trains_on_cpu(amp, expected):
 
 def test_ema_differs_from_the_model_and_is_checkpointed(image_folder, tmp_path):
     model = _tiny_bn_free()
-    ctx = _context(model, ["--model-ema", "--model-ema-steps", "1", "--model-ema-decay", "0.9",
-                           "--epochs", "1", "--lr", "0.5"], 4)
-    train_one_epoch(ctx, _batches(4, 4), Step())
-    assert ctx.ema is not None and ctx.ema.n_averaged.item() == 4
-    assert not torch.equal(ctx.ema.module[0].weight, model[0].weight)
+    engine = _engine(model, ["--model-ema", "--model-ema-steps", "1", "--model-ema-decay", "0.9",
+                             "--epochs", "1", "--lr", "0.5"], 4)
+    train_one_epoch(engine, _batches(4, 4), Step())
+    ema = engine.parts.ema
+    assert ema is not None and ema.n_averaged.item() == 4
+    assert not torch.equal(ema.module[0].weight, model[0].weight)
     out = tmp_path / "out"
     proc = run_main(str(image_folder), *TINY, "--model-ema", "--model-ema-steps", "1",
                     "--epochs", "1", "--output-dir", str(out))
     assert proc.returncode == 0, proc.stderr
-    ckpt = torch.load(out / "checkpoint.pth.tar", weights_only=True)
+    ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert not torch.equal(ckpt["ema"]["module.conv1.weight"], ckpt["state_dict"]["conv1.weight"])
     # model and EMA are both evaluated, each on its own labelled line
     assert proc.stdout.count(" * Acc@1") == 1 and proc.stdout.count(" * EMA Acc@1") == 1
     record = json.loads((out / "metrics.jsonl").read_text())
     assert ckpt["best_ema_acc1"] == record["best_ema_acc1"] == record["ema_val_acc1"]
     # The EMA weights at their best, as a plain checkpoint that -e evaluates.
-    best_ema = torch.load(out / "model_best_ema.pth.tar", weights_only=True)
+    best_ema = load_checkpoint(out / "model_best_ema.pth.tar")
     assert best_ema["best_acc1"] == record["ema_val_acc1"]
     assert torch.equal(best_ema["state_dict"]["conv1.weight"], ckpt["ema"]["module.conv1.weight"])
     proc = run_main(str(image_folder), *TINY, "-e", "--resume", str(out / "model_best_ema.pth.tar"),
@@ -196,22 +189,22 @@ def test_ema_differs_from_the_model_and_is_checkpointed(image_folder, tmp_path):
                                    "--label-smoothing", "0.1"]])
 def test_mixup_cutmix_soft_targets_train(argv):
     cfg = parse_config(argv)
-    transform = batch_transform(cfg, 3)
+    transform = T.batch_transform(cfg.mixup_alpha, cfg.cutmix_alpha, 3)
     images, target = torch.rand(8, 3, 16, 16), torch.randint(0, 3, (8,))
     mixed, soft = transform(images, target)
     assert soft.shape == (8, 3) and torch.allclose(soft.sum(1), torch.ones(8))
     assert build_criterion(cfg)(torch.randn(8, 3), soft).isfinite()
     model = _tiny_bn_free()
-    metrics = train_one_epoch(_context(model, argv, 2), _batches(2, 8), Step())
+    metrics = train_one_epoch(_engine(model, argv, 2), _batches(2, 8), Step())
     assert metrics["images"] == 16 and 0 <= metrics["acc1"] <= 100
 
 
 def test_clip_grad_norm_limits_the_update():
     model = _tiny_bn_free()
     before = [p.detach().clone() for p in model.parameters()]
-    ctx = _context(model, ["--clip-grad-norm", "1e-3", "--lr", "1", "--momentum", "0",
-                           "--wd", "0"], 1)
-    train_one_epoch(ctx, _batches(1, 8), Step())
+    engine = _engine(model, ["--clip-grad-norm", "1e-3", "--lr", "1", "--momentum", "0",
+                             "--wd", "0"], 1)
+    train_one_epoch(engine, _batches(1, 8), Step())
     moved = torch.sqrt(sum(((p - b) ** 2).sum() for p, b in zip(model.parameters(), before)))
     assert 0 < moved.item() <= 1e-3 * 1.001
 
@@ -221,7 +214,7 @@ def test_clip_grad_norm_limits_the_update():
 def _built(image_folder: Path, tmp_path: Path, *flags: str, batch_size: int = 8) -> Run:
     """The run main.py would build for ``flags`` on the tiny ImageFolder (one CPU process)."""
     cfg = parse_config([str(image_folder), *TINY, "--output-dir", str(tmp_path / "out"), *flags])
-    return build_run(cfg, DistInfo(), batch_size=batch_size, workers=0)
+    return build_run(cfg, DistInfo(), Layout(1, batch_size, cfg.grad_accum_steps, 0))
 
 
 def _train_steps(run: Run) -> list:
@@ -231,7 +224,7 @@ def _train_steps(run: Run) -> list:
 
 @pytest.mark.parametrize("flags, smoothing", [([], 0.0), (["--label-smoothing", "0.1"], 0.1)])
 def test_label_smoothing_reaches_the_criterion(image_folder, tmp_path, flags, smoothing):
-    criterion = _built(image_folder, tmp_path, *flags).ctx.criterion
+    criterion = _built(image_folder, tmp_path, *flags).engine.parts.criterion
     assert isinstance(criterion, nn.CrossEntropyLoss)
     assert criterion.label_smoothing == pytest.approx(smoothing)
     # A confident right answer still costs smoothing x mean(-log p) over all classes.
@@ -244,17 +237,17 @@ def test_label_smoothing_reaches_the_criterion(image_folder, tmp_path, flags, sm
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
 def test_amp_flag_sets_autocast_dtype_and_scaler(image_folder, tmp_path, amp, dtype):
     run = _built(image_folder, tmp_path, *(["--amp", amp] if amp else []), batch_size=4)
-    scaler = run.ctx.scaler
+    scaler = run.engine.parts.scaler
     if amp == "fp16":  # fp16 gradients underflow without loss scaling; bf16 has fp32's range
         assert isinstance(scaler, torch.amp.GradScaler)
         assert scaler.is_enabled() and scaler.get_scale() == 2.0**16
     else:
         assert scaler is None
-    assert run.ctx.amp_dtype == (None if amp is None else dtype)
+    assert run.engine.opts.amp_dtype == (None if amp is None else dtype)
     # A real step of the built run on its first batch: every conv/linear output has the dtype.
     seen, handles = _record_output_dtypes(run.raw_model)
     before = run.raw_model.fc.weight.detach().clone()
-    metrics = train_one_epoch(run.ctx, [next(iter(run.data.train_loader))], run.step)
+    metrics = train_one_epoch(run.engine, [next(iter(run.data.train_loader))], run.step)
     for h in handles:
         h.remove()
     assert set().union(*seen.values()) == {dtype}
@@ -331,7 +324,7 @@ def test_auto_augment_policy_reaches_the_train_transform(image_folder, tmp_path,
 ])
 def test_model_ema_decay_gives_the_effective_decay(image_folder, tmp_path, flags, alpha):
     run = _built(image_folder, tmp_path, "--model-ema", *flags)
-    ema, model = run.ctx.ema, run.raw_model
+    ema, model = run.engine.parts.ema, run.raw_model
     assert isinstance(ema, torch.optim.swa_utils.AveragedModel)
     ema.update_parameters(model)  # the first update copies the weights
     old = ema.module.fc.weight.detach().clone()
@@ -366,10 +359,8 @@ def test_compile_smoke(tmp_path):
     reason = _compile_toolchain_missing()
     if reason:
         pytest.skip(reason)
-    from imagenet import ddp
-
     raw = _tiny_bn_free()  # wrapping is lazy (nothing compiles until the first call)
-    compiled = ddp.wrap(raw, parse_config(["--compile"]), DistInfo())
+    compiled = wrap(raw, parse_config(["--compile"]), DistInfo())
     assert compiled is not raw and unwrap(compiled) is raw
     # 24 train and 12 val images in batches of 12: one shape each for the train and eval graphs,
     # so no recompilation for a short last batch. Cold inductor cache: ~2 min on 2 busy cores;
@@ -380,7 +371,7 @@ def test_compile_smoke(tmp_path):
                     "--output-dir", str(out), timeout=800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert " * Acc@1" in proc.stdout
-    ckpt = torch.load(out / "checkpoint.pth.tar", weights_only=True)
+    ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert ckpt["config"]["compile"] is True
     state = ckpt["state_dict"]
     wrapped = [k for k in state if "_orig_mod." in k or k.startswith("module.")]

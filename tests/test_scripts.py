@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, child_env
+from helpers import ROOT, child_env
 
 from imagenet.config import get_args_parser, parse_config
 

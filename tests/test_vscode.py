@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, child_env
+from helpers import ROOT, child_env
 
 from imagenet.config import get_args_parser, parse_config
 

@@ -1,4 +1,4 @@
-"""Wrapping for training: SyncBatchNorm, torch.compile, DDP and its communication hooks.
+"""DDP gradient compression for slow links (--ddp-comm-hook), its checkpoint state and traffic.
 
 --ddp-comm-hook uses torch's built-in hooks. fp16/bf16 halve the all-reduce payload; PowerSGD
 sends a rank-r factorisation of each weight matrix (with error feedback and warm start). Two
@@ -22,8 +22,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from imagenet.config import Config
-from imagenet.distributed import DistInfo
-from imagenet.models import unwrap
 
 log = logging.getLogger(__name__)
 
@@ -31,35 +29,15 @@ log = logging.getLogger(__name__)
 MIN_COMPRESSION_RATE = 2
 
 
-def wrap(raw: nn.Module, cfg: Config, dist: DistInfo) -> nn.Module:
-    """The module the training step calls: raw -> (SyncBN) -> (compiled) -> (DDP)."""
-    model = raw
-    if cfg.sync_bn and dist.distributed:
-        # convert_sync_batchnorm returns a new module only for a bare BatchNorm root; torchvision
-        # models are containers, so ``raw`` keeps the converted layers in place.
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if cfg.compile:
-        model = torch.compile(model)
-    if not dist.distributed:
-        if cfg.ddp_comm_hook != "none":
-            log.info("=> one process: --ddp-comm-hook %s has nothing to send", cfg.ddp_comm_hook)
-        return model
-    device_ids = [dist.device.index] if dist.device.type == "cuda" else None
-    model = DDP(model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb)
-    register_comm_hook(model, cfg, dist.backend or "gloo")
-    if dist.is_main:
-        log_payload(raw, cfg, dist.world_size)
-    return model
-
-
-def register_comm_hook(model: DDP, cfg: Config, backend: str) -> None:
-    """Gradient compression with torch's built-in DDP hooks (--ddp-comm-hook)."""
+def register_comm_hook(model: DDP, raw: nn.Module, cfg: Config, backend: str) -> None:
+    """Gradient compression with torch's built-in DDP hooks (--ddp-comm-hook); ``raw`` is the
+    unwrapped model (for parameter names)."""
     if cfg.ddp_comm_hook == "fp16":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif cfg.ddp_comm_hook == "bf16":
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     elif cfg.ddp_comm_hook == "powersgd":
-        hook = PowerSGDHook(model, cfg.powersgd_rank, cfg.powersgd_start_iter,
+        hook = PowerSGDHook(raw, cfg.powersgd_rank, cfg.powersgd_start_iter,
                             serialise=backend != "nccl")
         model.register_comm_hook(hook, powersgd_hook)
         model._imagenet_hook_state = hook  # type: ignore[attr-defined]
@@ -92,7 +70,7 @@ class PowerSGDHook:
     with that list comes back (from a checkpoint, too).
     """
 
-    def __init__(self, model: DDP, rank: int, start_iter: int, serialise: bool) -> None:
+    def __init__(self, raw: nn.Module, rank: int, start_iter: int, serialise: bool) -> None:
         # Quiet torch's per-bucket "allocating ..." INFO lines; log_payload states what matters.
         if not log.isEnabledFor(logging.DEBUG):
             logging.getLogger(powersgd.__name__).setLevel(logging.WARNING)
@@ -104,7 +82,7 @@ class PowerSGDHook:
         self.state.start_powerSGD_iter = start_iter
         self.serialise = serialise
         self.previous: torch.futures.Future | None = None
-        self.names = {id(p): name for name, p in unwrap(model).named_parameters()}
+        self.names = {id(p): name for name, p in raw.named_parameters()}
         self.layouts: dict[int, tuple[str, ...]] = {}  # bucket index -> its parameter names
         self.set_aside: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -177,7 +155,7 @@ def load_hook_state(model: nn.Module, saved: dict[str, Any] | None) -> None:
     same_shapes = (saved["rank"] == state.matrix_approximation_rank
                    and saved["min_compression_rate"] == state.min_compression_rate)
     if same_shapes:
-        device = next(unwrap(model).parameters()).device
+        device = next(model.parameters()).device
         for entry in saved["warm_start"]:
             hook.set_aside[tuple(entry["params"])] = (entry["p"].to(device),
                                                       entry["q"].to(device))

@@ -1,4 +1,4 @@
-"""The run's state <-> files: atomic writes, safe loads, resume resolution."""
+"""Checkpoint files: atomic writes, safe loads, strict model loading, which file a resume uses."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The run's state <-> checkpoint files: what is saved, and how a resume puts it back.
+"""What a run's checkpoint holds (``save``) and how a resume puts it back (``resume``).
 
-Collective where it gathers RNG states (every rank calls ``save``); only rank 0 writes.
+``save`` is collective (it gathers every rank's RNG state); only rank 0 writes.
 """
 
 from __future__ import annotations
@@ -8,16 +8,15 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from imagenet import checkpoint as ckpt_io
-from imagenet import ddp, state
-from imagenet.distributed import elastic_restart_count
-from imagenet.engine import Step, TrainContext, barrier
+from imagenet import comm_hooks
+from imagenet.build import Run
+from imagenet.checkpoint import files, rng
+from imagenet.distributed import barrier
+from imagenet.engine import Engine, Step
+from imagenet.launch import elastic_restart_count
 from imagenet.models import unwrap
-
-if TYPE_CHECKING:
-    from imagenet.trainer import Run
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +28,10 @@ def checkpoint_state(run: Run, epoch_done: bool) -> dict[str, Any]:
     Otherwise (epoch, step_in_epoch) says where training continues; step_in_epoch equal to
     steps_per_epoch means only the epoch's validation is left (a signal at its last step).
     """
-    rng = state.gather_rng(run.dist.rank, run.dist.world_size)
-    ctx, step = run.ctx, run.step
+    states = rng.gather_rng(run.dist.rank, run.dist.world_size)
+    parts, step, layout = run.engine.parts, run.step, run.layout
     epoch, step_in_epoch = (step.epoch + 1, 0) if epoch_done else (step.epoch, step.step_in_epoch)
-    sampler = run.data.train_sampler
-    start = step_in_epoch * ctx.grad_accum_steps * run.data.train_loader.batch_size
+    ema = parts.ema
     return {
         # The classic's meaning: the epoch to start at. Mid-epoch it is the current epoch.
         "epoch": epoch,
@@ -41,33 +39,34 @@ def checkpoint_state(run: Run, epoch_done: bool) -> dict[str, Any]:
         "global_step": step.global_step,
         "arch": run.cfg.arch,
         "state_dict": run.raw_model.state_dict(),
-        "best_acc1": float(run.best_acc1),
-        "optimizer": ctx.optimizer.state_dict(),
-        "scheduler": ctx.scheduler.state_dict(),
-        "scaler": ctx.scaler.state_dict() if ctx.scaler is not None else None,
-        "ema": ctx.ema.state_dict() if ctx.ema is not None else None,
-        "best_ema_acc1": float(run.best_ema_acc1) if ctx.ema is not None else None,
+        "best_acc1": float(run.best.acc1),
+        "optimizer": parts.optimizer.state_dict(),
+        "scheduler": parts.scheduler.state_dict(),
+        "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
+        "ema": ema.state_dict() if ema is not None else None,
+        "best_ema_acc1": float(run.best_ema.acc1) if run.best_ema is not None else None,
         "num_classes": run.data.num_classes,
         "classes": run.data.classes,
         "aug_seed": run.aug_seed,
-        "world_size": run.dist.world_size,
-        "batch_size": run.data.train_loader.batch_size,
-        "grad_accum_steps": ctx.grad_accum_steps,
-        "steps_per_epoch": ctx.steps_per_epoch,
+        "world_size": layout.world_size,
+        "batch_size": layout.batch_size,
+        "grad_accum_steps": layout.grad_accum_steps,
+        "steps_per_epoch": run.engine.opts.steps_per_epoch,
         # Per rank, the samples of this epoch already trained on; the order is (seed, epoch).
-        "sampler": {"seed": sampler.seed, "epoch": epoch, "start": start},
-        "rng": rng,  # python, numpy, torch CPU and CUDA states of every rank, by rank
-        "comm_hook": ddp.hook_state(ctx.model),
+        "sampler": {"seed": run.data.train_sampler.seed, "epoch": epoch,
+                    "start": layout.samples_before(step_in_epoch)},
+        "rng": states,  # python, numpy, torch CPU and CUDA states of every rank, by rank
+        "comm_hook": comm_hooks.hook_state(parts.model),
         "config": run.cfg.to_dict(),
     }
 
 
 def ema_weights_state(run: Run) -> dict[str, Any]:
     """model_best_ema.pth.tar: the EMA weights as a plain model checkpoint (``-e --resume``)."""
-    assert run.ctx.ema is not None
+    assert run.engine.parts.ema is not None and run.best_ema is not None
     return {"epoch": run.step.epoch + 1, "arch": run.cfg.arch,
-            "state_dict": unwrap(run.ctx.ema.module).state_dict(),
-            "best_acc1": float(run.best_ema_acc1), "ema": True,
+            "state_dict": unwrap(run.engine.parts.ema.module).state_dict(),
+            "best_acc1": float(run.best_ema.acc1), "ema": True,
             "num_classes": run.data.num_classes, "classes": run.data.classes,
             "config": run.cfg.to_dict()}
 
@@ -81,9 +80,9 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
     payload = checkpoint_state(run, epoch_done)
     if run.dist.is_main:
         if is_best_ema:
-            ckpt_io.atomic_save(ema_weights_state(run), run.output_dir / ckpt_io.BEST_EMA)
-        best = [run.output_dir / ckpt_io.BEST] if is_best else []
-        ckpt_io.atomic_save(payload, run.output_dir / ckpt_io.CHECKPOINT, copies=best)
+            files.atomic_save(ema_weights_state(run), run.output_dir / files.BEST_EMA)
+        best = [run.output_dir / files.BEST] if is_best else []
+        files.atomic_save(payload, run.output_dir / files.CHECKPOINT, copies=best)
     # No rank moves on (or exits after a signal) before the file is in place: under mp.spawn the
     # first rank to exit makes the parent terminate the others, rank 0 included.
     barrier()
@@ -92,79 +91,80 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
 def resume(run: Run) -> None:
     """Restore model, optimizer, schedule, position, best accuracy and RNG from a checkpoint."""
     restarted = elastic_restart_count() > 0
-    path = ckpt_io.resolve_resume(run.cfg.resume, run.output_dir, restarted)
+    path = files.resolve_resume(run.cfg.resume, run.output_dir, restarted)
     if path is None:
         if run.cfg.resume == "auto" or restarted:
             log.info("=> no checkpoint in %s: starting fresh", run.output_dir)
         return
     log.info("=> loading checkpoint '%s'", path)
-    ckpt = ckpt_io.load_checkpoint(path)
-    ckpt_io.load_model_state(run.raw_model, ckpt, path, run.cfg.arch)
-    ctx = run.ctx
+    ckpt = files.load_checkpoint(path)
+    files.load_model_state(run.raw_model, ckpt, path, run.cfg.arch)
+    parts, steps_per_epoch = run.engine.parts, run.engine.opts.steps_per_epoch
     classic = "global_step" not in ckpt  # written by pytorch/examples' main.py
     # Our schedule counts optimizer steps: it only carries over with the same steps per epoch.
-    same_schedule = not classic and ckpt.get("steps_per_epoch", ctx.steps_per_epoch) \
-        == ctx.steps_per_epoch
-    for key, obj in (("optimizer", ctx.optimizer), ("scheduler", ctx.scheduler),
-                     ("scaler", ctx.scaler), ("ema", ctx.ema)):
+    same_schedule = not classic and ckpt.get("steps_per_epoch", steps_per_epoch) \
+        == steps_per_epoch
+    for key, obj in (("optimizer", parts.optimizer), ("scheduler", parts.scheduler),
+                     ("scaler", parts.scaler), ("ema", parts.ema)):
         if obj is not None and ckpt.get(key) and (same_schedule or key != "scheduler"):
             obj.load_state_dict(ckpt[key])
-    ddp.load_hook_state(ctx.model, ckpt.get("comm_hook"))
-    run.best_acc1 = resumed_best(ckpt, path, run.output_dir)
-    if ctx.ema is not None:
-        run.best_ema_acc1 = resumed_best(ckpt, path, run.output_dir, "best_ema_acc1",
-                                         ckpt_io.BEST_EMA)
+    comm_hooks.load_hook_state(parts.model, ckpt.get("comm_hook"))
+    run.best.acc1 = resumed_best(ckpt, path, run.output_dir)
+    if run.best_ema is not None:
+        run.best_ema.acc1 = resumed_best(ckpt, path, run.output_dir, "best_ema_acc1",
+                                         files.BEST_EMA)
     run.step = resumed_step(run, ckpt, same_schedule, classic)
     run.aug_seed = int(ckpt.get("aug_seed", run.aug_seed))
     run.data.train_loader.dataset.seed = run.aug_seed  # type: ignore[attr-defined]
     if ckpt.get("sampler"):  # the data order of the epoch being continued
         run.data.train_sampler.seed = int(ckpt["sampler"]["seed"])
-    saved_rng = state.rng_for_rank(ckpt.get("rng"), run.dist.rank)
+    saved_rng = rng.rng_for_rank(ckpt.get("rng"), run.dist.rank)
     if saved_rng is not None and same_layout(run, ckpt):
-        state.restore_rng(saved_rng)
+        rng.restore_rng(saved_rng)
     log.info("=> loaded checkpoint '%s' (epoch %d, step %d, best Acc@1 %.3f)", path,
-             run.step.epoch, run.step.step_in_epoch, run.best_acc1)
+             run.step.epoch, run.step.step_in_epoch, run.best.acc1)
 
 
 def same_layout(run: Run, ckpt: dict[str, Any]) -> bool:
     """True when the checkpoint's world size, batch and accumulation match this run's."""
-    return (ckpt.get("world_size") == run.dist.world_size
-            and ckpt.get("batch_size") == run.data.train_loader.batch_size
-            and ckpt.get("grad_accum_steps", 1) == run.ctx.grad_accum_steps)
+    layout = run.layout
+    return (ckpt.get("world_size") == layout.world_size
+            and ckpt.get("batch_size") == layout.batch_size
+            and ckpt.get("grad_accum_steps", 1) == layout.grad_accum_steps)
 
 
 def resumed_step(run: Run, ckpt: dict[str, Any], same_schedule: bool, classic: bool) -> Step:
     """Where training continues; brings the schedule there when it cannot be loaded."""
-    ctx = run.ctx
+    steps_per_epoch = run.engine.opts.steps_per_epoch
     epoch, step_in_epoch = int(ckpt.get("epoch", 0)), int(ckpt.get("step_in_epoch", 0))
-    global_step = int(ckpt.get("global_step", epoch * ctx.steps_per_epoch + step_in_epoch))
-    if step_in_epoch >= ckpt.get("steps_per_epoch", ctx.steps_per_epoch):
-        step_in_epoch = ctx.steps_per_epoch  # trained; only the validation is left
+    global_step = int(ckpt.get("global_step", epoch * steps_per_epoch + step_in_epoch))
+    if step_in_epoch >= ckpt.get("steps_per_epoch", steps_per_epoch):
+        step_in_epoch = steps_per_epoch  # trained; only the validation is left
     elif step_in_epoch and not same_layout(run, ckpt):
         log.warning("checkpoint was written mid-epoch with another world size, batch size or "
                     "--grad-accum-steps; restarting epoch %d from its first step", epoch)
         step_in_epoch = 0
-        global_step = epoch * ctx.steps_per_epoch
+        global_step = epoch * steps_per_epoch
     if not same_schedule:
         if not classic:
             log.warning("checkpoint has %s steps per epoch, this run %d: the learning-rate "
-                        "schedule is recomputed", ckpt.get("steps_per_epoch"), ctx.steps_per_epoch)
-        fast_forward_schedule(ctx, global_step if classic
-                              else epoch * ctx.steps_per_epoch + step_in_epoch)
+                        "schedule is recomputed", ckpt.get("steps_per_epoch"), steps_per_epoch)
+        fast_forward_schedule(run.engine, global_step if classic
+                              else epoch * steps_per_epoch + step_in_epoch)
     return Step(epoch, step_in_epoch, global_step)
 
 
 def resumed_best(ckpt: dict[str, Any], path: Path, output_dir: Path, key: str = "best_acc1",
-                 best_file: str = ckpt_io.BEST) -> float:
+                 best_file: str = files.BEST) -> float:
     """``key`` of the checkpoint, or of ``best_file`` next to it if that is higher.
 
     Best files are written before checkpoint.pth.tar; a kill in between leaves one ahead, and
     forgetting its accuracy would let a worse epoch overwrite it.
     """
-    best = ckpt_io.best_acc1_of(ckpt, key)
+    best = files.best_acc1_of(ckpt, key)
     if path.resolve().parent != output_dir.resolve():
         return best
-    on_disk = ckpt_io.best_acc1_on_disk(output_dir, best_file)
+    on_disk = files.best_acc1_on_disk(output_dir, best_file)
     if on_disk is not None and on_disk > best:
         log.info("=> %s records best Acc@1 %.3f (the checkpoint %.3f): keeping the higher",
                  best_file, on_disk, best)
@@ -172,11 +172,11 @@ def resumed_best(ckpt: dict[str, Any], path: Path, output_dir: Path, key: str = 
     return best
 
 
-def fast_forward_schedule(ctx: TrainContext, steps: int) -> None:
+def fast_forward_schedule(engine: Engine, steps: int) -> None:
     """Bring our per-iteration schedule to ``steps`` (the classic stored a per-epoch StepLR)."""
-    for group in ctx.optimizer.param_groups:
+    for group in engine.parts.optimizer.param_groups:
         group["lr"] = group.get("initial_lr", group["lr"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()"
         for _ in range(steps):
-            ctx.scheduler.step()
+            engine.parts.scheduler.step()

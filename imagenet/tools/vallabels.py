@@ -8,7 +8,7 @@ import tarfile
 from pathlib import Path
 
 from imagenet.errors import UsageError
-from imagenet.matfile import MatFileError, load_mat
+from imagenet.tools.matfile import MatFileError, load_mat
 
 WNID = re.compile(r"n\d{8}")
 DEVKIT_META = "data/meta.mat"

@@ -1,4 +1,4 @@
-"""The RNG states of every rank: captured, gathered to rank 0, and restored.
+"""RNG states in checkpoints: every rank's captured, gathered to rank 0, and restored.
 
 Stored as tensors and plain containers only, so checkpoints load with ``weights_only=True``.
 """

@@ -3,7 +3,7 @@
 The report (versions, environment, devices, backends) is printed as is; the checks run for real in
 ``nproc`` ranks on loopback (imagenet/envprobe.py): all-reduce and broadcast correctness, all-reduce
 bandwidth for a tensor the size of the model's gradients, and a short forward/backward per device.
-Run as ``python main.py --env-check`` or ``python -m imagenet.envcheck`` with main.py's flags.
+Run as ``python main.py --env-check`` or ``python -m imagenet.tools.envcheck`` with main.py's flags.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from imagenet.config import Config, parse_config
-from imagenet.distributed import choose_backend
-from imagenet.envprobe import FB_BATCH, RANDOM_NUMEL, STARTUP_S, Plan, run_probes
-from imagenet.errors import TrainerError, UsageError
+from imagenet.errors import INTERRUPTED_EXIT_CODE, TrainerError, UsageError, report
+from imagenet.launch import choose_backend
+from imagenet.tools.envprobe import FB_BATCH, RANDOM_NUMEL, STARTUP_S, Plan, run_probes
 
 CPU_PROCS = 2  # ranks on the CPU without --nproc-per-node: the least that exercises gloo
 MAX_TIMEOUT_S = 60.0  # cap on --dist-timeout here: a check must answer, not wait 10 minutes
@@ -293,15 +293,14 @@ def run_env_check(cfg: Config) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m imagenet.envcheck [flags]``: main.py's flags, the env check only."""
+    """``python -m imagenet.tools.envcheck [flags]``: main.py's flags, the env check only."""
     try:
         return run_env_check(parse_config(argv))
     except TrainerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return report(exc)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED_EXIT_CODE
 
 
 if __name__ == "__main__":

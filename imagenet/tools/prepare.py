@@ -14,13 +14,12 @@ import os
 import sys
 import tarfile
 import time
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from imagenet.errors import RunError, TrainerError, UsageError
-from imagenet.vallabels import WNID, read_val_labels
+from imagenet.errors import INTERRUPTED_EXIT_CODE, RunError, TrainerError, UsageError, report
+from imagenet.tools.vallabels import WNID, read_val_labels
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +30,9 @@ IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    """The command line of ``python -m imagenet.prepare``."""
+    """The command line of ``python -m imagenet.tools.prepare``."""
     p = argparse.ArgumentParser(
-        prog="python -m imagenet.prepare", description=__doc__.splitlines()[0],
+        prog="python -m imagenet.tools.prepare", description=__doc__.splitlines()[0],
         epilog="Rerun the same command to resume an interrupted run; finished classes are kept.")
     p.add_argument("--train-tar", type=Path, metavar="PATH",
                    help="ILSVRC2012_img_train.tar (about 138 GB; needs as much free in --out)")
@@ -234,7 +233,7 @@ def claim_output(out: Path, splits: Sequence[str]) -> None:
                              "move it away or choose another --out")
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / OWNER_MARKER).write_text("made by python -m imagenet.prepare\n")
+            (folder / OWNER_MARKER).write_text("made by python -m imagenet.tools.prepare\n")
         except OSError as exc:
             raise UsageError(f"{folder}: cannot create the output folder ({exc.strerror})"
                              ) from None
@@ -295,14 +294,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run(args)
     except (TrainerError, OSError, tarfile.TarError) as exc:
-        if args.debug:
-            traceback.print_exc()
-        error = as_trainer_error(exc)
-        print(f"error: {error}", file=sys.stderr)
-        return error.exit_code
+        return report(as_trainer_error(exc), args.debug)
     except KeyboardInterrupt:
         print("interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
+        return INTERRUPTED_EXIT_CODE
 
 
 if __name__ == "__main__":

@@ -1,0 +1,132 @@
+"""Everything one training process holds (``Run``), built from the flags; no resume yet.
+
+``build_engine`` is the one place where flags become the objects of a training step: the trainer,
+the tests and the benchmarks all build their engines with it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from imagenet import transforms as T
+from imagenet.checkpoint import files
+from imagenet.config import Config
+from imagenet.data import Data, build_data
+from imagenet.distributed import DistInfo
+from imagenet.engine import Engine, Options, Parts, Step
+from imagenet.launch import Layout
+from imagenet.models import build_model, wrap
+from imagenet.optim import build_criterion, build_ema, build_optimizer, build_scheduler
+
+
+@dataclass
+class Best:
+    """The best top-1 so far and the file that holds those weights."""
+
+    path: Path
+    acc1: float = 0.0
+
+    def update(self, acc1: float) -> bool:
+        """Record an epoch's top-1; True when its weights become the best file.
+
+        A first epoch at 0% still gets a file: nothing has scored yet and there is none.
+        """
+        improved = acc1 > self.acc1 or (self.acc1 == 0.0 and not self.path.is_file())
+        self.acc1 = max(self.acc1, acc1)
+        return improved
+
+
+@dataclass
+class Run:
+    """Everything one training process holds."""
+
+    cfg: Config
+    dist: DistInfo
+    layout: Layout
+    output_dir: Path
+    data: Data
+    raw_model: nn.Module  # unwrapped: what checkpoints hold
+    engine: Engine
+    step: Step
+    best: Best
+    best_ema: Best | None  # --model-ema: the EMA weights' best top-1
+    aug_seed: int  # augmentation randomness is a function of (aug_seed, epoch, sample)
+
+
+def seed_process(seed: int | None) -> None:
+    """Seed python, numpy and torch in this process, with deterministic kernels; or let cuDNN
+    pick the fastest ones when unseeded."""
+    if seed is None:
+        torch.backends.cudnn.benchmark = True
+        return
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+
+
+def data_root(cfg: Config, output_dir: Path) -> Path:
+    """The dataset folder: DIR, or the built-in demo data generated under OUTPUT_DIR."""
+    if not cfg.demo:
+        return Path(cfg.data)
+    from imagenet.tools.demo import make_demo_dataset
+
+    return make_demo_dataset(output_dir / "demo-data")
+
+
+def amp_dtype(amp: str | None) -> torch.dtype | None:
+    """torch dtype of --amp."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp or "")
+
+
+def build_engine(cfg: Config, raw: nn.Module, model: nn.Module, device: torch.device,
+                 layout: Layout, steps_per_epoch: int, num_classes: int) -> Engine:
+    """The objects and options of a training step, from the flags.
+
+    ``raw`` is the plain model (optimizer, EMA), ``model`` what the step calls (DDP, compiled).
+    """
+    optimizer = build_optimizer(raw, cfg)
+    parts = Parts(
+        model=model, criterion=build_criterion(cfg), optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, cfg, steps_per_epoch),
+        scaler=torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None,
+        ema=build_ema(raw, cfg, layout),
+        batch_transform=T.batch_transform(cfg.mixup_alpha, cfg.cutmix_alpha, num_classes))
+    opts = Options(
+        device=device, steps_per_epoch=steps_per_epoch, epochs=cfg.epochs,
+        world_size=layout.world_size, grad_accum_steps=layout.grad_accum_steps,
+        amp_dtype=amp_dtype(cfg.amp), channels_last=cfg.channels_last,
+        clip_grad_norm=cfg.clip_grad_norm, ema_steps=cfg.model_ema_steps,
+        ema_warmup_epochs=cfg.lr_warmup_epochs, print_freq=cfg.print_freq)
+    return Engine(parts, opts)
+
+
+def build_run(cfg: Config, dist: DistInfo, layout: Layout) -> Run:
+    """Data, model and engine for this process (no resume yet)."""
+    output_dir = Path(cfg.output_dir)
+    if dist.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        files.remove_stale_temp_files(output_dir)
+    # Model init uses the same seed on every rank; augmentation gets its own per-sample seeds.
+    seed_process(cfg.seed)
+    aug_seed = cfg.seed if cfg.seed is not None else random.SystemRandom().randrange(2**31)
+    data = build_data(cfg, data_root(cfg, output_dir), dist.rank, dist.world_size, layout,
+                      aug_seed, pin_memory=dist.device.type == "cuda")
+    raw = build_model(cfg.arch, data.num_classes, cfg.pretrained, cfg.weights).to(dist.device)
+    if cfg.channels_last:
+        raw = raw.to(memory_format=torch.channels_last)
+    model = wrap(raw, cfg, dist)
+    if cfg.seed is not None:  # per-rank stream for dropout / MixUp in the training step
+        torch.manual_seed(cfg.seed + dist.rank)
+    steps = -(-len(data.train_loader) // layout.grad_accum_steps)
+    engine = build_engine(cfg, raw, model, dist.device, layout, steps, data.num_classes)
+    best_ema = Best(output_dir / files.BEST_EMA) if cfg.model_ema else None
+    return Run(cfg, dist, layout, output_dir, data, raw, engine, Step(epoch=cfg.start_epoch),
+               Best(output_dir / files.BEST), best_ema, aug_seed)

@@ -1,0 +1,208 @@
+"""Shared test helpers: tiny models and data, JPEG ImageFolders, checkpoints, command lines,
+subprocesses and gloo ranks. Fixtures live in conftest.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+MAIN = str(ROOT / "main.py")
+# Tiny, fast runs: 32 px crops, resnet18, no loader workers unless a test asks.
+TINY = ["-a", "resnet18", "--train-crop-size", "32", "--val-resize-size", "36",
+        "--val-crop-size", "32", "-b", "8", "-j", "0", "-p", "2", "--lr", "0.01"]
+
+
+def write_image_folder(root: Path, classes: int = 3, train_per_class: int = 8,
+                       val_per_class: int = 3, size: int = 40) -> Path:
+    """A real JPEG ImageFolder (train/ and val/) with one colour+pattern per class."""
+    from PIL import Image, ImageDraw
+
+    for split, n in (("train", train_per_class), ("val", val_per_class)):
+        for c in range(classes):
+            folder = root / split / f"class{c}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                colour = ((70 * c + 40) % 256, (30 * c + 90 + 5 * i) % 256, (150 - 20 * c) % 256)
+                img = Image.new("RGB", (size + i % 5, size), colour)
+                draw = ImageDraw.Draw(img)
+                draw.rectangle([i % 7, c * 5, i % 7 + 10, c * 5 + 10], fill=(255, 255, 255))
+                img.save(folder / f"img{i}.jpg", quality=90)
+    return root
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """Environment for subprocesses: the repo importable, few threads, no launcher leftovers."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "SLURM_",
+                                "TORCHELASTIC_", "GLOO_SOCKET", "NCCL_SOCKET"))}
+    env["PYTHONPATH"] = str(ROOT)
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def main_cmd(*args: str) -> list[str]:
+    """The command line that runs main.py with ``args``."""
+    return [sys.executable, MAIN, *args]
+
+
+def run_main(*args: str, timeout: float = 300, env: dict[str, str] | None = None,
+             cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run main.py with ``args``; returns the completed process (output captured as text)."""
+    return subprocess.run(main_cmd(*args), capture_output=True, text=True,
+                          timeout=timeout, env=env or child_env(), cwd=cwd or ROOT)
+
+
+def run_parallel(commands: list[list[str]], envs: list[dict[str, str]], workdir: Path,
+                 timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """Start several commands at once (e.g. the ranks of one job) and wait for all of them.
+
+    Output goes to files under ``workdir`` (no pipe can fill up and stall a rank). On timeout
+    every command's whole process group (its spawned children too) is killed and the test fails.
+    """
+    import signal
+    import time
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    procs, files = [], []
+    for i, (cmd, env) in enumerate(zip(commands, envs)):
+        out, err = open(workdir / f"cmd{i}.out", "w+"), open(workdir / f"cmd{i}.err", "w+")
+        files.append((out, err))
+        procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env, cwd=ROOT,
+                                      start_new_session=True))
+    deadline, timed_out = time.monotonic() + timeout, False
+    try:
+        for p in procs:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            p.wait()
+    results = []
+    for cmd, p, (out, err) in zip(commands, procs, files):
+        out.seek(0)
+        err.seek(0)
+        results.append(subprocess.CompletedProcess(cmd, p.returncode, out.read(), err.read()))
+        out.close()
+        err.close()
+    assert not timed_out, f"timed out after {timeout}s:\n" + "\n".join(
+        f"{r.args}\n{r.stdout}\n{r.stderr}" for r in results)
+    return results
+
+
+def load_checkpoint(path: Path) -> dict:
+    """A checkpoint as a user would load it: on the CPU, weights_only."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ---------------------------------------------------------------- tiny models and data
+
+
+def tiny_net(widths: tuple[int, ...] = (8,), classes: int = 3, bn: bool = False,
+             pool: int = 1) -> nn.Module:
+    """Stride-2 3x3 convs of ``widths`` channels (each optionally with BatchNorm), ReLU, adaptive
+    pooling to ``pool`` x ``pool`` and a linear classifier; the same weights in every process."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    width = 3
+    for out in widths:
+        layers.append(nn.Conv2d(width, out, 3, stride=2, padding=1))
+        if bn:
+            layers.append(nn.BatchNorm2d(out))
+        layers.append(nn.ReLU())
+        width = out
+    layers += [nn.AdaptiveAvgPool2d(pool), nn.Flatten(), nn.Linear(width * pool * pool, classes)]
+    return nn.Sequential(*layers)
+
+
+class StripedImages(Dataset):
+    """uint8 CHW images whose class is faint stripes (channel and orientation) under noise: a
+    stand-in for a decoded image folder that a tiny net can learn."""
+
+    def __init__(self, n: int, classes: int = 3, size: int = 32, seed: int = 99) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.labels = torch.randint(0, classes, (n,), generator=g)
+        noise = torch.randint(0, 160, (n, 3, size, size), generator=g)
+        stripes = (torch.arange(size) // 4 % 2 * 60).view(1, -1)
+        for i, c in enumerate(self.labels.tolist()):
+            noise[i, c % 3] += stripes.T if c % 2 else stripes
+        self.images = noise.clamp(0, 255).to(torch.uint8)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.images[i], int(self.labels[i])
+
+
+def uint8_batches(n: int, batch: int, size: int = 16, seed: int = 0
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` batches of ``StripedImages`` as a loader would yield them."""
+    data = StripedImages(n * batch, size=size, seed=seed)
+    return [(data.images[i:i + batch], data.labels[i:i + batch])
+            for i in range(0, n * batch, batch)]
+
+
+def tiny_engine(model: nn.Module, *flags: str, steps: int, world: int = 1, batch: int = 8,
+                classes: int = 3, device: str = "cpu"):
+    """The trainer's own engine (build.build_engine) for ``model`` from main.py ``flags``."""
+    from imagenet.build import build_engine
+    from imagenet.config import parse_config
+    from imagenet.launch import Layout
+    from imagenet.models import unwrap
+
+    cfg = parse_config(["data", *flags])
+    layout = Layout(world, batch, cfg.grad_accum_steps, 0)
+    return build_engine(cfg, unwrap(model), model, torch.device(device), layout, steps, classes)
+
+
+# ---------------------------------------------------------------- gloo ranks
+
+
+def join_gloo(rank: int, world: int, port: int):
+    """Join a real gloo process group on loopback through imagenet.distributed (as main.py
+    does); returns its DistInfo. For the body of mp.spawn'ed test processes."""
+    import torch
+
+    from imagenet.config import parse_config
+    from imagenet.distributed import init_distributed
+    from imagenet.launch import plan_launch
+
+    torch.set_num_threads(1)
+    cfg = parse_config(["data", "--dist-url", f"tcp://127.0.0.1:{port}", "--world-size",
+                        str(world), "--rank", str(rank), "--dist-timeout", "120"])
+    info = init_distributed(cfg, plan_launch(cfg, {}, 0), 0)
+    assert (info.rank, info.world_size, info.backend) == (rank, world, "gloo")
+    return info
+
+
+def gloo_rank_saving(rank: int, world: int, port: int, out: Path, compute) -> None:
+    """mp.spawn body: join gloo, save ``compute(info)`` to ``out/rank{rank}.pt``, leave together.
+
+    ``compute`` must be a module-level function (spawned children unpickle it by name).
+    """
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from imagenet.distributed import cleanup
+
+    info = join_gloo(rank, world, port)
+    try:
+        torch.save(compute(info), out / f"rank{rank}.pt")
+        dist.barrier(timeout=datetime.timedelta(seconds=60))
+    finally:
+        cleanup()
