@@ -20,9 +20,11 @@ from imagenet.config import Config
 from imagenet.data import Data, build_data
 from imagenet.distributed import DistInfo
 from imagenet.engine import Engine, Options, Parts, Step
+from imagenet.errors import UsageError
 from imagenet.launch import Layout
 from imagenet.models import build_model, wrap
 from imagenet.optim import build_criterion, build_ema, build_optimizer, build_scheduler
+from imagenet.shards import build_shard_data, data_format
 
 
 @dataclass
@@ -72,13 +74,25 @@ def seed_process(seed: int | None) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def data_root(cfg: Config, output_dir: Path) -> Path:
-    """The dataset folder: DIR, or the built-in demo data generated under OUTPUT_DIR."""
+def data_root(cfg: Config, output_dir: Path) -> str:
+    """The data argument: DIR (a folder, URL or shard pattern), or the built-in demo data
+    generated under OUTPUT_DIR."""
     if not cfg.demo:
-        return Path(cfg.data)
+        return cfg.data
     from imagenet.tools.demo import make_demo_dataset
 
-    return make_demo_dataset(output_dir / "demo-data")
+    return str(make_demo_dataset(output_dir / "demo-data"))
+
+
+def load_data(cfg: Config, dist: DistInfo, layout: Layout, root: str, aug_seed: int) -> Data:
+    """This rank's data: an ImageFolder (or --dummy data) or tar shards, as ``root`` says."""
+    uses_shards = not cfg.dummy and data_format(root, cfg.data_format) == "shards"
+    if not uses_shards and (cfg.val_data or cfg.num_classes):
+        raise UsageError("--val-data and --num-classes apply to tar shards only; "
+                         f"'{root}' is read as an ImageFolder")
+    build = build_shard_data if uses_shards else build_data
+    return build(cfg, root, dist.rank, dist.world_size, layout, aug_seed,
+                 pin_memory=dist.device.type == "cuda")
 
 
 def amp_dtype(amp: str | None) -> torch.dtype | None:
@@ -117,15 +131,14 @@ def build_run(cfg: Config, dist: DistInfo, layout: Layout) -> Run:
     # Model init uses the same seed on every rank; augmentation gets its own per-sample seeds.
     seed_process(cfg.seed)
     aug_seed = cfg.seed if cfg.seed is not None else random.SystemRandom().randrange(2**31)
-    data = build_data(cfg, data_root(cfg, output_dir), dist.rank, dist.world_size, layout,
-                      aug_seed, pin_memory=dist.device.type == "cuda")
+    data = load_data(cfg, dist, layout, data_root(cfg, output_dir), aug_seed)
     raw = build_model(cfg.arch, data.num_classes, cfg.pretrained, cfg.weights).to(dist.device)
     if cfg.channels_last:
         raw = raw.to(memory_format=torch.channels_last)
     model = wrap(raw, cfg, dist)
     if cfg.seed is not None:  # per-rank stream for dropout / MixUp in the training step
         torch.manual_seed(cfg.seed + dist.rank)
-    steps = -(-len(data.train_loader) // layout.grad_accum_steps)
+    steps = -(-data.train.batches // layout.grad_accum_steps)
     engine = build_engine(cfg, raw, model, dist.device, layout, steps, data.num_classes)
     best_ema = Best(output_dir / files.BEST_EMA) if cfg.model_ema else None
     return Run(cfg, dist, layout, output_dir, data, raw, engine, Step(epoch=cfg.start_epoch),

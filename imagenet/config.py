@@ -20,6 +20,7 @@ from imagenet.errors import UsageError
 GROUPS = ("data", "model", "optimisation", "distributed", "checkpointing", "logging")
 AUTO_AUGMENT = ("ra", "ta_wide", "augmix", "imagenet")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+DATA_FORMATS = ("auto", "folder", "shards")
 
 
 def _flag(*names: str, group: str, help: str, **kwargs: Any) -> Any:
@@ -35,8 +36,23 @@ class Config:
 
     # ---- data
     data: str = _flag("data", group="data", default="imagenet", nargs="?", metavar="DIR",
-                      help="dataset root holding train/ and val/ in ImageFolder layout "
-                           "(default: %(default)s)")
+                      help="dataset root holding train/ and val/ in ImageFolder layout, or tar "
+                           "shards (WebDataset): a folder or http(s):// URL with _info.json, a "
+                           "pattern such as /data/train-{000000..000146}.tar, or "
+                           "'pipe:COMMAND' (default: %(default)s)")
+    data_format: str = _flag("--data-format", group="data", default="auto",
+                             choices=DATA_FORMATS,
+                             help="how to read DIR; auto = tar shards when DIR is a pattern, "
+                                  "URL, pipe: or holds _info.json, else ImageFolder "
+                                  "(default: %(default)s)")
+    val_data: str | None = _flag("--val-data", group="data", default=None, metavar="PATTERN",
+                                 help="validation shards when DIR is a shard pattern (default: "
+                                      "the validation split of the _info.json beside them)")
+    num_classes: int | None = _flag("--num-classes", group="data", default=None, type=int,
+                                    metavar="N",
+                                    help="classes of shards whose _info.json lists no class "
+                                         "names, e.g. 1000 for the published ImageNet-1k "
+                                         "shards (default: from _info.json)")
     workers: int | None = _flag("-j", "--workers", group="data", default=None, type=int,
                                 metavar="N",
                                 help="data loading processes per node, split across its ranks "
@@ -352,6 +368,8 @@ def validate(cfg: Config) -> None:
         raise UsageError("give either --pretrained or --weights NAME, not both")
     if cfg.dummy and cfg.demo:
         raise UsageError("--dummy and --demo both choose the data; give one")
+    if cfg.num_classes is not None and cfg.num_classes < 1:
+        raise UsageError(f"--num-classes must be at least 1, got {cfg.num_classes}")
     if cfg.nproc_per_node is not None and cfg.nproc_per_node < 1:
         raise UsageError(f"--nproc-per-node must be at least 1, got {cfg.nproc_per_node}")
     check_arch(cfg.arch)

@@ -1,9 +1,9 @@
-"""Datasets, samplers and loaders.
+"""Datasets, samplers and loaders; ``TrainData``, what the trainer asks of any training source.
 
 Augmentation randomness is a pure function of (seed, epoch, sample index): each sample re-seeds the
 worker's generators before its transform runs. The data a step sees therefore does not depend on the
 number of workers, on which worker ran it, or on whether the run was interrupted - the basis of
-bitwise-exact mid-epoch resume.
+bitwise-exact mid-epoch resume. Tar shards (``imagenet.shards``) follow the same rules.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
@@ -29,6 +30,29 @@ from imagenet.preemption import ignore_stop_signals
 log = logging.getLogger(__name__)
 
 
+R = TypeVar("R")
+
+
+def seeded_call(seed: int, epoch: int, index: int, fn: Callable[[], R]) -> R:
+    """``fn()`` with torch's and python's global generators seeded from (seed, epoch, index)."""
+    if get_worker_info() is not None:
+        return _seeded(seed, epoch, index, fn)
+    # In the training process (-j 0) the global streams belong to the training step
+    # (dropout, MixUp): borrow them and put them back.
+    python_state = random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        result = _seeded(seed, epoch, index, fn)
+    random.setstate(python_state)
+    return result
+
+
+def _seeded(seed: int, epoch: int, index: int, fn: Callable[[], R]) -> R:
+    sample_seed = hash((seed, epoch, index)) & 0x7FFF_FFFF_FFFF_FFFF
+    torch.default_generator.manual_seed(sample_seed)
+    random.seed(sample_seed)
+    return fn()
+
+
 class SeededDataset(Dataset):
     """Wraps a dataset so that item ``(epoch, index)`` is augmented with its own seed."""
 
@@ -41,21 +65,7 @@ class SeededDataset(Dataset):
 
     def __getitem__(self, key: tuple[int, int]):
         epoch, index = key
-        if get_worker_info() is not None:
-            return self._seeded(epoch, index)
-        # In the training process (-j 0) the global streams belong to the training step
-        # (dropout, MixUp): borrow them and put them back.
-        python_state = random.getstate()
-        with torch.random.fork_rng(devices=[]):
-            item = self._seeded(epoch, index)
-        random.setstate(python_state)
-        return item
-
-    def _seeded(self, epoch: int, index: int):
-        sample_seed = hash((self.seed, epoch, index)) & 0x7FFF_FFFF_FFFF_FFFF
-        torch.default_generator.manual_seed(sample_seed)
-        random.seed(sample_seed)
-        return self.dataset[index]
+        return seeded_call(self.seed, epoch, index, partial(self.dataset.__getitem__, index))
 
 
 class ResumableDistributedSampler(Sampler):
@@ -126,24 +136,99 @@ class DummyDataset(Dataset):
         return self.image, index % self.num_classes
 
 
+class TrainData(Protocol):
+    """The training data as the trainer sees it, whatever the source (ImageFolder or shards)."""
+
+    loader: DataLoader  # this rank's micro-batches, from the position set last to the epoch's end
+    order_seed: int  # the epoch's sample order is a function of (order_seed, epoch)
+    aug_seed: int  # augmentation randomness: (aug_seed, epoch, sample)
+
+    @property
+    def batches(self) -> int:
+        """Micro-batches per rank in a whole epoch (the same on every rank)."""
+
+    @property
+    def images(self) -> int:
+        """Images trained on per epoch, all ranks together."""
+
+    def set_position(self, epoch: int, samples_done: int) -> None:
+        """Continue ``epoch`` after this rank's first ``samples_done`` samples."""
+
+    def reseed(self, order_seed: int, aug_seed: int) -> None:
+        """Adopt a checkpoint's seeds (before the first epoch is loaded)."""
+
+    def preview(self, epoch: int, count: int) -> torch.Tensor:
+        """Up to ``count`` augmented images of this rank's first batch of ``epoch``, stacked."""
+
+
+class FolderTrain:
+    """``TrainData`` of a map-style dataset: ``ResumableDistributedSampler`` + ``SeededDataset``."""
+
+    def __init__(self, loader: DataLoader, sampler: ResumableDistributedSampler,
+                 dataset: SeededDataset) -> None:
+        self.loader, self.sampler, self.dataset = loader, sampler, dataset
+
+    @property
+    def order_seed(self) -> int:
+        return self.sampler.seed
+
+    @property
+    def aug_seed(self) -> int:
+        return self.dataset.seed
+
+    @property
+    def batches(self) -> int:
+        size, batch = self.sampler.num_samples, self.loader.batch_size or 1
+        return size // batch if self.loader.drop_last else -(-size // batch)
+
+    @property
+    def images(self) -> int:
+        return self.sampler.num_samples * self.sampler.world_size
+
+    def set_position(self, epoch: int, samples_done: int) -> None:
+        self.sampler.set_epoch(epoch, start=samples_done)
+
+    def reseed(self, order_seed: int, aug_seed: int) -> None:
+        self.sampler.seed, self.dataset.seed = order_seed, aug_seed
+
+    def preview(self, epoch: int, count: int) -> torch.Tensor:
+        position = self.sampler.epoch, self.sampler.start
+        self.sampler.set_epoch(epoch)
+        indices = self.sampler.indices()[:count]
+        self.sampler.set_epoch(*position)
+        return torch.stack([self.dataset[(epoch, i)][0] for i in indices])
+
+
 @dataclass
 class Data:
     """Everything the trainer needs from the data side."""
 
-    train_loader: DataLoader
+    train: TrainData
     val_loader: DataLoader
-    train_sampler: ResumableDistributedSampler
     num_classes: int
     classes: list[str]
     val_size: int
+
+    @property
+    def train_loader(self) -> DataLoader:
+        return self.train.loader
+
+
+def loader_options(workers: int) -> dict[str, Any]:
+    """DataLoader options shared by every loader with worker processes."""
+    # Workers ignore SIGTERM/SIGUSR1/SIGINT sent to the whole process group (SLURM, Ctrl-C): the
+    # training process saves first and then shuts them down.
+    return {"persistent_workers": True, "prefetch_factor": 4,
+            "worker_init_fn": ignore_stop_signals} if workers > 0 else {}
 
 
 def check_folder(root: Path) -> tuple[Path, Path]:
     """train/ and val/ under ``root`` or a UsageError that says what to give instead."""
     if not root.is_dir():
         raise UsageError(f"data folder '{root}' does not exist: give the dataset root that holds "
-                         "train/ and val/ (ImageFolder layout), or --demo for the built-in data, "
-                         "or --dummy for synthetic data")
+                         "train/ and val/ (ImageFolder layout), tar shards (a folder or URL "
+                         "with _info.json, a .tar pattern or pipe:), or --demo for the "
+                         "built-in data, or --dummy for synthetic data")
     train, val = root / "train", root / "val"
     for part in (train, val):
         if not part.is_dir():
@@ -173,6 +258,16 @@ def check_same_classes(train: Sequence[str], val: Sequence[str], root: Path) -> 
                         "would be wrong")
 
 
+def build_transforms(cfg: Config) -> tuple[Callable, Callable]:
+    """Per-sample training augmentation and validation transform, from the flags."""
+    train_tf = T.train_transform(cfg.train_crop_size, cfg.interpolation, cfg.auto_augment,
+                                 cfg.ra_magnitude, cfg.augmix_severity, cfg.random_erase,
+                                 backend=cfg.image_backend, min_scale=cfg.train_crop_scale)
+    val_tf = T.val_transform(cfg.val_resize_size, cfg.val_crop_size, cfg.interpolation,
+                             backend=cfg.image_backend)
+    return train_tf, val_tf
+
+
 def build_datasets(cfg: Config, data_root: Path) -> tuple[Dataset, Dataset, list[str]]:
     """Train and validation datasets producing uint8 CHW images and integer labels."""
     if cfg.dummy:
@@ -180,11 +275,7 @@ def build_datasets(cfg: Config, data_root: Path) -> tuple[Dataset, Dataset, list
         val = DummyDataset(cfg.dummy_val_size, cfg.dummy_classes, cfg.val_crop_size)
         return train, val, train.classes
     train_dir, val_dir = check_folder(data_root)
-    train_tf = T.train_transform(cfg.train_crop_size, cfg.interpolation, cfg.auto_augment,
-                                 cfg.ra_magnitude, cfg.augmix_severity, cfg.random_erase,
-                                 backend=cfg.image_backend, min_scale=cfg.train_crop_scale)
-    val_tf = T.val_transform(cfg.val_resize_size, cfg.val_crop_size, cfg.interpolation,
-                             backend=cfg.image_backend)
+    train_tf, val_tf = build_transforms(cfg)
     train = image_folder(train_dir, train_tf, cfg.image_backend)
     val = image_folder(val_dir, val_tf, cfg.image_backend)
     check_same_classes(train.classes, val.classes, data_root)
@@ -200,25 +291,23 @@ def shutdown_workers(*loaders: DataLoader) -> None:
         loader._iterator = None
 
 
-def build_data(cfg: Config, data_root: Path, rank: int, world_size: int, layout: Layout,
+def build_data(cfg: Config, data_root: str | Path, rank: int, world_size: int, layout: Layout,
                aug_seed: int, pin_memory: bool) -> Data:
     """Loaders for this rank: resumable shuffled training shard, unpadded validation shard."""
     batch_size, workers = layout.batch_size, layout.workers
-    train, val, classes = build_datasets(cfg, data_root)
+    train, val, classes = build_datasets(cfg, Path(data_root))
     sampler = ResumableDistributedSampler(len(train), rank, world_size,  # type: ignore[arg-type]
                                           seed=cfg.seed or 0)
-    # Workers ignore SIGTERM/SIGUSR1/SIGINT sent to the whole process group (SLURM, Ctrl-C): the
-    # training process saves first and then shuts them down.
-    extra = {"persistent_workers": True, "prefetch_factor": 4,
-             "worker_init_fn": ignore_stop_signals} if workers > 0 else {}
+    extra = loader_options(workers)
     # A private generator: creating loader iterators must not consume the global RNG, which the
     # training step uses (MixUp/CutMix, dropout) and the checkpoint restores.
-    train_loader = DataLoader(SeededDataset(train, aug_seed), batch_size=batch_size,
+    seeded = SeededDataset(train, aug_seed)
+    train_loader = DataLoader(seeded, batch_size=batch_size,
                               sampler=sampler, num_workers=workers, pin_memory=pin_memory,
                               generator=torch.Generator().manual_seed(aug_seed), **extra)
     val_loader = DataLoader(val, batch_size=batch_size, sampler=ShardSampler(len(val), rank,
                                                                               world_size),
                             num_workers=workers, pin_memory=pin_memory,
                             generator=torch.Generator().manual_seed(aug_seed), **extra)
-    return Data(train_loader, val_loader, sampler, len(classes), list(classes),
-                len(val))  # type: ignore[arg-type]
+    return Data(FolderTrain(train_loader, sampler, seeded), val_loader, len(classes),
+                list(classes), len(val))  # type: ignore[arg-type]

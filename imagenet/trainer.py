@@ -7,7 +7,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torchvision
 from torch import nn
 
@@ -92,8 +91,8 @@ def train_rest_of_epoch(run: Run, hooks: Hooks) -> dict[str, float]:
     """Train the epoch from ``run.step.step_in_epoch`` on, continuing the same data order."""
     if run.step.step_in_epoch >= run.engine.opts.steps_per_epoch:
         return {}  # resumed after the last step: only the validation is left
-    run.data.train_sampler.set_epoch(run.step.epoch,
-                                     start=run.layout.samples_before(run.step.step_in_epoch))
+    run.data.train.set_position(run.step.epoch,
+                                run.layout.samples_before(run.step.step_in_epoch))
     return train_one_epoch(run.engine, run.data.train_loader, run.step, hooks)
 
 
@@ -163,9 +162,7 @@ def log_augmented_samples(run: Run, logger: RunLogger, count: int = 16) -> None:
     """A grid of training images as the model sees them, once at start (rank 0)."""
     if not run.dist.is_main or run.cfg.dummy:
         return
-    dataset = run.data.train_loader.dataset
-    indices = run.data.train_sampler.indices()[:count]
-    images = torch.stack([dataset[(run.step.epoch, i)][0] for i in indices])
+    images = run.data.train.preview(run.step.epoch, count)
     grid = torchvision.utils.make_grid(images, nrow=8)
     logger.images("train/augmented_samples", grid, run.step.global_step)
 
@@ -177,7 +174,7 @@ def describe(run: Run) -> dict[str, Any]:
             "global_batch": layout.global_batch, "workers_per_process": layout.workers,
             "device": str(d.device), "backend": d.backend,
             "num_classes": run.data.num_classes,
-            "train_images": len(run.data.train_sampler.indices()) * d.world_size,
+            "train_images": run.data.train.images,
             "val_images": run.data.val_size,
             "steps_per_epoch": run.engine.opts.steps_per_epoch}
     log.info("=> %s on %s: global batch %d = %d process(es) x %d images x %d accumulation "

@@ -63,6 +63,14 @@ def load_image(path: str | Path, backend: str) -> torch.Tensor | Image.Image:
         data = Path(path).read_bytes()
     except OSError as exc:
         raise DataError(f"cannot read image {path}: {exc.strerror or exc}") from None
+    return decode_image(data, path)
+
+
+def decode_image(data: bytes, name: str | Path, backend: str = "tensor"
+                 ) -> torch.Tensor | Image.Image:
+    """``load_image`` for encoded bytes (a shard member); DataError naming ``name``."""
+    if backend == "pil":
+        return _open_pil(io.BytesIO(data), name)
     if data.startswith(_JPEG_MAGIC):
         try:
             # mode=RGB also converts grayscale and (Adobe) CMYK JPEGs exactly as PIL does, and a
@@ -73,7 +81,7 @@ def load_image(path: str | Path, backend: str) -> torch.Tensor | Image.Image:
             pass  # corrupt, or a JPEG variant libjpeg-turbo lacks (12-bit): PIL has the last word
     # PNG, GIF, BMP, WebP...: PIL, so both backends agree. HWC memory viewed as CHW, the layout
     # decode_jpeg returns, which the resize below is fastest on.
-    return torch.from_numpy(np.array(_open_pil(io.BytesIO(data), path))).permute(2, 0, 1)
+    return torch.from_numpy(np.array(_open_pil(io.BytesIO(data), name))).permute(2, 0, 1)
 
 
 def _open_pil(source, path: str | Path) -> Image.Image:

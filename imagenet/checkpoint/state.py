@@ -53,7 +53,7 @@ def checkpoint_state(run: Run, epoch_done: bool) -> dict[str, Any]:
         "grad_accum_steps": layout.grad_accum_steps,
         "steps_per_epoch": run.engine.opts.steps_per_epoch,
         # Per rank, the samples of this epoch already trained on; the order is (seed, epoch).
-        "sampler": {"seed": run.data.train_sampler.seed, "epoch": epoch,
+        "sampler": {"seed": run.data.train.order_seed, "epoch": epoch,
                     "start": layout.samples_before(step_in_epoch)},
         "rng": states,  # python, numpy, torch CPU and CUDA states of every rank, by rank
         "comm_hook": comm_hooks.hook_state(parts.model),
@@ -115,9 +115,9 @@ def resume(run: Run) -> None:
                                          files.BEST_EMA)
     run.step = resumed_step(run, ckpt, same_schedule, classic)
     run.aug_seed = int(ckpt.get("aug_seed", run.aug_seed))
-    run.data.train_loader.dataset.seed = run.aug_seed  # type: ignore[attr-defined]
-    if ckpt.get("sampler"):  # the data order of the epoch being continued
-        run.data.train_sampler.seed = int(ckpt["sampler"]["seed"])
+    # The data order of the epoch being continued, and its augmentation.
+    order_seed = int(ckpt["sampler"]["seed"]) if ckpt.get("sampler") else run.data.train.order_seed
+    run.data.train.reseed(order_seed, run.aug_seed)
     saved_rng = rng.rng_for_rank(ckpt.get("rng"), run.dist.rank)
     if saved_rng is not None and same_layout(run, ckpt):
         rng.restore_rng(saved_rng)

@@ -1,9 +1,11 @@
-"""Turn the ILSVRC2012 archives into the ImageFolder layout ``OUT/{train,val}/<wnid>/*.JPEG``.
+"""Turn the ILSVRC2012 archives into the ImageFolder layout ``OUT/{train,val}/<wnid>/*.JPEG``,
+or into WebDataset tar shards (``--format shards``, from the archives or ``--from-folder``).
 
 Offline, streaming (each archive is read once, nothing is extracted twice), resumable and
 idempotent: every image is written to a temporary name and ``os.replace``d into place; an image
 already on disk with the archive's size is skipped; a class (or the whole val split) gets a marker
-file once it is complete so a rerun skips it without touching its files.
+file once it is complete so a rerun skips it without touching its files. Shards: see
+``imagenet.tools.shardwrite``.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")
 def get_args_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m imagenet.tools.prepare``."""
     p = argparse.ArgumentParser(
-        prog="python -m imagenet.tools.prepare", description=__doc__.splitlines()[0],
-        epilog="Rerun the same command to resume an interrupted run; finished classes are kept.")
+        prog="python -m imagenet.tools.prepare", description=" ".join(__doc__.split("\n\n")[0]
+                                                                      .split()),
+        epilog="Rerun the same command to resume an interrupted run; finished classes (and "
+               "shards) are kept.")
     p.add_argument("--train-tar", type=Path, metavar="PATH",
                    help="ILSVRC2012_img_train.tar (about 138 GB; needs as much free in --out)")
     p.add_argument("--val-tar", type=Path, metavar="PATH",
@@ -45,8 +49,20 @@ def get_args_parser() -> argparse.ArgumentParser:
                         help="Kaggle LOC_val_solution.csv (val labels; first wnid of each row)")
     labels.add_argument("--val-labels", type=Path, metavar="PATH",
                         help="text file of '<filename> <wnid>' lines (val labels)")
+    p.add_argument("--from-folder", type=Path, metavar="DIR",
+                   help="write shards of an ImageFolder (DIR/train, DIR/val) instead of archives")
     p.add_argument("--out", type=Path, required=True, metavar="DIR",
-                   help="output folder; train/ and val/ are created inside it")
+                   help="output folder; train/ and val/ are created inside it (shards: "
+                        "train-*.tar, val-*.tar and _info.json)")
+    p.add_argument("--format", choices=("folder", "shards"), default=None,
+                   help="ImageFolder or WebDataset tar shards (default: folder; shards with "
+                        "--from-folder)")
+    p.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="shards: seed of the random order of the images (default: 0)")
+    p.add_argument("--shard-size", type=float, default=1000.0, metavar="MB",
+                   help="shards: largest shard, megabytes (default: 1000)")
+    p.add_argument("--shard-max-images", type=int, default=None, metavar="N",
+                   help="shards: most images per shard (default: no limit)")
     p.add_argument("--expect-train", type=int, default=1_281_167, metavar="N",
                    help="expected number of train images (default: 1281167)")
     p.add_argument("--expect-val", type=int, default=50_000, metavar="N",
@@ -225,18 +241,22 @@ def claim_output(out: Path, splits: Sequence[str]) -> None:
     The marker is per split: a train/ made by this tool says nothing about a val/ made by hand.
     """
     for split in splits:
-        folder = out / split
-        if (folder / OWNER_MARKER).is_file():
-            continue
-        if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-            raise UsageError(f"{folder} exists, is not empty and was not made by this tool; "
-                             "move it away or choose another --out")
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / OWNER_MARKER).write_text("made by python -m imagenet.tools.prepare\n")
-        except OSError as exc:
-            raise UsageError(f"{folder}: cannot create the output folder ({exc.strerror})"
-                             ) from None
+        claim_folder(out / split)
+
+
+def claim_folder(folder: Path) -> None:
+    """Create ``folder`` with the owner marker, unless this tool made it; refuse any other."""
+    if (folder / OWNER_MARKER).is_file():
+        return
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise UsageError(f"{folder} exists, is not empty and was not made by this tool; "
+                         "move it away or choose another --out")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / OWNER_MARKER).write_text("made by python -m imagenet.tools.prepare\n")
+    except OSError as exc:
+        raise UsageError(f"{folder}: cannot create the output folder ({exc.strerror})"
+                         ) from None
 
 
 def counts_match(split: str, folder: Path, expected: int) -> bool:
@@ -252,8 +272,13 @@ def counts_match(split: str, folder: Path, expected: int) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Prepare the requested splits; returns the exit code."""
+    shards = output_format(args) == "shards"
+    if args.from_folder is not None:
+        from imagenet.tools.shardwrite import shards_from_folder
+
+        return shards_from_folder(args)
     if args.train_tar is None and args.val_tar is None:
-        raise UsageError("nothing to do: pass --train-tar and/or --val-tar")
+        raise UsageError("nothing to do: pass --train-tar and/or --val-tar (or --from-folder)")
     for path, what in ((args.train_tar, "ILSVRC2012_img_train.tar"),
                        (args.val_tar, "ILSVRC2012_img_val.tar")):
         if path is not None and not path.is_file():
@@ -262,6 +287,10 @@ def run(args: argparse.Namespace) -> int:
     labels = None
     if args.val_tar is not None:
         labels = read_val_labels(args.devkit, args.val_csv, args.val_labels)
+    if shards:
+        from imagenet.tools.shardwrite import shards_from_archives
+
+        return shards_from_archives(args, labels)
     splits = [s for s, tar in (("train", args.train_tar), ("val", args.val_tar)) if tar]
     claim_output(args.out, splits)
     ok = True
@@ -272,6 +301,20 @@ def run(args: argparse.Namespace) -> int:
         prepare_val(args.val_tar, labels, args.out / "val", args.log_every)
         ok &= counts_match("val", args.out / "val", args.expect_val)
     return 1 if args.strict and not ok else 0
+
+
+def output_format(args: argparse.Namespace) -> str:
+    """"folder" or "shards", checked against the other arguments."""
+    if args.shard_size <= 0 or (args.shard_max_images or 1) < 1:
+        raise UsageError("--shard-size and --shard-max-images must be positive")
+    if args.from_folder is not None:
+        if args.format == "folder":
+            raise UsageError("--from-folder writes shards: drop --format folder")
+        if args.train_tar or args.val_tar:
+            raise UsageError("give --from-folder or the archives (--train-tar/--val-tar), "
+                             "not both")
+        return "shards"
+    return args.format or "folder"
 
 
 def as_trainer_error(exc: Exception) -> TrainerError:

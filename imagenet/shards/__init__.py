@@ -1,0 +1,65 @@
+"""Training and validation from WebDataset tar shards, exactly and resumably.
+
+  sources    the data argument -> shard URLs, their sample counts (``_info.json``), class names
+  streams    opening a shard: local file, http(s) with bounded retries, ``pipe:`` commands
+  tarreader  the samples of one shard, strict about truncation, skipping without reading
+  plan       which samples each batch of a rank holds in an epoch: a pure function
+  reader     ``ShardBatches`` (the DataLoader dataset) and ``ShardTrain`` (the trainer's view)
+
+Our own small reader of the format rather than the ``webdataset`` package, whose iteration model
+cannot give what the trainer promises: batches independent of the number of loader workers,
+equal steps per rank with each sample once, resume without replaying the epoch, errors for
+truncated shards (see README, "Tar shards"). No dependency beyond torch and the standard library.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.utils.data import DataLoader
+
+from imagenet.config import Config
+from imagenet.data import Data, build_transforms, loader_options
+from imagenet.errors import DataError
+from imagenet.launch import Layout
+from imagenet.shards.plan import train_batches_per_rank, usable_workers
+from imagenet.shards.reader import ShardBatches, ShardTrain
+from imagenet.shards.sources import data_format, resolve
+
+__all__ = ["build_shard_data", "data_format"]
+
+log = logging.getLogger(__name__)
+
+
+def build_shard_data(cfg: Config, data: str, rank: int, world_size: int, layout: Layout,
+                     aug_seed: int, pin_memory: bool) -> Data:
+    """Loaders for this rank from the shards ``data`` names (see ``sources``)."""
+    shards = resolve(data, cfg.val_data, cfg.num_classes)
+    batch = layout.batch_size
+    steps = train_batches_per_rank(shards.train.total, world_size, batch)
+    if steps == 0:
+        raise DataError(f"the training shards hold {shards.train.total} images, fewer than one "
+                        f"global batch ({world_size} process(es) x {batch}); lower -b")
+    workers = usable_workers(layout.workers)
+    if workers != layout.workers:
+        log.info("=> shards: %d loader workers per process instead of %d (the number must "
+                 "divide 24, so that the batches do not depend on it)", workers, layout.workers)
+    train_tf, val_tf = build_transforms(cfg)
+    common = {"backend": cfg.image_backend, "num_classes": len(shards.classes),
+              "world_size": world_size, "rank": rank, "batch_size": batch}
+    train = ShardBatches(shards.train, transform=train_tf, train=True, seed=cfg.seed or 0,
+                         aug_seed=aug_seed, **common)
+    val = ShardBatches(shards.val, transform=val_tf, train=False, **common)
+    loaders = [DataLoader(dataset, batch_size=None, num_workers=workers, pin_memory=pin_memory,
+                          # private: making an iterator must not consume the global RNG
+                          generator=torch.Generator().manual_seed(aug_seed),
+                          **loader_options(workers))
+               for dataset in (train, val)]
+    left_out = shards.train.total - steps * batch * world_size
+    log.info("=> shards: %d training images in %d shards, %d batches of %d per process and "
+             "epoch (%d left out each epoch, different ones); %d validation images in %d shards",
+             shards.train.total, len(shards.train.urls), steps, batch, left_out,
+             shards.val.total, len(shards.val.urls))
+    return Data(ShardTrain(train, loaders[0]), loaders[1], len(shards.classes),
+                shards.classes, shards.val.total)

@@ -1,0 +1,89 @@
+"""Which samples each batch of a rank holds in an epoch of tar shards: a pure function.
+
+Training: the shards in an order drawn from (seed, epoch); inside each shard, blocks of ``BLOCK``
+samples, each in an order drawn from (seed, epoch, shard, block). That makes the epoch one
+sequence of N positions. Every rank runs ``S = N // (W x B)`` batches of B (W ranks): rank r
+trains on positions [r S B, (r + 1) S B). The last N - S W B positions (fewer than one global
+batch; other samples every epoch) are left out of that epoch; every other sample is seen exactly
+once. Validation: shards and samples in stored order; rank r takes [r N // W, (r + 1) N // W)
+in batches of B, the last one short: every image exactly once over the ranks.
+
+Reading: batch b belongs to group b % ``GROUPS``; a group's batches are one contiguous stretch of
+the rank's range, read front to back by one stream. DataLoader worker w of n (n divides
+``GROUPS``) makes batches w, w + n, ...: whole groups, so no two workers read the same samples,
+and torch hands out the workers' batches round robin, so the order is the plan's for any n.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from itertools import accumulate
+
+import numpy as np
+
+GROUPS = 24  # streams per rank; loader workers must divide it (1, 2, 3, 4, 6, 8, 12, 24)
+BLOCK = 128  # samples shuffled together inside a shard; a stream holds one block in memory
+_MASK = (1 << 63) - 1
+
+
+def train_batches_per_rank(samples: int, world_size: int, batch_size: int) -> int:
+    """Training batches every rank runs per epoch: the incomplete last global batch is dropped."""
+    return samples // (world_size * batch_size)
+
+
+def usable_workers(requested: int) -> int:
+    """The most loader workers, up to ``requested``, that divide ``GROUPS``."""
+    return max((n for n in range(1, GROUPS + 1) if GROUPS % n == 0 and n <= requested), default=0)
+
+
+def _rng(*keys: int) -> np.random.Generator:
+    return np.random.default_rng([k & _MASK for k in keys])
+
+
+class EpochPlan:
+    """The samples of every batch of one rank in one epoch (see the module docstring)."""
+
+    def __init__(self, counts: Sequence[int], *, world_size: int, rank: int, batch_size: int,
+                 seed: int, epoch: int, shuffle: bool) -> None:
+        self.counts, self.seed, self.epoch, self.shuffle = list(counts), seed, epoch, shuffle
+        n = len(self.counts)
+        self.order = _rng(seed, epoch).permutation(n).tolist() if shuffle else list(range(n))
+        # Position of each shard (in epoch order) in the sequence; sample ids in stored order.
+        self.starts = list(accumulate((self.counts[s] for s in self.order), initial=0))
+        self.id_base = list(accumulate(self.counts, initial=0))
+        total = self.starts[-1]
+        if shuffle:
+            steps = train_batches_per_rank(total, world_size, batch_size)
+            first, self.sizes = rank * steps * batch_size, [batch_size] * steps
+        else:
+            first = rank * total // world_size
+            length = (rank + 1) * total // world_size - first
+            self.sizes = [min(batch_size, length - i) for i in range(0, length, batch_size)]
+        # Group p's stretch starts after the batches of groups 0..p-1.
+        group_sizes = [sum(self.sizes[p::GROUPS]) for p in range(GROUPS)]
+        self.group_start = list(accumulate(group_sizes, initial=first))
+
+    @property
+    def batches(self) -> int:
+        return len(self.sizes)
+
+    def batch_start(self, b: int) -> int:
+        """Sequence position of batch ``b``'s first sample."""
+        p = b % GROUPS
+        return self.group_start[p] + sum(self.sizes[p:b:GROUPS])
+
+    def locate(self, position: int) -> tuple[int, int]:
+        """(shard, position inside the shard's epoch order) of a sequence position."""
+        i = bisect.bisect_right(self.starts, position) - 1
+        return self.order[i], position - self.starts[i]
+
+    def block_order(self, shard: int, block: int, length: int) -> list[int]:
+        """Offsets of a block's samples in the order this epoch reads them."""
+        if not self.shuffle:
+            return list(range(length))
+        return _rng(self.seed, self.epoch, shard, block).permutation(length).tolist()
+
+    def sample_id(self, shard: int, index: int) -> int:
+        """A sample's number in the whole split (stored order): the same every epoch."""
+        return self.id_base[shard] + index

@@ -1,0 +1,212 @@
+"""Open a shard for one sequential read: a local file, an ``http(s)://`` URL or a ``pipe:`` command.
+
+A download (http or pipe) is checked to be complete - urllib's read() returns b"" on a dropped
+connection without raising, and a command can fail after writing part of a shard - and gets a
+bounded retry: ``ATTEMPTS`` tries in all, each continuing where the last one stopped (an http
+Range request, or the bytes already delivered read again and dropped). Reads that wait longer
+than ``TIMEOUT`` seconds count as a failed attempt, so a stalled server or command cannot hang
+training. Local files are not retried: a missing or cut file does not heal by waiting.
+No dependency beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import select
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import BinaryIO
+
+from imagenet.shards.tarreader import ShardError
+
+ATTEMPTS = 3  # tries per download
+BACKOFF = 1.0  # seconds before the second try, doubled for each further one
+TIMEOUT = 60.0  # seconds without a byte before a try fails
+BUFFER = 1 << 20  # bytes read from a shard at once
+
+
+class ShardMissing(ShardError):
+    """A shard (or ``_info.json``) that does not exist."""
+
+
+class _Incomplete(Exception):
+    """A try that ended before the whole shard arrived (retried)."""
+
+
+def is_remote(url: str) -> bool:
+    """Whether ``url`` is read by downloading (http(s) or a pipe: command)."""
+    return url.startswith(("http://", "https://", "pipe:"))
+
+
+def open_shard(url: str) -> BinaryIO:
+    """A buffered binary stream of the shard at ``url``; ShardError if it cannot be opened."""
+    if url.startswith("pipe:"):
+        return io.BufferedReader(Download(url, _PipeTry), BUFFER)
+    if url.startswith(("http://", "https://")):
+        return io.BufferedReader(Download(url, _HttpTry), BUFFER)
+    path = url.removeprefix("file://")
+    try:
+        return open(path, "rb", buffering=BUFFER)
+    except FileNotFoundError:
+        raise ShardMissing(f"shard {path} is missing") from None
+    except OSError as exc:
+        raise ShardError(f"shard {path} cannot be read: {exc.strerror or exc}") from None
+
+
+def read_small_file(url: str) -> bytes | None:
+    """The whole of a small file such as ``_info.json``; None if it does not exist."""
+    try:
+        with open_shard(url) as f:
+            return f.read()
+    except ShardMissing:
+        return None
+    except ShardError:
+        if url.startswith("pipe:"):
+            return None  # a failing command cannot say why: taken as "not there"
+        raise
+
+
+class Download(io.RawIOBase):
+    """Bytes of a remote shard from start to end, over as many tries as ``ATTEMPTS`` allows."""
+
+    def __init__(self, url: str, kind: type[_HttpTry] | type[_PipeTry]) -> None:
+        super().__init__()
+        self.url, self.kind = url, kind
+        self.pos, self.tries = 0, 0
+        self.current = self._connect()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:  # type: ignore[override]
+        while True:
+            try:
+                n = self.current.readinto(buffer)
+                if n:
+                    self.pos += n
+                    return n
+                self.current.check_complete()
+                return 0
+            except (OSError, http.client.HTTPException, _Incomplete) as exc:
+                self.current.close()
+                self._pause(exc)
+                self.current = self._connect()
+
+    def close(self) -> None:
+        if not self.closed and hasattr(self, "current"):
+            self.current.close()
+        super().close()
+
+    def _connect(self) -> _HttpTry | _PipeTry:
+        """A new try from byte ``pos``; transient failures are retried here too."""
+        while True:
+            self.tries += 1
+            try:
+                return self.kind(self.url, self.pos)
+            except (OSError, http.client.HTTPException, _Incomplete) as exc:
+                self._pause(exc)
+
+    def _pause(self, exc: BaseException) -> None:
+        """Wait before the next try, or give up with a ShardError."""
+        if self.tries >= ATTEMPTS:
+            raise ShardError(f"shard {self.url}: download failed {self.tries} times, at byte "
+                             f"{self.pos} ({_reason(exc)})") from None
+        time.sleep(BACKOFF * 2 ** (self.tries - 1))
+
+
+class _HttpTry:
+    """One GET of an http(s) shard from byte ``start`` on."""
+
+    def __init__(self, url: str, start: int) -> None:
+        request = urllib.request.Request(url, headers={"Range": f"bytes={start}-"} if start else {})
+        try:
+            self.response = urllib.request.urlopen(request, timeout=TIMEOUT)
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            if exc.code in (404, 410):
+                raise ShardMissing(f"shard {url} is missing (HTTP {exc.code})") from None
+            if exc.code < 500 and exc.code not in (408, 429):
+                raise ShardError(f"shard {url}: HTTP {exc.code} {exc.reason} (not retried; a "
+                                 "gated store needs credentials: use a pipe:curl command with "
+                                 "its header)") from None
+            raise
+        if start and self.response.status != 206:  # no Range support: drop what we have
+            try:
+                _drop(self.response.readinto, start)
+            except BaseException:
+                self.close()
+                raise
+
+    def readinto(self, buffer) -> int:
+        return self.response.readinto(buffer)
+
+    def check_complete(self) -> None:
+        missing = self.response.length  # bytes of Content-Length not delivered
+        if missing:
+            raise _Incomplete(f"connection closed {missing} bytes before the end")
+
+    def close(self) -> None:
+        self.response.close()
+
+
+class _PipeTry:
+    """One run of a ``pipe:`` command, its output from byte ``start`` on."""
+
+    def __init__(self, url: str, start: int) -> None:
+        self.command = url.removeprefix("pipe:")
+        self.errors = tempfile.TemporaryFile()  # never a pipe: a chatty command would block
+        # Unbuffered: select() must see every byte not yet read, none may wait in a buffer.
+        self.proc = subprocess.Popen(self.command, shell=True, stdout=subprocess.PIPE, bufsize=0,
+                                     stderr=self.errors, stdin=subprocess.DEVNULL)
+        assert self.proc.stdout is not None
+        self.out = self.proc.stdout
+        try:
+            _drop(self.readinto, start)
+        except BaseException:
+            self.close()
+            raise
+
+    def readinto(self, buffer) -> int:
+        ready, _, _ = select.select([self.out], [], [], TIMEOUT)
+        if not ready:
+            raise TimeoutError(f"no output for {TIMEOUT:.0f} s")
+        return self.out.readinto(buffer)  # type: ignore[attr-defined]
+
+    def check_complete(self) -> None:
+        code = self.proc.wait()
+        if code != 0:
+            self.errors.seek(0)
+            said = self.errors.read().decode(errors="replace").strip().splitlines()
+            raise _Incomplete(f"'{self.command}' exited with code {code}"
+                              + (f": {said[-1][:200]}" if said else ""))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()  # a shard read only in part: the rest is not wanted
+        self.proc.wait()
+        self.out.close()
+        self.errors.close()
+
+
+def _drop(readinto: Callable[[memoryview], int], n: int) -> None:
+    """Read and discard ``n`` bytes with ``readinto``."""
+    buffer = memoryview(bytearray(min(max(n, 1), BUFFER)))
+    while n:
+        got = readinto(buffer[:min(n, len(buffer))])
+        if not got:
+            raise _Incomplete(f"ended {n} bytes before the position to continue from")
+        n -= got
+
+
+def _reason(exc: BaseException) -> str:
+    """A short description of why a try failed."""
+    if isinstance(exc, urllib.error.HTTPError):
+        return f"HTTP {exc.code} {exc.reason}"
+    if isinstance(exc, urllib.error.URLError):
+        return str(exc.reason)
+    return str(exc) or type(exc).__name__
