@@ -45,8 +45,9 @@ class EpochPlan:
     """The samples of every batch of one rank in one epoch (see the module docstring)."""
 
     def __init__(self, counts: Sequence[int], *, world_size: int, rank: int, batch_size: int,
-                 seed: int, epoch: int, shuffle: bool) -> None:
+                 seed: int, epoch: int, shuffle: bool, block: int = BLOCK) -> None:
         self.counts, self.seed, self.epoch, self.shuffle = list(counts), seed, epoch, shuffle
+        self.block = block  # samples shuffled together
         n = len(self.counts)
         self.order = _rng(seed, epoch).permutation(n).tolist() if shuffle else list(range(n))
         # Position of each shard (in epoch order) in the sequence; sample ids in stored order.

@@ -55,9 +55,9 @@ class _Stream:
         out = []
         for _ in range(n):
             shard, q = self.plan.locate(self.position)
-            if self.block_at != (shard, q // BLOCK):
-                self._load_block(shard, q // BLOCK)
-            out.append(self.block[q % BLOCK])
+            if self.block_at != (shard, q // self.plan.block):
+                self._load_block(shard, q // self.plan.block)
+            out.append(self.block[q % self.plan.block])
             self.position += 1
         return out
 
@@ -68,7 +68,7 @@ class _Stream:
 
     def _load_block(self, shard: int, block: int) -> None:
         url, count = self.shards.urls[shard], self.shards.counts[shard]
-        lo, hi = block * BLOCK, min((block + 1) * BLOCK, count)
+        lo, hi = block * self.plan.block, min((block + 1) * self.plan.block, count)
         if self.reader is None or self.reader_shard != shard or self.reader.index != lo:
             self.close()
             self.reader, self.reader_shard = SampleReader(open_shard(url), url, WANTED), shard
@@ -100,11 +100,12 @@ class ShardBatches(IterableDataset):
 
     def __init__(self, shards: ShardList, *, transform: Callable, backend: str, num_classes: int,
                  world_size: int, rank: int, batch_size: int, train: bool, seed: int = 0,
-                 aug_seed: int = 0, keys: bool = False) -> None:
+                 aug_seed: int = 0, keys: bool = False, block: int = BLOCK) -> None:
         super().__init__()
         self.shards, self.transform, self.backend = shards, transform, backend
         self.num_classes, self.train, self.keys = num_classes, train, keys
-        self.layout = {"world_size": world_size, "rank": rank, "batch_size": batch_size}
+        self.layout = {"world_size": world_size, "rank": rank, "batch_size": batch_size,
+                       "block": block}
         # epoch, first batch, order seed, augmentation seed: shared with persistent workers
         self.state = torch.tensor([0, 0, seed, aug_seed], dtype=torch.int64).share_memory_()
         self.stats = ReadStats()

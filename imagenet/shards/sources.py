@@ -133,9 +133,9 @@ def _file_segment(pattern: str) -> tuple[int, int]:
     if anchor < 0:
         raise UsageError(f"'{pattern}' names no shard: a shard pattern names .tar files, e.g. "
                          "/data/train-{000000..000146}.tar")
-    start = max(pattern.rfind("/", 0, anchor), pattern.rfind(" ", 0, anchor)) + 1
     space = re.compile(r"\s").search(pattern, anchor)
     end = space.start() if space else len(pattern)
+    start = max(pattern.rfind("/", 0, end), pattern.rfind(" ", 0, end)) + 1
     if "{" in pattern[:start] or "{" in pattern[end:]:
         raise UsageError(f"'{pattern}': braces may only stand in the shard file name "
                          "(e.g. /data/train-{000000..000146}.tar)")

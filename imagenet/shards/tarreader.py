@@ -107,6 +107,8 @@ class SampleReader:
             at = self.offset
             block = self._read(BLOCK, "header", eof_ok=True)
             if not block:
+                if self.seekable:  # a seek may have gone past the end
+                    at = min(at, self.f.seek(0, io.SEEK_END))
                 raise ShardError(f"shard {self.name} is truncated: it ends at byte {at} without "
                                  "the end-of-archive block (copy or download it again)")
             if block == _ZERO_BLOCK:
