@@ -46,7 +46,7 @@ def epoch_time(run: Run, save_every: int) -> float:
     run.cfg = dataclasses.replace(run.cfg, save_every=save_every)
     hooks = Hooks(after_step=trainer.saver(run, StopFlag()))
     run.step = Step()
-    run.data.train_sampler.set_epoch(0)
+    run.data.train.set_position(0, 0)
     start = time.perf_counter()
     train_one_epoch(run.engine, run.data.train_loader, run.step, hooks)
     return (time.perf_counter() - start) / run.engine.opts.steps_per_epoch

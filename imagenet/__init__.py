@@ -12,7 +12,10 @@ Starting
 One training process (trainer.run_training: build -> resume -> train)
   build        Run: everything a process holds, built from the flags; build_engine makes the
                objects of a training step (also used by the tests and benchmarks).
-  data         datasets, the resumable training sampler, the exact validation shards, loaders.
+  data         datasets, the resumable training sampler, the exact validation shards, loaders;
+               TrainData, what the trainer asks of any training source.
+  shards       tar shards (WebDataset format): sources, downloads, a strict tar reader, the
+               epoch plan (a pure function of seed, epoch and layout), the loaders.
   transforms   JPEG decoding and augmentation to uint8 tensors; normalisation on the device.
   models       a torchvision model by name, its weights; wrapped for DDP (and unwrapped).
   comm_hooks   DDP gradient compression for slow links (fp16/bf16/PowerSGD) and its state.
@@ -26,7 +29,8 @@ One training process (trainer.run_training: build -> resume -> train)
   logger       console and progress lines, TensorBoard, metrics.jsonl, config.json (rank 0).
 
 Side tools (not imported by a training run unless asked for)
-  tools.prepare     python -m imagenet.tools.prepare: ILSVRC2012 archives -> ImageFolder.
+  tools.prepare     python -m imagenet.tools.prepare: ILSVRC2012 archives -> ImageFolder,
+                    or -> tar shards (tools.shardwrite), also from an ImageFolder.
   tools.envcheck    main.py --env-check: installation, devices and a real all-reduce.
   tools.demo        the built-in demo data set (--demo, run_single.sh).
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import struct
 import subprocess
 import sys
@@ -292,3 +293,84 @@ def test_wrong_labels_and_truncated_archive(archives, tmp_path):
     assert cut.returncode == 1 and "truncated or corrupt" in cut.stderr
     for result in (unlabelled, train_as_val, cut):
         assert "Traceback" not in result.stdout + result.stderr
+
+
+# --- tar shards (--format shards, --from-folder) ---
+
+def shard_files(out: Path) -> dict[str, bytes]:
+    """The shards and _info.json under ``out`` by name."""
+    return {p.name: p.read_bytes() for p in out.iterdir() if p.suffix in (".tar", ".json")}
+
+
+def shard_samples(out: Path) -> dict[str, tuple[bytes, int]]:
+    """Every sample of every shard (read by tarfile): key -> (image bytes, label)."""
+    samples: dict[str, list] = {}
+    for shard in sorted(out.glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            for member in tar:
+                key, ext = member.name.split(".", 1)
+                samples.setdefault(f"{shard.name[:3]}/{key}", [None, None])
+                data = tar.extractfile(member).read()
+                samples[f"{shard.name[:3]}/{key}"][ext == "cls"] = int(data) if ext == "cls" \
+                    else data
+    return {k: tuple(v) for k, v in samples.items()}
+
+
+SHARDS = ["--format", "shards", "--shard-max-images", 4]
+
+
+def test_shards_from_the_archives_equal_shards_of_the_prepared_folder(archives, tmp_path):
+    folder = tmp_path / "imagenet"
+    assert prepare(*full_args(archives, folder)).returncode == 0
+    direct = prepare(*full_args(archives, tmp_path / "direct"), *SHARDS)
+    assert direct.returncode == 0, direct.stdout + direct.stderr
+    via = prepare("--from-folder", folder, "--out", tmp_path / "via", "--shard-max-images", 4)
+    assert via.returncode == 0, via.stdout + via.stderr
+    direct_files, via_files = shard_files(tmp_path / "direct"), shard_files(tmp_path / "via")
+    info = json.loads(direct_files.pop("_info.json"))
+    assert info == {**json.loads(via_files.pop("_info.json")), "name": "direct"}
+    assert direct_files == via_files  # the same shards, byte for byte
+    assert info["classes"] == WNIDS and info["num_classes"] == 3
+    assert info["splits"]["train"] == {"name": "train", "filenames": [
+        "train-000000.tar", "train-000001.tar", "train-000002.tar"], "shard_lengths": [4, 4, 1],
+        "num_samples": 9}
+    assert info["splits"]["validation"]["shard_lengths"] == [4, 2]
+    expected = {f"{path[:3]}/{wnid}/{name.split('.')[0]}": (data, WNIDS.index(wnid))
+                for path, data in archives["images"].items()
+                for _, wnid, name in [path.split("/")]}
+    assert shard_samples(tmp_path / "direct") == expected  # each image once, right label
+    with tarfile.open(tmp_path / "direct" / "train-000000.tar") as tar:
+        order = [m.name for m in tar]
+    assert order != sorted(order)  # a shuffled order, not the folder's
+
+
+def test_shard_writing_is_idempotent_and_resumes_after_an_interruption(archives, tmp_path):
+    out = tmp_path / "shards"
+    args = [*full_args(archives, out), *SHARDS]
+    assert prepare(*args).returncode == 0
+    written, before = shard_files(out), mtimes(out)
+    assert prepare(*args).returncode == 0
+    assert mtimes(out) == before  # nothing rewritten
+    # What a kill leaves: a missing shard, a cut one, a temporary file.
+    (out / "train-000001.tar").unlink()
+    (out / "train-000002.tar").write_bytes(b"x" * 100)
+    (out / "val-000000.tar.part").write_bytes(b"half")
+    result = prepare(*args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert shard_files(out) == written and not list(out.glob("*.part"))
+    assert (out / "train-000000.tar").stat().st_mtime_ns == before[out / "train-000000.tar"]
+    # Another seed is another plan: every shard is written again, none left over.
+    result = prepare(*args, "--seed", 1)
+    assert result.returncode == 0 and "writing them again" in result.stdout
+    assert shard_files(out).keys() == written.keys()
+    assert shard_files(out)["train-000000.tar"] != written["train-000000.tar"]
+    assert shard_samples(out) == shard_samples_of(written, tmp_path)
+    assert prepare("--from-folder", tmp_path / "nope", "--out", out).returncode == 2
+
+
+def shard_samples_of(files: dict[str, bytes], tmp_path: Path) -> dict:
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name, data in files.items():
+        (copy / name).write_bytes(data)
+    return shard_samples(copy)

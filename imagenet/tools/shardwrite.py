@@ -40,7 +40,7 @@ PLAN_MARKER = ".imagenet-prepare-shards"  # the plan digest of each split writte
 SPLIT_FILES = {"train": "train", "validation": "val"}  # split name -> shard file prefix
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # ImageNet: 1.28 M of them
 class Item:
     """One image to write: where its bytes are and what it becomes in a shard."""
 
