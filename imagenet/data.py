@@ -214,11 +214,12 @@ class Data:
         return self.train.loader
 
 
-def loader_options(workers: int) -> dict[str, Any]:
-    """DataLoader options shared by every loader with worker processes."""
+def loader_options(workers: int, prefetch: int = 4) -> dict[str, Any]:
+    """DataLoader options shared by every loader with worker processes (``prefetch``: batches
+    queued per worker)."""
     # Workers ignore SIGTERM/SIGUSR1/SIGINT sent to the whole process group (SLURM, Ctrl-C): the
     # training process saves first and then shuts them down.
-    return {"persistent_workers": True, "prefetch_factor": 4,
+    return {"persistent_workers": True, "prefetch_factor": prefetch,
             "worker_init_fn": ignore_stop_signals} if workers > 0 else {}
 
 

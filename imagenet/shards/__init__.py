@@ -10,6 +10,7 @@ Our own small reader of the format rather than the ``webdataset`` package, whose
 cannot give what the trainer promises: batches independent of the number of loader workers,
 equal steps per rank with each sample once, resume without replaying the epoch, errors for
 truncated shards (see README, "Tar shards"). No dependency beyond torch and the standard library.
+The training process reads (a thread per stream), the loader workers decode.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from imagenet.config import Config
 from imagenet.data import Data, build_transforms, loader_options
 from imagenet.errors import DataError
 from imagenet.launch import Layout
-from imagenet.shards.plan import train_batches_per_rank, usable_workers
-from imagenet.shards.reader import ShardBatches, ShardTrain
+from imagenet.shards.plan import train_batches_per_rank
+from imagenet.shards.reader import ShardBatchSampler, ShardSamples, ShardTrain
 from imagenet.shards.sources import data_format, resolve
 
 __all__ = ["build_shard_data", "data_format"]
@@ -36,30 +37,28 @@ def build_shard_data(cfg: Config, data: str, rank: int, world_size: int, layout:
                      aug_seed: int, pin_memory: bool) -> Data:
     """Loaders for this rank from the shards ``data`` names (see ``sources``)."""
     shards = resolve(data, cfg.val_data, cfg.num_classes)
-    batch = layout.batch_size
+    batch, workers = layout.batch_size, layout.workers
     steps = train_batches_per_rank(shards.train.total, world_size, batch)
     if steps == 0:
         raise DataError(f"the training shards hold {shards.train.total} images, fewer than one "
                         f"global batch ({world_size} process(es) x {batch}); lower -b")
-    workers = usable_workers(layout.workers)
-    if workers != layout.workers:
-        log.info("=> shards: %d loader workers per process instead of %d (the number must "
-                 "divide 24, so that the batches do not depend on it)", workers, layout.workers)
     train_tf, val_tf = build_transforms(cfg)
-    common = {"backend": cfg.image_backend, "num_classes": len(shards.classes),
-              "world_size": world_size, "rank": rank, "batch_size": batch}
-    train = ShardBatches(shards.train, transform=train_tf, train=True, seed=cfg.seed or 0,
-                         aug_seed=aug_seed, **common)
-    val = ShardBatches(shards.val, transform=val_tf, train=False, **common)
-    loaders = [DataLoader(dataset, batch_size=None, num_workers=workers, pin_memory=pin_memory,
+    where = {"world_size": world_size, "rank": rank, "batch_size": batch}
+    splits = ((shards.train, train_tf, True), (shards.val, val_tf, False))
+    loaders = [DataLoader(ShardSamples(tf, cfg.image_backend, len(shards.classes), train),
+                          batch_sampler=ShardBatchSampler(split, shuffle=train, seed=cfg.seed or 0,
+                                                          aug_seed=aug_seed, **where),
+                          num_workers=workers, pin_memory=pin_memory,
                           # private: making an iterator must not consume the global RNG
                           generator=torch.Generator().manual_seed(aug_seed),
-                          **loader_options(workers))
-               for dataset in (train, val)]
+                          # 2, not 4: an "index" here is a read batch, and a new epoch's first
+                          # batch waits until all of them are queued
+                          **loader_options(workers, prefetch=2))
+               for split, tf, train in splits]
     left_out = shards.train.total - steps * batch * world_size
     log.info("=> shards: %d training images in %d shards, %d batches of %d per process and "
              "epoch (%d left out each epoch, different ones); %d validation images in %d shards",
              shards.train.total, len(shards.train.urls), steps, batch, left_out,
              shards.val.total, len(shards.val.urls))
-    return Data(ShardTrain(train, loaders[0]), loaders[1], len(shards.classes),
-                shards.classes, shards.val.total)
+    return Data(ShardTrain(loaders[0]), loaders[1], len(shards.classes), shards.classes,
+                shards.val.total)

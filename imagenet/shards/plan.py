@@ -8,10 +8,9 @@ batch; other samples every epoch) are left out of that epoch; every other sample
 once. Validation: shards and samples in stored order; rank r takes [r N // W, (r + 1) N // W)
 in batches of B, the last one short: every image exactly once over the ranks.
 
-Reading: batch b belongs to group b % ``GROUPS``; a group's batches are one contiguous stretch of
-the rank's range, read front to back by one stream. DataLoader worker w of n (n divides
-``GROUPS``) makes batches w, w + n, ...: whole groups, so no two workers read the same samples,
-and torch hands out the workers' batches round robin, so the order is the plan's for any n.
+A rank reads its stretch as ``STREAMS`` contiguous parts at once (each a sequential read of
+whole shards, but the first); every batch takes its share of samples from each part, so a batch
+mixes several shards. Where a part starts inside a shard, the samples before are passed over.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from itertools import accumulate
 
 import numpy as np
 
-GROUPS = 24  # streams per rank; loader workers must divide it (1, 2, 3, 4, 6, 8, 12, 24)
+STREAMS = 2  # parts of a rank's stretch read at once (http: one connection each)
 BLOCK = 128  # samples shuffled together inside a shard; a stream holds one block in memory
 _MASK = (1 << 63) - 1
 
@@ -30,11 +29,6 @@ _MASK = (1 << 63) - 1
 def train_batches_per_rank(samples: int, world_size: int, batch_size: int) -> int:
     """Training batches every rank runs per epoch: the incomplete last global batch is dropped."""
     return samples // (world_size * batch_size)
-
-
-def usable_workers(requested: int) -> int:
-    """The most loader workers, up to ``requested``, that divide ``GROUPS``."""
-    return max((n for n in range(1, GROUPS + 1) if GROUPS % n == 0 and n <= requested), default=0)
 
 
 def _rng(*keys: int) -> np.random.Generator:
@@ -45,9 +39,10 @@ class EpochPlan:
     """The samples of every batch of one rank in one epoch (see the module docstring)."""
 
     def __init__(self, counts: Sequence[int], *, world_size: int, rank: int, batch_size: int,
-                 seed: int, epoch: int, shuffle: bool, block: int = BLOCK) -> None:
+                 seed: int, epoch: int, shuffle: bool, block: int = BLOCK,
+                 streams: int = STREAMS) -> None:
         self.counts, self.seed, self.epoch, self.shuffle = list(counts), seed, epoch, shuffle
-        self.block = block  # samples shuffled together
+        self.block, self.streams = block, streams
         n = len(self.counts)
         self.order = _rng(seed, epoch).permutation(n).tolist() if shuffle else list(range(n))
         # Position of each shard (in epoch order) in the sequence; sample ids in stored order.
@@ -61,18 +56,22 @@ class EpochPlan:
             first = rank * total // world_size
             length = (rank + 1) * total // world_size - first
             self.sizes = [min(batch_size, length - i) for i in range(0, length, batch_size)]
-        # Group p's stretch starts after the batches of groups 0..p-1.
-        group_sizes = [sum(self.sizes[p::GROUPS]) for p in range(GROUPS)]
-        self.group_start = list(accumulate(group_sizes, initial=first))
+        # Stream s's stretch starts after the shares of streams 0..s-1 in every batch.
+        totals = [sum(self.share(size)[s] for size in self.sizes) for s in range(streams)]
+        self.stream_start = list(accumulate(totals, initial=first))
 
     @property
     def batches(self) -> int:
         return len(self.sizes)
 
-    def batch_start(self, b: int) -> int:
-        """Sequence position of batch ``b``'s first sample."""
-        p = b % GROUPS
-        return self.group_start[p] + sum(self.sizes[p:b:GROUPS])
+    def share(self, size: int) -> list[int]:
+        """How many of a batch's ``size`` samples each stream gives."""
+        return [size // self.streams + (s < size % self.streams) for s in range(self.streams)]
+
+    def position(self, stream: int, batch: int) -> int:
+        """Sequence position of stream ``stream``'s first sample for batch ``batch``."""
+        return self.stream_start[stream] + sum(self.share(size)[stream]
+                                               for size in self.sizes[:batch])
 
     def locate(self, position: int) -> tuple[int, int]:
         """(shard, position inside the shard's epoch order) of a sequence position."""

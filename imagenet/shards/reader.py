@@ -1,38 +1,43 @@
-"""Batches of tar shards: ``ShardBatches`` (the DataLoader dataset) and ``ShardTrain``.
+"""Batches of tar shards: ``ShardBatchSampler`` reads, ``ShardSamples`` decodes, ``ShardTrain``.
 
-A DataLoader worker yields whole batches (``batch_size=None``) of the plan in ``plan.py``; each
-sample is decoded and augmented as in an ImageFolder run (same transforms, augmentation seeded
-by (seed, epoch, sample)). The position to start from - epoch, first batch, seeds - lives in a
-small shared-memory tensor, so persistent workers see every ``set_position``. A resumed epoch
+The training process reads (a thread per stream of ``plan.EpochPlan``, a few batches ahead);
+its DataLoader's workers decode: the batch sampler hands them each batch's encoded samples as
+its "indices". So the batches are the plan's for any number of workers, and reading is the same
+few sequential streams whatever ``-j`` is. Each sample is decoded and augmented as in an
+ImageFolder run (same transforms, augmentation seeded by (seed, epoch, sample)). A resumed epoch
 opens each stream's shard at its position: the samples before it are passed over by their tar
 headers (a seek on local files, read and dropped on downloads), never decoded.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from imagenet import transforms as T
 from imagenet.data import seeded_call
 from imagenet.errors import RunError
-from imagenet.shards.plan import BLOCK, GROUPS, EpochPlan, train_batches_per_rank
+from imagenet.shards.plan import BLOCK, STREAMS, EpochPlan, train_batches_per_rank
 from imagenet.shards.sources import ShardList
 from imagenet.shards.streams import open_shard
 from imagenet.shards.tarreader import SampleReader, ShardError
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp")  # first one present is used
 WANTED = frozenset((*IMAGE_EXTENSIONS, "cls"))
+AHEAD = 4  # batches each stream reads ahead
 
 Raw = dict[str, bytes | str]
+Item = tuple[int, int, int, Raw]  # augmentation seed, epoch, sample id, encoded sample
 
 
 @dataclass
 class ReadStats:
-    """What this process's reader did: shards opened, samples passed over and decoded."""
+    """What a reader did: shards opened, samples passed over and decoded (this process)."""
 
     opened: int = 0
     skipped: int = 0  # passed over by their headers to reach a stream's start
@@ -40,7 +45,7 @@ class ReadStats:
 
 
 class _Stream:
-    """One group's stretch of the epoch sequence, read front to back as raw samples."""
+    """One stretch of the epoch sequence, read front to back as encoded samples."""
 
     def __init__(self, shards: ShardList, plan: EpochPlan, position: int,
                  stats: ReadStats) -> None:
@@ -51,7 +56,7 @@ class _Stream:
         self.block_at: tuple[int, int] = (-1, -1)  # (shard, block index) held in self.block
 
     def take(self, n: int) -> list[tuple[int, Raw]]:
-        """The next ``n`` samples as (sample id, raw sample)."""
+        """The next ``n`` samples as (sample id, encoded sample)."""
         out = []
         for _ in range(n):
             shard, q = self.plan.locate(self.position)
@@ -95,83 +100,121 @@ class _Stream:
         return sample
 
 
-class ShardBatches(IterableDataset):
-    """One rank's batches of a split: (uint8 images N x 3 x H x W, int64 labels[, keys])."""
+class _Ahead:
+    """A thread reading one stream's share of the coming batches, ``AHEAD`` batches ahead."""
 
-    def __init__(self, shards: ShardList, *, transform: Callable, backend: str, num_classes: int,
-                 world_size: int, rank: int, batch_size: int, train: bool, seed: int = 0,
-                 aug_seed: int = 0, keys: bool = False, block: int = BLOCK) -> None:
-        super().__init__()
-        self.shards, self.transform, self.backend = shards, transform, backend
-        self.num_classes, self.train, self.keys = num_classes, train, keys
+    def __init__(self, stream: _Stream, shares: list[int]) -> None:
+        self.queue: queue.Queue = queue.Queue(AHEAD)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(stream, shares), daemon=True,
+                                       name="shard-reader")
+        self.thread.start()
+
+    def get(self) -> list[tuple[int, Raw]]:
+        """The next batch's share; re-raises what went wrong in the thread."""
+        item = self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=5)  # a read in progress ends within streams.TIMEOUT anyway
+
+    def _run(self, stream: _Stream, shares: list[int]) -> None:
+        try:
+            for n in shares:
+                if not self._put(stream.take(n)):
+                    return
+        except BaseException as exc:  # handed to the training thread
+            self._put(exc)
+        finally:
+            stream.close()
+
+    def _put(self, item: object) -> bool:
+        while not self.stopping.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+
+class ShardBatchSampler(Sampler):
+    """One rank's batches of a split, as lists of ``Item`` for ``ShardSamples``."""
+
+    def __init__(self, shards: ShardList, *, world_size: int, rank: int, batch_size: int,
+                 shuffle: bool, seed: int = 0, aug_seed: int = 0, block: int = BLOCK,
+                 streams: int = STREAMS) -> None:
+        self.shards, self.shuffle = shards, shuffle
         self.layout = {"world_size": world_size, "rank": rank, "batch_size": batch_size,
-                       "block": block}
-        # epoch, first batch, order seed, augmentation seed: shared with persistent workers
-        self.state = torch.tensor([0, 0, seed, aug_seed], dtype=torch.int64).share_memory_()
+                       "block": block, "streams": streams}
+        self.seed, self.aug_seed = seed, aug_seed
+        self.epoch = self.first = 0
         self.stats = ReadStats()
 
     def set_position(self, epoch: int, first_batch: int = 0) -> None:
-        self.state[0], self.state[1] = epoch, first_batch
+        self.epoch, self.first = epoch, first_batch
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
         """The plan of ``epoch`` (default: the current one)."""
-        epoch = int(self.state[0]) if epoch is None else epoch
-        return EpochPlan(self.shards.counts, seed=int(self.state[2]), epoch=epoch,
-                         shuffle=self.train, **self.layout)
+        return EpochPlan(self.shards.counts, seed=self.seed, shuffle=self.shuffle,
+                         epoch=self.epoch if epoch is None else epoch, **self.layout)
 
     def __len__(self) -> int:
-        return max(self.plan().batches - int(self.state[1]), 0)
+        return max(self.plan().batches - self.first, 0)
 
-    def __iter__(self) -> Iterator[tuple]:
-        info = get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info else (1, 0)
-        if GROUPS % workers:
-            raise RunError(f"{workers} loader workers do not divide {GROUPS} (use "
-                           "plan.usable_workers)")
-        plan, first = self.plan(), int(self.state[1])
-        streams: dict[int, _Stream] = {}
+    def __iter__(self) -> Iterator[list[Item]]:
+        plan, first = self.plan(), self.first
+        readers = [_Ahead(_Stream(self.shards, plan, plan.position(s, first), self.stats),
+                          [plan.share(size)[s] for size in plan.sizes[first:]])
+                   for s in range(plan.streams)]
         try:
-            for b in range(first + worker, plan.batches, workers):
-                group = b % GROUPS
-                if group not in streams:
-                    streams[group] = _Stream(self.shards, plan, plan.batch_start(b), self.stats)
-                yield self._batch(streams[group].take(plan.sizes[b]), plan.epoch)
+            for _ in range(first, plan.batches):
+                yield [(self.aug_seed, plan.epoch, sample_id, raw)
+                       for reader in readers for sample_id, raw in reader.get()]
         finally:
-            for stream in streams.values():
-                stream.close()
+            for reader in readers:
+                reader.stop()
 
-    def first_images(self, epoch: int, count: int) -> torch.Tensor:
-        """Up to ``count`` images of this rank's first batch of ``epoch``, augmented."""
+    def first_items(self, epoch: int, count: int) -> list[Item]:
+        """Up to ``count`` samples of this rank's first batch of ``epoch`` (read here)."""
         plan = self.plan(epoch)
-        stream = _Stream(self.shards, plan, plan.batch_start(0), self.stats)
+        stream = _Stream(self.shards, plan, plan.position(0, 0), self.stats)
         try:
-            items = stream.take(min(count, plan.sizes[0] if plan.sizes else 0))
+            share = plan.share(plan.sizes[0])[0] if plan.sizes else 0
+            return [(self.aug_seed, epoch, i, raw) for i, raw in stream.take(min(count, share))]
         finally:
             stream.close()
-        return torch.stack([self._image(raw, epoch, i) for i, raw in items])
 
-    def _batch(self, items: list[tuple[int, Raw]], epoch: int) -> tuple:
-        labels = torch.tensor([self._label(raw) for _, raw in items], dtype=torch.int64)
-        images = torch.stack([self._image(raw, epoch, i) for i, raw in items])
-        if self.keys:
-            return images, labels, [raw["__key__"] for _, raw in items]
-        return images, labels
 
-    def _image(self, raw: Raw, epoch: int, sample_id: int) -> torch.Tensor:
+class ShardSamples(Dataset):
+    """Decodes and transforms the items ``ShardBatchSampler`` yields: (image, label[, key])."""
+
+    def __init__(self, transform: Callable, backend: str, num_classes: int, train: bool,
+                 keys: bool = False) -> None:
+        self.transform, self.backend, self.num_classes = transform, backend, num_classes
+        self.train, self.keys = train, keys
+        self.stats = ReadStats()
+
+    def __getitem__(self, item: Item) -> tuple:
+        aug_seed, epoch, sample_id, raw = item
+        label = self._label(raw)
+        if self.train:
+            image = seeded_call(aug_seed, epoch, sample_id, lambda: self._image(raw))
+        else:
+            image = self._image(raw)
+        return (image, label, raw["__key__"]) if self.keys else (image, label)
+
+    def _image(self, raw: Raw) -> torch.Tensor:
         ext = next((e for e in IMAGE_EXTENSIONS if e in raw), None)
         if ext is None:
             raise ShardError(f"shard {raw['__url__']}: sample {raw['__key__']} has no image "
                              f"member (.{', .'.join(IMAGE_EXTENSIONS)})")
         self.stats.decoded += 1
-
-        def load() -> torch.Tensor:
-            image = T.decode_image(raw[ext], f"{raw['__key__']}.{ext} in shard {raw['__url__']}",
-                                   self.backend)
-            return self.transform(image)
-
-        if not self.train:
-            return load()
-        return seeded_call(int(self.state[3]), epoch, sample_id, load)
+        name = f"{raw['__key__']}.{ext} in shard {raw['__url__']}"
+        return self.transform(T.decode_image(raw[ext], name, self.backend))  # type: ignore
 
     def _label(self, raw: Raw) -> int:
         try:
@@ -189,36 +232,40 @@ class ShardBatches(IterableDataset):
 class ShardTrain:
     """``TrainData`` (see ``imagenet.data``) of tar shards."""
 
-    def __init__(self, dataset: ShardBatches, loader) -> None:
-        self.dataset, self.loader = dataset, loader
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+        self.sampler: ShardBatchSampler = loader.batch_sampler  # type: ignore[assignment]
+        self.dataset: ShardSamples = loader.dataset  # type: ignore[assignment]
 
     @property
     def order_seed(self) -> int:
-        return int(self.dataset.state[2])
+        return self.sampler.seed
 
     @property
     def aug_seed(self) -> int:
-        return int(self.dataset.state[3])
+        return self.sampler.aug_seed
 
     @property
     def batches(self) -> int:
-        layout = self.dataset.layout
-        return train_batches_per_rank(self.dataset.shards.total, layout["world_size"],
+        layout = self.sampler.layout
+        return train_batches_per_rank(self.sampler.shards.total, layout["world_size"],
                                       layout["batch_size"])
 
     @property
     def images(self) -> int:
-        return self.batches * self.dataset.layout["batch_size"] * self.dataset.layout["world_size"]
+        layout = self.sampler.layout
+        return self.batches * layout["batch_size"] * layout["world_size"]
 
     def set_position(self, epoch: int, samples_done: int) -> None:
-        batch = self.dataset.layout["batch_size"]
+        batch = self.sampler.layout["batch_size"]
         if samples_done % batch:
             raise RunError(f"cannot continue shards after {samples_done} samples: not a "
                            f"multiple of the batch ({batch})")
-        self.dataset.set_position(epoch, samples_done // batch)
+        self.sampler.set_position(epoch, samples_done // batch)
 
     def reseed(self, order_seed: int, aug_seed: int) -> None:
-        self.dataset.state[2], self.dataset.state[3] = order_seed, aug_seed
+        self.sampler.seed, self.sampler.aug_seed = order_seed, aug_seed
 
     def preview(self, epoch: int, count: int) -> torch.Tensor:
-        return self.dataset.first_images(epoch, count)
+        return torch.stack([self.dataset[item][0]
+                            for item in self.sampler.first_items(epoch, count)])
