@@ -179,15 +179,16 @@ def resume(args: argparse.Namespace) -> None:
     half = data.train.batches // 2
     print(f"\nresume at batch {half} of {data.train.batches} ({half * BATCH} images done), no "
           "loader workers (so this process counts the decodes):")
-    stats = data.train.dataset.stats
+    decodes, reads = data.train.dataset.stats, data.train.sampler.stats
     data.train.set_position(1, 0)
     _, _, _, at_start = epoch(data.train.loader, limit=1)
     data.train.set_position(1, half * BATCH)
-    decoded, skipped = stats.decoded, stats.skipped
+    decoded, skipped, read = decodes.decoded, reads.skipped, reads.read
     _, _, _, first = epoch(data.train.loader, limit=1)
-    print(f"  resume (skip): first batch in {first:.2f} s; {stats.decoded - decoded} images "
-          f"decoded, {stats.skipped - skipped} passed over by their tar headers (the first "
-          f"batch of an epoch: {at_start:.2f} s)")
+    print(f"  resume (skip): first batch in {first:.2f} s; {decodes.decoded - decoded} images "
+          f"decoded; {reads.skipped - skipped} passed over by their tar headers, "
+          f"{reads.read - read} read whole (the blocks of {data.train.sampler.layout['block']} "
+          f"and reading ahead); the first batch of an epoch: {at_start:.2f} s")
     data.train.set_position(1, 0)
     n, wall, _, _ = epoch(data.train.loader, limit=half + 1)
     print(f"  replay (decode everything before it): first batch in {wall:.2f} s; {n} images "

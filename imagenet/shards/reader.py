@@ -41,6 +41,7 @@ class ReadStats:
 
     opened: int = 0
     skipped: int = 0  # passed over by their headers to reach a stream's start
+    read: int = 0  # encoded samples read (whole blocks)
     decoded: int = 0
 
 
@@ -80,6 +81,7 @@ class _Stream:
             self.stats.opened += 1
             self.stats.skipped += self.reader.skip(lo)
         raw = [self._next(url, count) for _ in range(hi - lo)]
+        self.stats.read += hi - lo
         if hi == count:  # the shard must end here, as _info.json says
             extra = self.reader.next()
             if extra is not None:

@@ -209,10 +209,7 @@ def prepare_val(tar_path: Path, labels: dict[str, str], out: Path, log_every: in
                                  f"archive, pass it with --train-tar and {what} with --val-tar")
             if not (member.isfile() and is_image(name)):
                 continue
-            wnid = labels.get(name.rsplit(".", 1)[0])
-            if wnid is None:
-                raise UsageError(f"{tar_path}: no label for {name}; are the labels and the val "
-                                 "archive from the same release (ILSVRC2012)?")
+            wnid = val_label(labels, name, tar_path)
             if wnid not in made:
                 (out / wnid).mkdir(exist_ok=True)
                 made.add(wnid)
@@ -220,6 +217,15 @@ def prepare_val(tar_path: Path, labels: dict[str, str], out: Path, log_every: in
             progress.add(1, written, member.size)
     mark_done(out, progress.images)
     progress.log(note=f" in {len(made)} classes")
+
+
+def val_label(labels: dict[str, str], name: str, tar_path: Path) -> str:
+    """The wnid of val image ``name``, or a UsageError: labels of another release."""
+    wnid = labels.get(name.rsplit(".", 1)[0])
+    if wnid is None:
+        raise UsageError(f"{tar_path}: no label for {name}; are the labels and the val "
+                         "archive from the same release (ILSVRC2012)?")
+    return wnid
 
 
 def count_images(folder: Path) -> tuple[int, int]:

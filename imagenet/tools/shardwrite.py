@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from imagenet.errors import UsageError
-from imagenet.tools.prepare import PART_SUFFIX, Progress, claim_folder, is_image
+from imagenet.tools.prepare import PART_SUFFIX, Progress, claim_folder, is_image, val_label
 
 log = logging.getLogger(__name__)
 
@@ -120,11 +120,8 @@ def val_archive_items(path: Path, labels: dict[str, str], classes: Sequence[str]
             name = Path(member.name).name
             if not (member.isfile() and is_image(name)):
                 continue
-            wnid = labels.get(name.rsplit(".", 1)[0])
-            if wnid is None:
-                raise UsageError(f"{path}: no label for {name}; are the labels and the val "
-                                 "archive from the same release (ILSVRC2012)?")
-            found.append((wnid, name, member.offset_data, member.size))
+            found.append((val_label(labels, name, path), name, member.offset_data,
+                          member.size))
     return archive_items(path, found, classes)
 
 
