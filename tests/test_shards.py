@@ -275,7 +275,7 @@ def test_validation_reads_every_image_exactly_once(shard_dir, world):
 def test_batches_do_not_depend_on_the_number_of_loader_workers(shard_dir):
     shards = resolve(str(shard_dir), None, None)
     reference = batches(shards.train, world=2, rank=1, batch=4, epoch=2)
-    for workers in (2, 3):  # real worker processes
+    for workers in (1, 2):  # real worker processes
         assert batches(shards.train, world=2, rank=1, batch=4, epoch=2,
                        workers=workers) == reference
 

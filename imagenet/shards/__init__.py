@@ -24,7 +24,7 @@ from imagenet.config import Config
 from imagenet.data import Data, build_transforms, loader_options
 from imagenet.errors import DataError
 from imagenet.launch import Layout
-from imagenet.shards.plan import train_batches_per_rank
+from imagenet.shards.plan import STREAMS, train_batches_per_rank
 from imagenet.shards.reader import ShardBatchSampler, ShardSamples, ShardTrain
 from imagenet.shards.sources import data_format, resolve
 
@@ -46,8 +46,10 @@ def build_shard_data(cfg: Config, data: str, rank: int, world_size: int, layout:
     where = {"world_size": world_size, "rank": rank, "batch_size": batch}
     splits = ((shards.train, train_tf, True), (shards.val, val_tf, False))
     loaders = [DataLoader(ShardSamples(tf, cfg.image_backend, len(shards.classes), train),
+                          # validation needs no mixing: one stream, fewer starts inside shards
                           batch_sampler=ShardBatchSampler(split, shuffle=train, seed=cfg.seed or 0,
-                                                          aug_seed=aug_seed, **where),
+                                                          aug_seed=aug_seed, **where,
+                                                          streams=STREAMS if train else 1),
                           num_workers=workers, pin_memory=pin_memory,
                           # private: making an iterator must not consume the global RNG
                           generator=torch.Generator().manual_seed(aug_seed),
