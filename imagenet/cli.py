@@ -16,6 +16,7 @@ from imagenet.distributed import cleanup, init_distributed
 from imagenet.errors import INTERRUPTED_EXIT_CODE, TrainerError, report
 from imagenet.launch import (
     Launch,
+    check_gpu_flag,
     check_sync_bn,
     choose_backend,
     plan_launch,
@@ -142,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_env_check(cfg)
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        check_gpu_flag(cfg.gpu, cfg.no_accel, cuda_count)
         launch = plan_launch(cfg, os.environ, cuda_count)
         if launch.mode != "single":  # impossible requests fail here, not in every rank
             device_type = "cuda" if cuda_count and not cfg.no_accel else "cpu"

@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlparse
 
 from imagenet.errors import UsageError
 
@@ -372,7 +374,39 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--num-classes must be at least 1, got {cfg.num_classes}")
     if cfg.nproc_per_node is not None and cfg.nproc_per_node < 1:
         raise UsageError(f"--nproc-per-node must be at least 1, got {cfg.nproc_per_node}")
+    check_numbers_and_ranks(cfg)
+    check_dist_url(cfg.dist_url)
     check_arch(cfg.arch)
+
+
+def check_numbers_and_ranks(cfg: Config) -> None:
+    """NaN or infinite values, and world sizes or ranks that name no process."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{f.metadata['names'][0]} must be a finite number, got {value}")
+    # -1 is the classic's "not given" (then the launcher decides); 0 would silently train alone.
+    if cfg.world_size == 0 or cfg.world_size < -1:
+        raise UsageError(f"--world-size must be at least 1 (or left unset), got {cfg.world_size}")
+    if cfg.rank < -1:
+        raise UsageError(f"--rank must not be negative (or left unset), got {cfg.rank}")
+    if cfg.gpu is not None and cfg.gpu < 0:
+        raise UsageError(f"--gpu is a CUDA device index (0, 1, ...), got {cfg.gpu}")
+
+
+def check_dist_url(url: str) -> None:
+    """--dist-url must be a rendezvous torch knows: env://, tcp://HOST:PORT or file://PATH."""
+    parsed = urlparse(url)
+    try:
+        port = parsed.port
+    except ValueError:  # not a number, or out of range
+        port = None
+    valid = (url == "env://" or (parsed.scheme == "tcp" and bool(parsed.hostname) and bool(port))
+             or (parsed.scheme == "file" and bool(parsed.path)))
+    if not valid:
+        raise UsageError(f"--dist-url '{url}' is not a rendezvous address: give env:// (the "
+                         "launcher's MASTER_ADDR and MASTER_PORT), tcp://HOST:PORT of rank 0, or "
+                         "file:///a/shared/file")
 
 
 def available_archs() -> list[str]:

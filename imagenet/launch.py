@@ -162,6 +162,14 @@ def check_sync_bn(sync_bn: bool, device_type: str) -> None:
                          "batch)")
 
 
+def check_gpu_flag(gpu: int | None, no_accel: bool, cuda_count: int) -> None:
+    """--gpu asks for a CUDA device: without one it is an error, not a silent CPU run."""
+    if gpu is not None and not no_accel and cuda_count == 0:
+        raise UsageError(f"--gpu {gpu}: no CUDA device is visible (torch.cuda.is_available() is "
+                         "False); drop --gpu to train on the CPU, or check the driver and "
+                         "CUDA_VISIBLE_DEVICES")
+
+
 def choose_device(cfg: Config, launch: Launch, local_rank: int, cuda_count: int) -> torch.device:
     """The device of this process: its local rank's GPU, --gpu, or the CPU."""
     if cfg.no_accel or cuda_count == 0:

@@ -1,0 +1,54 @@
+"""Failures end in one line, early: unusable output folders, a full disk, a last batch of one,
+a silent master, a bad validation image, signals during validation, impossible flags.
+
+Real processes throughout: a real tmpfs (in a private mount namespace) and RLIMIT_FSIZE for the
+full disk, a socket that listens but never accepts for the silent master, real signals.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import (
+    TINY,
+    write_image_folder,
+)
+
+from imagenet.cli import main
+
+
+def one_error_line(text: str) -> str:
+    """The single ``error:`` line of a failed run (and no traceback)."""
+    lines = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, text
+    assert "Traceback" not in text, text
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """3 classes, 24 training and 9 validation JPEGs."""
+    return write_image_folder(tmp_path_factory.mktemp("failfast") / "data")
+
+
+# ---------------------------------------------------------------- case 11: impossible flags
+
+@pytest.mark.parametrize("argv, words", [
+    (["--world-size", "0"], "--world-size must be at least 1 (or left unset), got 0"),
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),
+    (["--wd", "inf"], "--wd must be a finite number, got inf"),
+    (["--dist-url", "garbage", "--world-size", "2", "--rank", "1"],
+     "--dist-url 'garbage' is not a rendezvous address"),
+    (["--dist-url", "tcp://127.0.0.1", "--world-size", "2", "--rank", "1"],
+     "--dist-url 'tcp://127.0.0.1' is not a rendezvous address"),
+    pytest.param(["--gpu", "0"], "--gpu 0: no CUDA device is visible",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present")),
+])
+def test_impossible_flags_are_refused_before_anything_starts(capsys, tmp_path, argv, words):
+    # A missing data folder: the flag must be refused before the data is even looked at.
+    code = main([str(tmp_path / "no-data"), *TINY, *argv, "--output-dir", str(tmp_path / "o")])
+    assert code == 2
+    assert words in one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()
