@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, get_worker_info
 from torchvision import datasets
 
 from imagenet import transforms as T
@@ -106,6 +106,37 @@ class ResumableDistributedSampler(Sampler):
         return max(self.num_samples - self.start, 0)
 
 
+class NoSingleImageBatches(BatchSampler):
+    """The training batches, without a last batch that would hold a single image.
+
+    BatchNorm cannot train on one image where a layer is 1x1 (one value per channel: the classic
+    script crashes there), and elsewhere its statistics of one image are noise. Every other
+    batch, the last incomplete one included, is kept, as in the classic script: the step count
+    stays the classic's. The validation loader never drops anything.
+    """
+
+    def __init__(self, sampler: Sampler, batch_size: int) -> None:
+        super().__init__(sampler, batch_size, drop_last=False)
+
+    def __iter__(self) -> Iterator[list]:
+        for batch in super().__iter__():
+            if len(batch) > 1 or self.batch_size == 1:
+                yield batch
+
+    def __len__(self) -> int:
+        return train_batches(len(self.sampler), self.batch_size)  # type: ignore[arg-type]
+
+
+def train_batches(samples: int, batch_size: int) -> int:
+    """Training batches in ``samples`` images: a last batch of one image does not count.
+
+    The one place that counts an ImageFolder epoch's batches (``FolderTrain.batches``, from
+    which ``build_run`` derives the steps per epoch, and the loader's length).
+    """
+    full, rest = divmod(samples, batch_size)
+    return full + (rest > 1)
+
+
 class ShardSampler(Sampler):
     """Validation shard of one rank: every image exactly once across ranks, no padding."""
 
@@ -178,8 +209,8 @@ class FolderTrain:
 
     @property
     def batches(self) -> int:
-        size, batch = self.sampler.num_samples, self.loader.batch_size or 1
-        return size // batch if self.loader.drop_last else -(-size // batch)
+        return train_batches(self.sampler.num_samples,
+                             self.loader.batch_sampler.batch_size)  # type: ignore[union-attr]
 
     @property
     def images(self) -> int:
@@ -283,6 +314,14 @@ def build_datasets(cfg: Config, data_root: Path) -> tuple[Dataset, Dataset, list
     return train, val, train.classes
 
 
+def check_one_batch(per_process: int, batch_size: int, world_size: int) -> None:
+    """An epoch must hold at least one training batch of two or more images per process."""
+    if per_process < min(2, batch_size):
+        raise UsageError(f"the training set gives each of the {world_size} process(es) "
+                         f"{per_process} image(s) per epoch: not one batch BatchNorm can train on "
+                         "(it needs 2 images); add training images or use fewer processes")
+
+
 def shutdown_workers(*loaders: DataLoader) -> None:
     """Stop the persistent workers of ``loaders`` now (torch has no public call for it)."""
     for loader in loaders:
@@ -299,12 +338,13 @@ def build_data(cfg: Config, data_root: str | Path, rank: int, world_size: int, l
     train, val, classes = build_datasets(cfg, Path(data_root))
     sampler = ResumableDistributedSampler(len(train), rank, world_size,  # type: ignore[arg-type]
                                           seed=cfg.seed or 0)
+    check_one_batch(sampler.num_samples, batch_size, world_size)
     extra = loader_options(workers)
     # A private generator: creating loader iterators must not consume the global RNG, which the
     # training step uses (MixUp/CutMix, dropout) and the checkpoint restores.
     seeded = SeededDataset(train, aug_seed)
-    train_loader = DataLoader(seeded, batch_size=batch_size,
-                              sampler=sampler, num_workers=workers, pin_memory=pin_memory,
+    train_loader = DataLoader(seeded, batch_sampler=NoSingleImageBatches(sampler, batch_size),
+                              num_workers=workers, pin_memory=pin_memory,
                               generator=torch.Generator().manual_seed(aug_seed), **extra)
     val_loader = DataLoader(val, batch_size=batch_size, sampler=ShardSampler(len(val), rank,
                                                                               world_size),

@@ -7,12 +7,14 @@ full disk, a socket that listens but never accepts for the silent master, real s
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import (
     TINY,
+    run_main,
     write_image_folder,
 )
 
@@ -52,3 +54,18 @@ def test_impossible_flags_are_refused_before_anything_starts(capsys, tmp_path, a
     assert code == 2
     assert words in one_error_line(capsys.readouterr().err)
     assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------- case 7: a last batch of one
+
+def test_a_last_training_batch_of_one_image_is_dropped_and_validation_is_whole(tmp_path):
+    data = write_image_folder(tmp_path / "data", classes=3, train_per_class=25, val_per_class=3)
+    for extra in sorted((data / "train").glob("*/img24.jpg"))[:2]:
+        extra.unlink()  # 73 training images: 9 batches of 8 and one of 1
+    out = tmp_path / "out"
+    proc = run_main(str(data), *TINY, "--epochs", "1", "--output-dir", str(out))
+    assert proc.returncode == 0, proc.stderr
+    (record,) = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert record["train_images"] == 72  # the one-image batch was left out
+    assert record["val_count"] == 9  # 8 + 1: the validation set is never cut
+    assert "Epoch: [0][9/9]" in proc.stdout
