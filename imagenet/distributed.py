@@ -10,6 +10,8 @@ import fcntl
 import ipaddress
 import logging
 import os
+import select
+import signal
 import socket
 import struct
 from collections.abc import Mapping
@@ -32,6 +34,8 @@ from imagenet.launch import (
 )
 
 log = logging.getLogger(__name__)
+
+PROBE_GRACE = 5.0  # seconds past --dist-timeout before a silent master store counts as hung
 
 
 @dataclass(frozen=True)
@@ -120,12 +124,16 @@ def init_distributed(cfg: Config, launch: Launch, local_index: int) -> DistInfo:
     where = f"{host}:{port} as rank {rank} of world size {world}"
     timeout = datetime.timedelta(seconds=cfg.dist_timeout)
     try:
+        if rank != 0 and port is not None and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            probe_master_store(host, port, timeout, where, cfg.dist_timeout)  # type: ignore[arg-type]
         store = elastic_store(env, host, port, world, timeout)  # type: ignore[arg-type]
         dist.init_process_group(backend, init_method=None if store else init_method, store=store,
                                 rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
         # One barrier so a missing peer fails here, named, not in the first all-reduce.
         dist.barrier()
+    except DistributedError:
+        raise
     except Exception as exc:  # torch raises several types (DistNetworkError, RuntimeError, ...)
         cleanup()
         raise DistributedError(_explain(exc, where, cfg.dist_timeout)) from exc
@@ -149,6 +157,58 @@ def elastic_store(env: Mapping[str, str], host: str, port: int | None, world: in
         return None
     shared = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
     return dist.PrefixStore(f"imagenet/attempt_{elastic_restart_count(env)}", shared)
+
+
+def probe_master_store(host: str, port: int, timeout: datetime.timedelta, where: str,
+                       seconds: float) -> None:
+    """Connect to rank 0's store as a client, in a forked child we can stop waiting for.
+
+    torch's TCPStore client waits without limit when the address accepts the connection but
+    never answers (another program listening there, a stuck process); --dist-timeout bounds it
+    here. A store that is not up yet is retried by torch until the timeout, as usual. A child
+    process, not a thread: a thread stuck inside torch cannot be stopped, and makes the exit
+    abort.
+    """
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: connect, write torch's error (if any), leave without cleanup
+        os.close(read_end)
+        message = b""
+        try:
+            dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+        except Exception as exc:  # torch raises several types; reported in its words
+            message = (str(exc) or type(exc).__name__).encode()[:4096]
+        os.write(write_end, message)
+        os._exit(0)
+    os.close(write_end)
+    answered = False
+    try:
+        answered = bool(select.select([read_end], [], [], seconds + PROBE_GRACE)[0])
+        message = os.read(read_end, 4096).decode(errors="replace") if answered else None
+    finally:
+        os.close(read_end)
+        if not answered:
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    if message is None and accepts_connections(host, port):
+        raise DistributedError(
+            f"could not form the process group at {where}: the address accepts connections "
+            f"but did not answer as a rendezvous store within --dist-timeout {seconds:g}s (is "
+            "another program listening on that port, or rank 0 stuck?); check --dist-url / "
+            "MASTER_ADDR:MASTER_PORT and that rank 0 runs this trainer")
+    if message is None:
+        message = f"no answer from {host}:{port}"
+    if message:
+        raise DistributedError(_explain(RuntimeError(message), where, seconds))
+
+
+def accepts_connections(host: str, port: int) -> bool:
+    """True when a TCP connection to ``host:port`` is accepted (by the kernel at least)."""
+    try:
+        with socket.create_connection((host, port), timeout=5):
+            return True
+    except OSError:
+        return False
 
 
 def _explain(exc: Exception, where: str, timeout: float) -> str:

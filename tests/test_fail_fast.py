@@ -8,13 +8,17 @@ full disk, a socket that listens but never accepts for the silent master, real s
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import (
     TINY,
+    child_env,
+    main_cmd,
     run_main,
+    run_parallel,
     write_image_folder,
 )
 
@@ -69,3 +73,19 @@ def test_a_last_training_batch_of_one_image_is_dropped_and_validation_is_whole(t
     assert record["train_images"] == 72  # the one-image batch was left out
     assert record["val_count"] == 9  # 8 + 1: the validation set is never cut
     assert "Epoch: [0][9/9]" in proc.stdout
+
+
+# ---------------------------------------------------------------- case 8: a silent master
+
+def test_a_master_port_that_listens_but_never_answers_ends_after_the_timeout(data, tmp_path):
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # the kernel completes connections; nobody ever accepts them
+        port = silent.getsockname()[1]
+        cmd = main_cmd(str(data), *TINY, "--world-size", "2", "--rank", "1", "--dist-url",
+                       f"tcp://127.0.0.1:{port}", "--dist-timeout", "3")
+        (result,) = run_parallel([cmd], [child_env()], tmp_path / "logs", timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    line = one_error_line(result.stderr)
+    assert f"127.0.0.1:{port} as rank 1 of world size 2" in line
+    assert "accepts connections but did not answer" in line and "--dist-timeout 3s" in line
