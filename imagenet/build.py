@@ -124,10 +124,7 @@ def build_engine(cfg: Config, raw: nn.Module, model: nn.Module, device: torch.de
 
 def build_run(cfg: Config, dist: DistInfo, layout: Layout) -> Run:
     """Data, model and engine for this process (no resume yet)."""
-    output_dir = Path(cfg.output_dir)
-    if dist.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        files.remove_stale_temp_files(output_dir)
+    output_dir = Path(cfg.output_dir)  # made, checked and locked by preflight.claim_output_dir
     # Model init uses the same seed on every rank; augmentation gets its own per-sample seeds.
     seed_process(cfg.seed)
     aug_seed = cfg.seed if cfg.seed is not None else random.SystemRandom().randrange(2**31)

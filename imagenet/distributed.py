@@ -222,6 +222,22 @@ def _explain(exc: Exception, where: str, timeout: float) -> str:
             "host, and that --world-size matches the number of processes")
 
 
+def raise_agreed(error: Exception | None) -> None:
+    """Every rank raises the error of the lowest rank that has one, or none does. Collective.
+
+    For checks that one rank (or each rank on its share) makes before the ranks go on together:
+    a rank that stopped alone would leave the others waiting in their next collective.
+    """
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Exception | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, error)
+        first = next((i for i, e in enumerate(gathered) if e is not None), None)
+        if first is not None and first != dist.get_rank():
+            error = gathered[first]  # a copy; this rank's own error keeps its traceback
+    if error is not None:
+        raise error
+
+
 def cleanup() -> None:
     """Destroy the process group if one exists (safe to call twice)."""
     if dist.is_available() and dist.is_initialized():

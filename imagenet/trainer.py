@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import logging
 import time
 from collections.abc import Callable
@@ -20,6 +22,7 @@ from imagenet.errors import Preempted
 from imagenet.launch import Layout
 from imagenet.logger import RunLogger, print_val_progress
 from imagenet.preemption import StopFlag
+from imagenet.preflight import check_before_training, claim_output_dir
 
 log = logging.getLogger(__name__)
 
@@ -28,27 +31,36 @@ def run_training(cfg: Config, dist: DistInfo, layout: Layout) -> dict[str, float
     """Train (or evaluate with -e) in this process; the entry point of every rank."""
     run = build_run(cfg, dist, layout)
     try:
-        derived = describe(run)
-        resume(run)
-        if cfg.evaluate:
-            return validate(run, run.engine.parts.model)
-        # Scalars are logged at the number of completed steps: the checkpoint's global_step is
-        # the last one that counts; later ones came from a killed run (or, starting fresh in a
-        # used folder, from an older run) and are purged, as are their metrics.jsonl lines.
-        step = run.step.global_step
-        logger = RunLogger(run.output_dir, dist.is_main, purge_step=step + 1 if step else 0)
-        try:
-            logger.drop_epochs_from(run.step.epoch)
-            logger.write_config(cfg.to_dict(), {**derived,
-                                                "torchvision_models": torchvision.__version__})
-            log_augmented_samples(run, logger)
-            return train(run, logger)
-        finally:
-            logger.close()
+        # Rank 0 of a training run holds OUTPUT_DIR's lock until the run ends; -e only reads.
+        with contextlib.nullcontext() if cfg.evaluate else claim_output_dir(cfg, dist):
+            return resume_and_train(run)
     finally:
         # Loader workers ignore SIGTERM (preemption.ignore_stop_signals): stop them here, or
         # multiprocessing's exit handler would terminate them in vain and wait forever.
         shutdown_workers(run.data.train_loader, run.data.val_loader)
+
+
+def resume_and_train(run: Run) -> dict[str, float]:
+    """Resume, check that the run can finish, then train (or evaluate with -e)."""
+    derived = describe(run)
+    resumed = resume(run)
+    if run.cfg.evaluate:
+        return validate(run, run.engine.parts.model)
+    check_before_training(run, resumed)
+    # Scalars are logged at the number of completed steps: the checkpoint's global_step is the
+    # last one that counts; later ones came from a killed run and are purged, as are their
+    # metrics.jsonl lines. (A fresh run finds no earlier record: it was moved aside.)
+    step = run.step.global_step
+    logger = RunLogger(run.output_dir, run.dist.is_main, purge_step=step + 1 if step else 0)
+    try:
+        logger.drop_epochs_from(run.step.epoch)
+        started = datetime.datetime.now().isoformat(timespec="seconds")
+        logger.write_config(run.cfg.to_dict(), {**derived, "started": started,
+                                                "torchvision_models": torchvision.__version__})
+        log_augmented_samples(run, logger)
+        return train(run, logger)
+    finally:
+        logger.close()
 
 
 def train(run: Run, logger: RunLogger) -> dict[str, float]:

@@ -127,7 +127,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(image_folder, 
     assert proc.returncode == 1
     line = _one_error_line(proc.stderr)
     assert "NaN/infinite at epoch 0, step" in line
-    assert (out / "checkpoint.pth.tar").read_bytes() == b"last good"
+    # A fresh run: the earlier run's file was moved aside first, untouched.
+    (kept,) = (out / "previous").glob("*/checkpoint.pth.tar")
+    assert kept.read_bytes() == b"last good"
 
 
 def test_debug_shows_the_traceback(image_folder, tmp_path):

@@ -8,7 +8,10 @@ full disk, a socket that listens but never accepts for the silent master, real s
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -58,6 +61,44 @@ def test_impossible_flags_are_refused_before_anything_starts(capsys, tmp_path, a
     assert code == 2
     assert words in one_error_line(capsys.readouterr().err)
     assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------- case 6: the output folder
+
+def test_output_dir_that_is_a_file_is_refused(capsys, data, tmp_path):
+    target = tmp_path / "notes.txt"
+    target.write_text("mine")
+    code = main([str(data), *TINY, "--epochs", "1", "--output-dir", str(target)])
+    assert code == 2
+    assert f"--output-dir {target} is a file, not a folder" in \
+        one_error_line(capsys.readouterr().err)
+    assert target.read_text() == "mine"
+
+
+def as_unprivileged(cmd: list[str]) -> list[str]:
+    """``cmd`` run without the power to write where permissions say no (root has it)."""
+    if os.geteuid() != 0:
+        return cmd
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: cannot make a folder unwritable")
+    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", *cmd]
+
+
+def test_unwritable_output_dir_is_refused_at_start_and_left_alone(data, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "checkpoint.pth.tar").write_bytes(b"an earlier run's")
+    out.chmod(0o555)
+    try:
+        proc = subprocess.run(as_unprivileged(main_cmd(str(data), *TINY, "--epochs", "1",
+                                                       "--output-dir", str(out))),
+                              capture_output=True, text=True, env=child_env(), timeout=300)
+    finally:
+        out.chmod(0o755)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"--output-dir {out} is not writable (Permission denied)" in \
+        one_error_line(proc.stderr)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pth.tar"]
 
 
 # ---------------------------------------------------------------- case 7: a last batch of one

@@ -88,14 +88,15 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
     barrier()
 
 
-def resume(run: Run) -> None:
-    """Restore model, optimizer, schedule, position, best accuracy and RNG from a checkpoint."""
+def resume(run: Run) -> Path | None:
+    """Restore model, optimizer, schedule, position, best accuracy and RNG from a checkpoint;
+    returns its path (None: a fresh start)."""
     restarted = elastic_restart_count() > 0
     path = files.resolve_resume(run.cfg.resume, run.output_dir, restarted)
     if path is None:
         if run.cfg.resume == "auto" or restarted:
             log.info("=> no checkpoint in %s: starting fresh", run.output_dir)
-        return
+        return None
     log.info("=> loading checkpoint '%s'", path)
     ckpt = files.load_checkpoint(path)
     files.load_model_state(run.raw_model, ckpt, path, run.cfg.arch)
@@ -123,6 +124,7 @@ def resume(run: Run) -> None:
         rng.restore_rng(saved_rng)
     log.info("=> loaded checkpoint '%s' (epoch %d, step %d, best Acc@1 %.3f)", path,
              run.step.epoch, run.step.step_in_epoch, run.best.acc1)
+    return path
 
 
 def same_layout(run: Run, ckpt: dict[str, Any]) -> bool:

@@ -1,0 +1,174 @@
+"""One output folder, one run: the lock, the history of earlier runs, and only good state kept.
+
+Real main.py processes on real folders: a run that holds OUTPUT_DIR is paused (SIGSTOP) in the
+middle of a save while other invocations try the same folder; files are compared by sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import TINY, child_env, main_cmd, run_main, write_image_folder
+
+from imagenet.errors import RunError
+
+pytestmark = pytest.mark.slow
+
+
+def one_error_line(text: str) -> str:
+    """The single ``error:`` line of a failed run (and no traceback)."""
+    lines = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, text
+    assert "Traceback" not in text, text
+    return lines[0]
+
+
+def non_finite_tensors(ckpt: dict) -> list[str]:
+    """Keys of the floating-point tensors (any depth) that hold a NaN or an infinity."""
+    def walk(obj, name):
+        if isinstance(obj, torch.Tensor) and obj.is_floating_point():
+            yield from [] if torch.isfinite(obj).all() else [name]
+        elif isinstance(obj, dict):
+            for key, value in obj.items():
+                yield from walk(value, f"{name}/{key}")
+        elif isinstance(obj, (list, tuple)):
+            for i, value in enumerate(obj):
+                yield from walk(value, f"{name}[{i}]")
+    return list(walk(ckpt, ""))
+
+
+def digests(folder: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under ``folder`` (hidden lock file excluded)."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".run.lock"}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> tuple[Path, Path]:
+    """48 training images (6 steps of 8) and the output folder of a finished 1-epoch run."""
+    base = tmp_path_factory.mktemp("finished")
+    data = write_image_folder(base / "data", train_per_class=16)
+    out = base / "out"
+    proc = run_main(str(data), *TINY, "--epochs", "1", "--seed", "0", "--output-dir", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return data, out
+
+
+def test_a_fresh_run_that_fails_in_a_used_folder_keeps_the_whole_earlier_record(finished,
+                                                                               tmp_path):
+    data, done = finished
+    out = tmp_path / "out"
+    shutil.copytree(done, out)
+    before = digests(out)
+    assert {"metrics.jsonl", "config.json", "checkpoint.pth.tar", "model_best.pth.tar"} \
+        <= set(before) and any(name.startswith("tb/") for name in before)
+    proc = run_main(str(data), *TINY, "--epochs", "1", "--lr", "1e6", "--output-dir", str(out))
+    assert proc.returncode == 1
+    assert "NaN/infinite" in one_error_line(proc.stderr)
+    # Every file of the earlier run, byte for byte, in one folder named after its start time.
+    (moved,) = (out / "previous").iterdir()
+    started = json.loads((done / "config.json").read_text())["started"]
+    assert moved.name == started.replace("T", "_").replace(":", "-")
+    assert digests(moved) == before
+    assert f"moved its checkpoints, metrics.jsonl, config.json and tb/ to {moved}" in proc.stdout
+
+
+def test_the_holder_of_a_folder_is_never_disturbed_and_a_second_run_is_refused(finished,
+                                                                              tmp_path):
+    data, _ = finished
+    out = tmp_path / "out"
+    # Run A: a save every step; paused (SIGSTOP) while a save's temp file exists.
+    run_a = subprocess.Popen(main_cmd(str(data), *TINY, "--epochs", "1", "--save-every", "1",
+                                      "--seed", "1", "--output-dir", str(out)),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=child_env(), start_new_session=True)
+    try:
+        temp = pause_during_a_save(run_a, out)
+        # -e reads without a lock and deletes nothing: A's temp file stays.
+        evaluated = run_main(str(data), *TINY, "-e", "--resume", "auto", "--output-dir",
+                             str(out))
+        assert evaluated.returncode == 0, evaluated.stderr
+        assert temp.exists()
+        # A second training run, fresh or resuming, is refused, naming A.
+        for extra in (["--seed", "2"], ["--resume", "auto"]):
+            proc = run_main(str(data), *TINY, "--epochs", "1", *extra, "--output-dir", str(out))
+            assert proc.returncode == 1, proc.stdout + proc.stderr
+            line = one_error_line(proc.stderr)
+            assert f"--output-dir {out} is in use by another run (host " in line
+            assert f", pid {run_a.pid}, started " in line
+            assert temp.exists() and "Epoch: [" not in proc.stdout
+        os.killpg(run_a.pid, signal.SIGCONT)
+        output = run_a.communicate(timeout=300)[0]
+    finally:
+        if run_a.poll() is None:
+            os.killpg(run_a.pid, signal.SIGKILL)
+            run_a.wait()
+    assert run_a.returncode == 0, output
+    records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [0]  # A's own, once
+    assert json.loads((out / "config.json").read_text())["config"]["seed"] == 1
+    assert not list(out.glob(".*.tmp-*"))
+
+
+def pause_during_a_save(proc: subprocess.Popen, out: Path) -> Path:
+    """SIGSTOP ``proc`` while it writes a checkpoint temp file (after its first save)."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        temps = list(out.glob(".checkpoint.pth.tar.tmp-*"))
+        if temps and (out / "checkpoint.pth.tar").exists():
+            os.killpg(proc.pid, signal.SIGSTOP)
+            if temps[0].exists():
+                return temps[0]
+            os.killpg(proc.pid, signal.SIGCONT)  # the save ended in between: next one
+        time.sleep(0.002)
+    raise AssertionError(f"never caught a save in progress: {proc.communicate()[0]}")
+
+
+def test_a_killed_run_leaves_no_stale_lock(tmp_path):
+    from imagenet.rundir import lock_folder
+
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from imagenet.rundir import lock_folder; lock_folder(Path(sys.argv[1])); "
+         "print('locked', flush=True); time.sleep(600)", str(out)],
+        stdout=subprocess.PIPE, text=True, env=child_env())
+    try:
+        assert holder.stdout.readline().strip() == "locked"  # type: ignore[union-attr]
+        with pytest.raises(RunError, match=f"in use by another run .*pid {holder.pid}, "):
+            lock_folder(out)
+    finally:
+        holder.kill()  # SIGKILL: no handler, no cleanup
+        holder.wait()
+    lock_folder(out).release()  # free at once
+
+
+def test_lock_files_on_filesystems_that_keep_locks_local_are_reported(tmp_path):
+    from imagenet.rundir import host_local_locks
+
+    info = ("36 25 0:45 / {mnt} rw,relatime shared:1 - {fs} server:/export {opts}\n"
+            "22 1 253:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n")
+    mnt = str(tmp_path)
+    assert host_local_locks(tmp_path / "x", info.format(
+        mnt=mnt, fs="nfs4", opts="rw,vers=4.2,local_lock=all")) == "nfs4 mounted with " \
+        "local_lock=all"
+    assert host_local_locks(tmp_path, info.format(mnt=mnt, fs="nfs", opts="rw,nolock")) == \
+        "nfs mounted with nolock"
+    assert host_local_locks(tmp_path, info.format(mnt=mnt, fs="lustre",
+                                                  opts="rw,localflock")) == \
+        "lustre mounted with localflock"
+    assert host_local_locks(tmp_path, info.format(mnt=mnt, fs="nfs4",
+                                                  opts="rw,local_lock=none")) is None
+    assert host_local_locks(tmp_path, info.format(mnt="/elsewhere", fs="nfs4",
+                                                  opts="local_lock=all")) is None
