@@ -240,8 +240,8 @@ def check_finite(bad_step: torch.Tensor, epoch: int) -> None:
     bad = int(bad_step.item())
     if bad >= 0:
         raise NonFiniteLossError(
-            f"the loss became NaN/infinite at epoch {epoch}, step {bad}; training stopped and "
-            "the last good checkpoint is kept. Lower --lr, try --clip-grad-norm, or check the data")
+            f"the loss became NaN/infinite at epoch {epoch}, step {bad}; training stopped. "
+            "Lower --lr, try --clip-grad-norm, or check the data")
 
 
 def _progress(engine: Engine, step: Step, sums: _Sums, loss: torch.Tensor,

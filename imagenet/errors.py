@@ -62,3 +62,7 @@ class Preempted(RunError):
     """A signal asked the run to stop; a checkpoint was saved so a requeue resumes."""
 
     exit_code = 143  # documented in README: same as a process killed by SIGTERM
+
+
+class NonFiniteStateError(RunError):
+    """Weights, BatchNorm statistics or optimizer state became NaN or infinite."""

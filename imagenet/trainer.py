@@ -13,12 +13,13 @@ import torchvision
 from torch import nn
 
 from imagenet.build import Best, Run, build_run
+from imagenet.checkpoint.guard import last_good
 from imagenet.checkpoint.state import resume, save
 from imagenet.config import Config
 from imagenet.data import shutdown_workers
 from imagenet.distributed import DistInfo
 from imagenet.engine import Hooks, Step, evaluate, train_one_epoch
-from imagenet.errors import Preempted
+from imagenet.errors import NonFiniteLossError, Preempted
 from imagenet.launch import Layout
 from imagenet.logger import RunLogger, print_val_progress
 from imagenet.preemption import StopFlag
@@ -89,6 +90,8 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
             run.step.step_in_epoch = 0
             log_epoch(logger, run.step, record)
         stop.drain()
+    except NonFiniteLossError as exc:
+        raise NonFiniteLossError(f"{exc}; {last_good(run.output_dir)}") from None
     finally:
         stop.uninstall()
     if record:

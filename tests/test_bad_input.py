@@ -127,6 +127,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(image_folder, 
     assert proc.returncode == 1
     line = _one_error_line(proc.stderr)
     assert "NaN/infinite at epoch 0, step" in line
+    assert line.endswith("no checkpoint had been saved yet")
     # A fresh run: the earlier run's file was moved aside first, untouched.
     (kept,) = (out / "previous").glob("*/checkpoint.pth.tar")
     assert kept.read_bytes() == b"last good"

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, child_env, main_cmd, run_main, write_image_folder
+from helpers import TINY, child_env, load_checkpoint, main_cmd, run_main, write_image_folder
 
-from imagenet.errors import RunError
+from imagenet.cli import main
+from imagenet.errors import CheckpointError, RunError
 
 pytestmark = pytest.mark.slow
 
@@ -172,3 +173,52 @@ def test_lock_files_on_filesystems_that_keep_locks_local_are_reported(tmp_path):
                                                   opts="rw,local_lock=none")) is None
     assert host_local_locks(tmp_path, info.format(mnt="/elsewhere", fs="nfs4",
                                                   opts="local_lock=all")) is None
+
+
+def test_only_finite_state_is_saved_and_the_nan_stop_names_the_file_it_kept(finished, tmp_path):
+    data, _ = finished
+    out = tmp_path / "out"
+    # At lr 1e4 the loss stays finite for a few steps after BatchNorm's running_var has gone
+    # to inf (measured: the classic check kept such a checkpoint at step 4).
+    proc = run_main(str(data), *TINY, "--epochs", "1", "--lr", "1e4", "--save-every", "1",
+                    "--seed", "0", "-p", "1", "--output-dir", str(out))
+    assert proc.returncode == 1, proc.stdout
+    line = one_error_line(proc.stderr)
+    kept = load_checkpoint(out / "checkpoint.pth.tar")
+    assert non_finite_tensors(kept) == []  # weights, buffers, optimizer state: all finite
+    assert "NaN/infinite" in line and f"the last good checkpoint, {out}/checkpoint.pth.tar " \
+        f"(it resumes at epoch 0, step {kept['step_in_epoch']}), is kept" in line
+    # A checkpoint that does hold inf (as the old guard kept) is refused, also by -e.
+    kept["state_dict"]["layer1.0.bn1.running_var"][0] = float("inf")
+    torch.save(kept, tmp_path / "diverged.pth.tar")
+    proc = run_main(str(data), *TINY, "-e", "--resume", str(tmp_path / "diverged.pth.tar"),
+                    "--output-dir", str(out))
+    assert proc.returncode == 1
+    assert "holds NaN/infinite values in 1 tensor(s) (first state_dict/layer1.0.bn1." \
+        "running_var)" in one_error_line(proc.stderr)
+
+
+def test_resume_checks_the_class_names(finished, tmp_path, capsys):
+    data, done = finished
+    renamed = tmp_path / "data"
+    shutil.copytree(data, renamed)
+    for split in ("train", "val"):
+        (renamed / split / "class1").rename(renamed / split / "zebra")
+    for extra in (["--epochs", "2"], ["-e"]):
+        code = main([str(renamed), *TINY, *extra, "--resume", str(done / "checkpoint.pth.tar"),
+                     "--output-dir", str(tmp_path / "out")])
+        line = one_error_line(capsys.readouterr().err)
+        assert code == 1
+        assert "was trained on other class names than the data's train/ folders (only in the " \
+            "checkpoint: 'class1'; only in the data: 'zebra'); its labels would be permuted" \
+            in line
+
+
+def test_class_names_in_another_order_are_named():
+    from imagenet.checkpoint.guard import check_resumable
+
+    ckpt = {"state_dict": {"w": torch.ones(1)}, "classes": ["cat", "dog", "fox"]}
+    check_resumable(ckpt, Path("c.pth"), ["cat", "dog", "fox"])
+    check_resumable({"state_dict": {}}, Path("classic.pth"), ["a"])  # no names saved: fine
+    with pytest.raises(CheckpointError, match="label 1 is 'dog' in the checkpoint but 'fox'"):
+        check_resumable(ckpt, Path("c.pth"), ["cat", "fox", "dog"])

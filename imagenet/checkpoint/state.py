@@ -12,7 +12,7 @@ from typing import Any
 
 from imagenet import comm_hooks
 from imagenet.build import Run
-from imagenet.checkpoint import files, rng
+from imagenet.checkpoint import files, guard, rng
 from imagenet.distributed import barrier
 from imagenet.engine import Engine, Step
 from imagenet.launch import elastic_restart_count
@@ -78,6 +78,8 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
     the checkpoint (``resumed_best`` adopts it), never a checkpoint whose best has no file.
     """
     payload = checkpoint_state(run, epoch_done)
+    guard.refuse_non_finite(payload, run.dist.is_main, run.output_dir, run.step.epoch,
+                            run.step.step_in_epoch)
     if run.dist.is_main:
         if is_best_ema:
             files.atomic_save(ema_weights_state(run), run.output_dir / files.BEST_EMA)
@@ -100,6 +102,7 @@ def resume(run: Run) -> Path | None:
     log.info("=> loading checkpoint '%s'", path)
     ckpt = files.load_checkpoint(path)
     files.load_model_state(run.raw_model, ckpt, path, run.cfg.arch)
+    guard.check_resumable(ckpt, path, run.data.classes)
     parts, steps_per_epoch = run.engine.parts, run.engine.opts.steps_per_epoch
     classic = "global_step" not in ckpt  # written by pytorch/examples' main.py
     # Our schedule counts optimizer steps: it only carries over with the same steps per epoch.
