@@ -1,7 +1,8 @@
-"""Before the first training step: claim the output folder, keep an earlier run's record.
+"""Before the first training step: claim the output folder, check that the run can finish.
 
-Rank 0 decides what only it sees (the output folder, its lock); every rank then raises the same
-error, or none does, so no rank starts training while another has stopped.
+Rank 0 decides what only it sees (the output folder, its lock, the disk); every rank then
+raises the same error, or none does, so no rank starts training while another has stopped. An
+error found here costs seconds, not an epoch.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from imagenet import rundir
+import torch
+
+from imagenet import disk, rundir
 from imagenet.build import Run
 from imagenet.checkpoint import files
 from imagenet.config import Config
@@ -58,7 +61,9 @@ def claim_output_dir(cfg: Config, info: DistInfo) -> rundir.FolderLock:
 
 
 def check_before_training(run: Run, resumed: Path | None) -> None:
-    """Rank 0 moves an earlier run's record aside. Collective."""
+    """Room for the checkpoints; then an earlier run's record moved aside (rank 0).
+    Collective."""
+    on_rank0(run.dist, lambda: check_room(run, resumed))
     on_rank0(run.dist, lambda: keep_history(run.output_dir, resumed))
 
 
@@ -76,3 +81,51 @@ def keep_history(folder: Path, resumed: Path | None) -> None:
         log.info("=> %s held an earlier run: moved its checkpoints, metrics.jsonl, config.json "
                  "and tb/ to %s (this run starts fresh; --resume auto continues a run instead)",
                  folder, moved)
+
+
+def checkpoint_bytes(run: Run) -> tuple[int, int]:
+    """Estimated sizes of checkpoint.pth.tar and (with --model-ema) model_best_ema.pth.tar.
+
+    The weights and buffers, the optimizer's per-parameter state (momentum, Adam's moments)
+    and the EMA copy; the rest of a checkpoint is a few kB.
+    """
+    model = sum(t.numel() * t.element_size() for t in run.raw_model.state_dict().values())
+    params = sum(p.numel() * p.element_size() for p in run.raw_model.parameters())
+    ema = model if run.engine.parts.ema is not None else 0
+    return model + params * optimizer_slots(run.engine.parts.optimizer) + ema, ema
+
+
+def optimizer_slots(optimizer: torch.optim.Optimizer) -> int:
+    """Tensors the optimizer keeps per parameter."""
+    group = optimizer.param_groups[0]
+    if isinstance(optimizer, torch.optim.SGD):
+        return int(bool(group["momentum"]))
+    if isinstance(optimizer, torch.optim.RMSprop):
+        return 1 + int(group["momentum"] > 0) + int(bool(group["centered"]))
+    return 2 + int(bool(group.get("amsgrad")))  # Adam / AdamW and, by default, others
+
+
+def check_room(run: Run, resumed: Path | None) -> None:
+    """Fail now when the checkpoints clearly cannot be written, not after an epoch.
+
+    A save writes the new file before replacing the old one, so from the second save on the
+    folder holds two checkpoints for a moment; a resumed checkpoint of this folder already
+    holds the room of one.
+    """
+    size, ema = checkpoint_bytes(run)
+    limit = disk.file_size_limit()
+    if limit is not None and size > limit:
+        raise RunError(f"a checkpoint of this run takes about {disk.human(size)}, more than the "
+                       f"file size limit (ulimit -f = {disk.human(limit)}); raise the limit "
+                       "(ulimit -f unlimited) and start again")
+    several_saves = run.cfg.epochs - run.step.epoch > 1 or run.cfg.save_every > 0
+    need = (size + ema) * (2 if several_saves else 1)
+    own = run.output_dir / files.CHECKPOINT
+    if continues_folder(run.output_dir, resumed) and own.is_file():
+        need -= own.stat().st_size
+    free = disk.free_bytes(run.output_dir)
+    if free is not None and free < need:
+        raise RunError(f"{run.output_dir} has {disk.human(free)} free, but this run needs about "
+                       f"{disk.human(need)} for its checkpoints (one is about "
+                       f"{disk.human(size + ema)}, and a save writes the new file before it "
+                       "replaces the old); free some space or give another --output-dir")

@@ -12,6 +12,7 @@ from typing import Any
 import torchvision
 from torch import nn
 
+from imagenet import disk
 from imagenet.build import Best, Run, build_run
 from imagenet.checkpoint.guard import last_good
 from imagenet.checkpoint.state import resume, save
@@ -33,7 +34,8 @@ def run_training(cfg: Config, dist: DistInfo, layout: Layout) -> dict[str, float
     run = build_run(cfg, dist, layout)
     try:
         # Rank 0 of a training run holds OUTPUT_DIR's lock until the run ends; -e only reads.
-        with contextlib.nullcontext() if cfg.evaluate else claim_output_dir(cfg, dist):
+        with (contextlib.nullcontext() if cfg.evaluate else claim_output_dir(cfg, dist)), \
+                disk.full_disk_is_an_error(run.output_dir):
             return resume_and_train(run)
     finally:
         # Loader workers ignore SIGTERM (preemption.ignore_stop_signals): stop them here, or

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import resource
 import shutil
 import socket
 import subprocess
+import sys
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -19,6 +23,7 @@ import torch
 from helpers import (
     TINY,
     child_env,
+    load_checkpoint,
     main_cmd,
     run_main,
     run_parallel,
@@ -99,6 +104,111 @@ def test_unwritable_output_dir_is_refused_at_start_and_left_alone(data, tmp_path
     assert f"--output-dir {out} is not writable (Permission denied)" in \
         one_error_line(proc.stderr)
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pth.tar"]
+
+
+def limit_file_size(limit: int):
+    """preexec_fn: this process may not write files larger than ``limit`` bytes (ulimit -f)."""
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+
+def test_a_file_size_limit_too_small_for_a_checkpoint_fails_at_start(data, tmp_path):
+    proc = subprocess.run(main_cmd(str(data), *TINY, "--epochs", "1", "--output-dir",
+                                   str(tmp_path / "out")),
+                          capture_output=True, text=True, env=child_env(), timeout=300,
+                          preexec_fn=limit_file_size(20_000_000))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = one_error_line(proc.stderr)
+    assert "a checkpoint of this run takes about 89.5 MB, more than the file size limit " \
+        "(ulimit -f = 20.0 MB)" in line
+    assert "Epoch: [" not in proc.stdout  # not an epoch spent first
+
+
+def test_a_checkpoint_that_meets_the_file_size_limit_fails_in_one_line_and_keeps_the_old(
+        tmp_path):
+    # CPython ignores SIGXFSZ: the write past the limit fails with EFBIG (the classic trainer
+    # showed torch's zip writer error, "unexpected pos ...", and left the old file in place).
+    script = """
+import resource, sys, torch
+from pathlib import Path
+from imagenet.checkpoint import files
+from imagenet.errors import CheckpointError
+path = Path(sys.argv[1])
+files.atomic_save({"state_dict": {"w": torch.ones(10)}}, path)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, resource.RLIM_INFINITY))
+try:
+    files.atomic_save({"state_dict": {"w": torch.zeros(1_000_000)}}, path)
+except CheckpointError as exc:
+    print(f"error: {exc}")
+"""
+    path = tmp_path / "checkpoint.pth.tar"
+    proc = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True,
+                          text=True, env=child_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert one_error_line(proc.stdout) == (
+        f"error: cannot write {path}: larger than the file size limit (ulimit -f = 1.0 MB); "
+        "free some space or give another --output-dir; the previous file is kept")
+    assert torch.equal(load_checkpoint(path)["state_dict"]["w"], torch.ones(10))
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp file left
+
+
+@cache
+def private_mount_prefix() -> tuple[str, ...] | None:
+    """``unshare`` arguments giving a command a mount namespace of its own, where it may mount
+    a tmpfs (as root, or through a user namespace); None where neither is allowed."""
+    for prefix in (("unshare", "-m"), ("unshare", "-rm")):
+        probe = subprocess.run([*prefix, "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
+                               capture_output=True)
+        if shutil.which("unshare") and probe.returncode == 0:
+            return prefix
+    return None
+
+
+def in_tmpfs(size_mb: int, out: Path, cmd: list[str], then: str = "") -> \
+        subprocess.CompletedProcess:
+    """Run ``cmd`` with ``out`` a fresh ``size_mb`` MB tmpfs (a real full disk), in a private
+    mount namespace; ``then`` is shell run meanwhile (``$pid`` is the command's)."""
+    prefix = private_mount_prefix()
+    if prefix is None:
+        pytest.skip("cannot mount a tmpfs here (needs root or user namespaces)")
+    out.mkdir()
+    script = (f'mount -t tmpfs -o size={size_mb}m tmpfs "$OUT" || exit 97\n'
+              f'"$@" & pid=$!\n{then}\nwait $pid')
+    return subprocess.run([*prefix, "sh", "-c", script, "sh", *cmd], capture_output=True,
+                          text=True, env=child_env(OUT=str(out)), timeout=300)
+
+
+def test_a_disk_too_small_for_the_checkpoints_fails_at_start(data, tmp_path):
+    proc = in_tmpfs(120, tmp_path / "out", main_cmd(str(data), *TINY, "--epochs", "2",
+                                                    "--output-dir", str(tmp_path / "out")))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = one_error_line(proc.stderr)
+    assert re.search(rf"error: {tmp_path}/out has 12\d\.\d MB free, but this run needs about "
+                     r"178\.9 MB for its checkpoints \(one is about 89\.5 MB", line), line
+    assert "Epoch: [" not in proc.stdout
+
+
+def test_a_disk_that_fills_during_the_run_fails_the_next_save_in_one_line(data, tmp_path):
+    out, keep = tmp_path / "out", tmp_path / "keep"
+    keep.mkdir()
+    # After the first checkpoint: pause the run, fill the disk but 2 MB, go on.
+    fill = f'''
+while [ ! -e "$OUT/checkpoint.pth.tar" ] && kill -0 $pid 2>/dev/null; do sleep 0.02; done
+kill -STOP $pid
+avail=$(df --output=avail -B1 "$OUT" | tail -n 1)
+dd if=/dev/zero of="$OUT/filler" bs=65536 count=$(( (avail - 2097152) / 65536 )) 2>/dev/null
+kill -CONT $pid
+wait $pid; code=$?
+ls -A "$OUT" > {keep}/listing; cp "$OUT/checkpoint.pth.tar" {keep}/
+exit $code'''
+    proc = in_tmpfs(250, out, main_cmd(str(data), *TINY, "--epochs", "2", "--save-every", "1",
+                                       "--output-dir", str(out)), then=fill)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = one_error_line(proc.stderr)
+    assert line.startswith(f"error: cannot write {out}/checkpoint.pth.tar: No space left on "
+                           "device (") and line.endswith("the previous file is kept"), line
+    left = (keep / "listing").read_text().split()
+    assert not [name for name in left if ".tmp" in name], left  # no partial file in place
+    assert load_checkpoint(keep / "checkpoint.pth.tar")["step_in_epoch"] >= 1
 
 
 # ---------------------------------------------------------------- case 7: a last batch of one

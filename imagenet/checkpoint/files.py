@@ -9,10 +9,11 @@ import shutil
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
+from imagenet import disk
 from imagenet.errors import CheckpointError, UsageError
 
 log = logging.getLogger(__name__)
@@ -50,16 +51,51 @@ def atomic_save(obj: Mapping[str, Any], path: Path, copies: Sequence[Path] = ())
     """
     tmp = _tmp_name(path)
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        for copy in copies:
-            atomic_copy(tmp, copy)
-        os.replace(tmp, path)
+        try:
+            _save_and_sync(obj, tmp)
+            for copy in copies:
+                atomic_copy(tmp, copy)
+            os.replace(tmp, path)
+        except OSError as exc:
+            if exc.errno not in disk.FULL:
+                raise
+            kept = "; the previous file is kept" if path.is_file() else ""
+            raise CheckpointError(disk.write_failure(path, path.parent, exc) + kept) from None
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
+
+
+class _WriteErrors:
+    """A file object for torch.save that keeps the OSError of a failed write: torch's zip
+    writer reports it only as 'unexpected pos ...'."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _save_and_sync(obj: Mapping[str, Any], path: Path) -> None:
+    """torch.save into ``path`` and fsync; a full disk raises its OSError (ENOSPC, EFBIG)."""
+    with open(path, "wb") as f:
+        recorder = _WriteErrors(f)
+        try:
+            torch.save(obj, recorder)
+        except RuntimeError:
+            if recorder.error is not None:
+                raise recorder.error from None
+            raise
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def atomic_copy(src: Path, dst: Path) -> None:
