@@ -1,13 +1,14 @@
 """Before the first training step: claim the output folder, check that the run can finish.
 
-Rank 0 decides what only it sees (the output folder, its lock, the disk); every rank then
-raises the same error, or none does, so no rank starts training while another has stopped. An
-error found here costs seconds, not an epoch.
+Rank 0 decides what only it sees (the output folder, its lock, the disk); the ranks share the
+check of the validation images; every rank then raises the same error, or none does, so no rank
+starts training while another has stopped. An error found here costs seconds, not an epoch.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -15,11 +16,12 @@ from typing import TypeVar
 import torch
 
 from imagenet import disk, rundir
+from imagenet import transforms as T
 from imagenet.build import Run
 from imagenet.checkpoint import files
 from imagenet.config import Config
 from imagenet.distributed import DistInfo, raise_agreed
-from imagenet.errors import RunError, TrainerError
+from imagenet.errors import DataError, RunError, TrainerError
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +63,10 @@ def claim_output_dir(cfg: Config, info: DistInfo) -> rundir.FolderLock:
 
 
 def check_before_training(run: Run, resumed: Path | None) -> None:
-    """Room for the checkpoints; then an earlier run's record moved aside (rank 0).
-    Collective."""
+    """Room for the checkpoints (rank 0), every validation image readable (all ranks, each its
+    shard); then rank 0 moves an earlier run's record aside. Collective."""
     on_rank0(run.dist, lambda: check_room(run, resumed))
+    raise_agreed(first_bad_val_image(run))
     on_rank0(run.dist, lambda: keep_history(run.output_dir, resumed))
 
 
@@ -129,3 +132,20 @@ def check_room(run: Run, resumed: Path | None) -> None:
                        f"{disk.human(need)} for its checkpoints (one is about "
                        f"{disk.human(size + ema)}, and a save writes the new file before it "
                        "replaces the old); free some space or give another --output-dir")
+
+
+def first_bad_val_image(run: Run) -> DataError | None:
+    """The first unreadable image of this rank's validation shard (the ShardSampler's)."""
+    samples = getattr(run.data.val_loader.dataset, "samples", None)
+    if run.cfg.dummy or samples is None:
+        return None
+    start = time.perf_counter()
+    mine = samples[run.dist.rank::run.dist.world_size]
+    for path, _ in mine:
+        try:
+            T.check_image_file(path, run.cfg.image_backend)
+        except DataError as exc:
+            return DataError(f"{exc}; found by the check of the validation images before "
+                             "training: fix or remove the file")
+    log.debug("checked %d validation images in %.2f s", len(mine), time.perf_counter() - start)
+    return None

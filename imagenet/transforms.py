@@ -18,6 +18,7 @@ import functools
 import io
 import logging
 import math
+import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +48,9 @@ INTERPOLATIONS = {
 ERASE_VALUE = [round(255 * m) for m in IMAGENET_MEAN]
 
 _JPEG_MAGIC = b"\xff\xd8\xff"
+_JPEG_END = b"\xff\xd9"  # the EOI marker
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+_PNG_END = b"\x00\x00\x00\x00IEND\xaeB`\x82"  # the empty IEND chunk and its CRC
 # What PIL raises for unreadable files varies by format plugin: OSError (truncated, unidentified,
 # missing), SyntaxError/struct.error/IndexError/ValueError/EOFError from broken headers.
 _PIL_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error,
@@ -84,13 +88,48 @@ def decode_image(data: bytes, name: str | Path, backend: str = "tensor"
     return torch.from_numpy(np.array(_open_pil(io.BytesIO(data), name))).permute(2, 0, 1)
 
 
+def check_image_file(path: str | Path, backend: str) -> None:
+    """DataError, naming the file and the decoder's reason, if ``path`` cannot be loaded.
+
+    Cheap for the usual files: a JPEG that starts with its SOI marker and ends with its EOI
+    marker, or a PNG that ends with its IEND chunk, is accepted after reading 20 bytes (a file
+    cut short, empty or not an image is caught; damage inside the data is not). Anything else
+    is decoded in full by ``load_image``, which has the last word.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            size = os.fstat(f.fileno()).st_size
+            f.seek(max(size - 12, 0))
+            tail = f.read(12)
+    except OSError as exc:
+        raise DataError(f"cannot read image {path}: {exc.strerror or exc}") from None
+    if head.startswith(_JPEG_MAGIC) and tail.endswith(_JPEG_END):
+        return
+    if head.startswith(_PNG_MAGIC) and tail == _PNG_END:
+        return
+    load_image(path, backend)
+
+
 def _open_pil(source, path: str | Path) -> Image.Image:
     """PIL's fully decoded RGB image; DataError naming ``path`` if it cannot be read."""
     try:
         with Image.open(source) as img:
             return img.convert("RGB")  # convert() forces the lazy decode, so truncation shows here
+    except Image.UnidentifiedImageError:
+        # PIL's own text names the in-memory buffer (<_io.BytesIO object at 0x...>), not a file.
+        raise DataError(f"cannot read image {path}: no image format recognises its first bytes "
+                        f"({_size(path)}: empty, damaged or not an image)") from None
     except _PIL_ERRORS as exc:
-        raise DataError(f"cannot read image {path}: {exc}") from None
+        raise DataError(f"cannot read image {path}: {exc} ({_size(path)})") from None
+
+
+def _size(path: str | Path) -> str:
+    """The file's size for an error message ("0 bytes" explains a lot)."""
+    try:
+        return f"{os.path.getsize(path):,} bytes"
+    except OSError as exc:
+        return exc.strerror or "size unknown"
 
 
 def interpolation_mode(name: str) -> v2.InterpolationMode:

@@ -240,3 +240,43 @@ def test_a_master_port_that_listens_but_never_answers_ends_after_the_timeout(dat
     line = one_error_line(result.stderr)
     assert f"127.0.0.1:{port} as rank 1 of world size 2" in line
     assert "accepts connections but did not answer" in line and "--dist-timeout 3s" in line
+
+
+# ---------------------------------------------------------------- case 9: bad validation images
+
+def test_a_bad_validation_image_is_found_before_training_on_every_rank(data, tmp_path):
+    broken = tmp_path / "data"
+    shutil.copytree(data, broken)
+    bad = broken / "val" / "class0" / "img1.jpg"  # validation image 1: rank 1's shard
+    bad.write_bytes(b"<html>404</html>")
+    out = tmp_path / "out"
+    cmd = main_cmd(str(broken), *TINY, "--epochs", "1", "--multiprocessing-distributed",
+                   "--nproc-per-node", "2", "--output-dir", str(out))
+    (result,) = run_parallel([cmd], [child_env()], tmp_path / "logs", timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    reason = f"cannot read image {bad}: no image format recognises its first bytes (16 bytes: " \
+        "empty, damaged or not an image); found by the check of the validation images"
+    assert f"\nerror: {reason}" in "\n" + result.stderr  # rank 0 stops with rank 1's finding
+    assert f"[rank 1] error: {reason}" in result.stderr
+    assert "object at 0x" not in result.stderr
+    assert "Epoch: [" not in result.stdout and not (out / "checkpoint.pth.tar").exists()
+
+
+def test_the_image_check_reads_ends_and_leaves_the_rest_to_the_decoder(tmp_path):
+    from PIL import Image
+
+    from imagenet.errors import DataError
+    from imagenet.transforms import check_image_file
+
+    good = tmp_path / "good.jpg"
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(good, quality=90)
+    Image.new("RGB", (40, 30)).save(tmp_path / "good.png")
+    (tmp_path / "trailing.jpg").write_bytes(good.read_bytes() + b"\0" * 100)  # decodes fine
+    (tmp_path / "cut.jpg").write_bytes(good.read_bytes()[:-200])
+    (tmp_path / "empty.jpg").write_bytes(b"")
+    for name in ("good.jpg", "good.png", "trailing.jpg"):
+        check_image_file(tmp_path / name, "tensor")
+    with pytest.raises(DataError, match=r"cut\.jpg: (image file is truncated|Truncated File Read)"):
+        check_image_file(tmp_path / "cut.jpg", "tensor")
+    with pytest.raises(DataError, match=r"empty\.jpg: no image format .* \(0 bytes"):
+        check_image_file(tmp_path / "empty.jpg", "pil")

@@ -192,10 +192,11 @@ def test_missing_peer_ends_within_the_timeout(data, tmp_path):
 def test_a_rank_failing_mid_run_stops_the_job(data, tmp_path):
     # Validation image 1 is rank 1's first (ShardSampler: odd indices on rank 1 of 2). When it
     # fails, rank 0 (waiting in the all-reduce) must not hang: the whole job ends, code 1.
+    # Its JPEG start and end markers pass the check before training; its decoding fails.
     broken = tmp_path / "data"
     shutil.copytree(data, broken)
     first = sorted((broken / "val" / "class0").glob("*.jpg"))[1]
-    first.write_bytes(b"not a jpeg")
+    first.write_bytes(b"\xff\xd8\xff not a jpeg \xff\xd9")
     out = tmp_path / "out"
     cmd = main_cmd(str(broken), *RUN, "--multiprocessing-distributed", "--nproc-per-node", "2",
                    "-b", "8", "--output-dir", str(out))
