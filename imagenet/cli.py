@@ -87,6 +87,7 @@ def _spawn(cfg: Config, launch: Launch, announce: str) -> int:
     # do not reach the spawned children (a fresh interpreter each), unlike SIG_IGN: SIGINT is
     # ignored only once they run, and Ctrl-C reaches them from the terminal already.
     handlers = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    code = 0
     try:
         log.info("%s", announce)
         ctx = mp.start_processes(_worker, args=(cfg, launch, master),
@@ -102,15 +103,17 @@ def _spawn(cfg: Config, launch: Launch, announce: str) -> int:
         # if any, came before; a signal death such as the OOM killer's has none).
         code, message = child_exit(exc.error_index, exc.exit_code, exc.signal_name)
         print(message, file=sys.stderr, flush=True)
-        return code
     except mp.ProcessRaisedException as exc:
         print(f"error: training process {exc.error_index} of this node failed:\n{exc}",
               file=sys.stderr, flush=True)
-        return 1
+        code = 1
     finally:
-        for sig, previous in handlers.items():
-            signal.signal(sig, previous)
-    return 0
+        # Preempted: a further Ctrl-C or SIGTERM until this process exits must not turn the
+        # exit code a requeue waits for (PREEMPT_EXIT_CODE) into 130.
+        if code != PREEMPT_EXIT_CODE:
+            for sig, previous in handlers.items():
+                signal.signal(sig, previous)
+    return code
 
 
 def child_exit(index: int, exit_code: int | None, signal_name: str | None) -> tuple[int, str]:

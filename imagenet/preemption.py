@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Iterable, Iterator, Sized
 from types import FrameType
 
 import torch
@@ -37,6 +38,10 @@ def ignore_stop_signals(_worker_id: int = 0) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+class StopRequested(Exception):
+    """Raised by ``StopBetweenBatches`` on every rank when a stop was agreed."""
+
+
 class StopFlag:
     """Set by the signal handlers; agreed across ranks by ``should_stop``."""
 
@@ -47,6 +52,7 @@ class StopFlag:
         self._group = None
         self._pending: tuple[torch.Tensor, object] | None = None
         self._previous: dict[int, object] = {}
+        self._stopped = False  # the stop is over (saved); a later signal exits at once
 
     def install(self) -> None:
         """Catch the preemption signals in this process."""
@@ -63,7 +69,10 @@ class StopFlag:
             sig, when = self._first
             if sig == signum and now - when < DUPLICATE_WINDOW:
                 return  # the same delivery through a second path
-            log.warning("second signal (%s): exiting now without saving", name)
+            log.warning("second signal (%s): exiting now %s", name,
+                        "(the checkpoint is saved)" if self._stopped else "without saving")
+            os._exit(PREEMPT_EXIT_CODE)
+        if self._stopped:  # agreed from another rank and saved: nothing is left to do
             os._exit(PREEMPT_EXIT_CODE)
         self._first = (signum, now)
         self.requested = name
@@ -86,6 +95,22 @@ class StopFlag:
         self.stopping = self.stopping or agreed
         return self.stopping
 
+    def settle(self) -> bool:
+        """Like ``should_stop``, but agreed at once (a blocking all-reduce): for the points
+        where no later step would ask, such as the end of an epoch."""
+        if self._group is None:
+            return self.should_stop()
+        agreed = self.stopping
+        if self._pending is not None:
+            flag, work = self._pending
+            work.wait()  # type: ignore[attr-defined]
+            agreed = agreed or bool(flag.item())
+            self._pending = None
+        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        self.stopping = agreed or bool(flag.item())
+        return self.stopping
+
     def drain(self) -> None:
         """Finish the outstanding all-reduce so every rank issued the same collectives."""
         if self._pending is not None:
@@ -93,7 +118,40 @@ class StopFlag:
             self._pending = None
 
     def uninstall(self) -> None:
-        """Put back the handlers that were there before ``install``."""
+        """Put back the handlers that were there before ``install``.
+
+        Not once a stop was asked for: until the process exits, a signal must still end it
+        with PREEMPT_EXIT_CODE (a requeue checks for it), never as a KeyboardInterrupt.
+        """
+        if self.requested is not None or self.stopping:
+            self._stopped = True
+            return
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
+
+
+class StopBetweenBatches:
+    """``loader``'s batches; before each, ``stop.should_stop()`` may raise StopRequested.
+
+    should_stop is collective, so every rank must ask equally often: a rank whose shard has
+    fewer than ``asks`` batches asks for the missing ones after its last batch. Every rank then
+    sees the same answer at the same ask and leaves together.
+    """
+
+    def __init__(self, loader: Iterable, stop: StopFlag, asks: int) -> None:
+        self.loader, self.stop, self.asks = loader, stop, asks
+
+    def __len__(self) -> int:
+        return len(self.loader) if isinstance(self.loader, Sized) else self.asks
+
+    def __iter__(self) -> Iterator:
+        asked = 0
+        for batch in self.loader:
+            asked += 1
+            if self.stop.should_stop():
+                raise StopRequested
+            yield batch
+        for _ in range(asked, self.asks):
+            if self.stop.should_stop():
+                raise StopRequested

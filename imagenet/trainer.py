@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,7 @@ from imagenet.engine import Hooks, Step, evaluate, train_one_epoch
 from imagenet.errors import NonFiniteLossError, Preempted
 from imagenet.launch import Layout
 from imagenet.logger import RunLogger, print_val_progress
-from imagenet.preemption import StopFlag
+from imagenet.preemption import StopBetweenBatches, StopFlag, StopRequested
 from imagenet.preflight import check_before_training, claim_output_dir
 
 log = logging.getLogger(__name__)
@@ -84,13 +85,21 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
                 stop.drain()
                 raise stopped(run, stop)
             # Validate the model (and its EMA) on every image once; track the best of each.
-            is_best = validate_and_track(run, run.engine.parts.model, run.best, "", record)
-            is_best_ema = run.best_ema is not None and validate_and_track(
-                run, run.engine.parts.ema, run.best_ema, "ema_", record)
+            try:
+                is_best = validate_and_track(run, run.engine.parts.model, run.best, "", record,
+                                             stop)
+                is_best_ema = run.best_ema is not None and validate_and_track(
+                    run, run.engine.parts.ema, run.best_ema, "ema_", record, stop)
+            except StopRequested:  # validation is not saved state; the trained epoch is
+                stop.drain()
+                save(run, is_best=False)
+                raise stopped(run, stop, "during the validation of") from None
             # Save (best files first), then log the epoch.
             save(run, is_best, epoch_done=True, is_best_ema=is_best_ema)
             run.step.step_in_epoch = 0
             log_epoch(logger, run.step, record)
+            if stop.settle():  # signalled during the save: the epoch is saved, stop now
+                raise stopped(run, stop, "after")
         stop.drain()
     except NonFiniteLossError as exc:
         raise NonFiniteLossError(f"{exc}; {last_good(run.output_dir)}") from None
@@ -128,16 +137,27 @@ def saver(run: Run, stop: StopFlag) -> Callable[[Step, Callable[[], None]], bool
     return after_step
 
 
-def stopped(run: Run, stop: StopFlag) -> Preempted:
+def stopped(run: Run, stop: StopFlag, when: str = "") -> Preempted:
     """The error that ends a run stopped by a signal (its state is saved)."""
-    return Preempted(f"stopped by {stop.requested or 'a signal on another rank'} at epoch "
-                     f"{run.step.epoch} step {run.step.step_in_epoch}; checkpoint saved in "
-                     f"{run.output_dir}; resume with --resume auto")
+    where = f"{when} epoch {run.step.epoch}" if when else \
+        f"at epoch {run.step.epoch} step {run.step.step_in_epoch}"
+    return Preempted(f"stopped by {stop.requested or 'a signal on another rank'} {where}; "
+                     f"checkpoint saved in {run.output_dir}; resume with --resume auto")
 
 
-def validate(run: Run, model: nn.Module, name: str = "") -> dict[str, float]:
-    """Evaluate ``model`` on the whole validation set and print the classic summary line."""
-    metrics = evaluate(run.engine, model, run.data.val_loader, run.data.val_size,
+def validate(run: Run, model: nn.Module, name: str = "",
+             stop: StopFlag | None = None) -> dict[str, float]:
+    """Evaluate ``model`` on the whole validation set and print the classic summary line.
+
+    With ``stop``, a signal ends it within a batch (StopRequested) on every rank.
+    """
+    loader = run.data.val_loader
+    if stop is not None:
+        # should_stop is collective: every rank asks as often as the largest shard has batches.
+        largest_shard = math.ceil(run.data.val_size / run.dist.world_size)
+        loader = StopBetweenBatches(loader, stop, math.ceil(largest_shard /
+                                                            run.layout.batch_size))
+    metrics = evaluate(run.engine, model, loader, run.data.val_size,
                        print_val_progress if run.dist.is_main else None)
     log.info(" * %sAcc@1 %.3f Acc@5 %.3f  (%d images)", name, metrics["acc1"], metrics["acc5"],
              metrics["count"])
@@ -145,9 +165,9 @@ def validate(run: Run, model: nn.Module, name: str = "") -> dict[str, float]:
 
 
 def validate_and_track(run: Run, model: nn.Module, best: Best, prefix: str,
-                       record: dict[str, Any]) -> bool:
+                       record: dict[str, Any], stop: StopFlag) -> bool:
     """Validate, add ``{prefix}val_*`` and ``best_{prefix}acc1`` to ``record``; True if best."""
-    metrics = validate(run, model, name=prefix.upper().replace("_", " "))
+    metrics = validate(run, model, prefix.upper().replace("_", " "), stop)
     record.update(prefixed(f"{prefix}val_", metrics))
     is_best = best.update(metrics["acc1"])
     record[f"best_{prefix}acc1"] = best.acc1

@@ -12,9 +12,11 @@ import os
 import re
 import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from functools import cache
 from pathlib import Path
 
@@ -280,3 +282,118 @@ def test_the_image_check_reads_ends_and_leaves_the_rest_to_the_decoder(tmp_path)
         check_image_file(tmp_path / "cut.jpg", "tensor")
     with pytest.raises(DataError, match=r"empty\.jpg: no image format .* \(0 bytes"):
         check_image_file(tmp_path / "empty.jpg", "pil")
+
+
+# ---------------------------------------------------------------- case 10: signals
+
+def start(cmd: list[str]) -> subprocess.Popen:
+    """main.py in its own process group, output (stdout and stderr) read line by line."""
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=child_env(PYTHONUNBUFFERED="1"), start_new_session=True)
+
+
+def read_until(proc: subprocess.Popen, text: str) -> list[str]:
+    """Output lines up to the first that contains ``text``."""
+    lines = []
+    for line in proc.stdout:  # type: ignore[union-attr]
+        lines.append(line)
+        if text in line:
+            return lines
+    proc.wait()
+    raise AssertionError(f"'{text}' never printed:\n{''.join(lines)}")
+
+
+def test_a_signal_during_validation_stops_within_a_batch_and_keeps_the_trained_epoch(tmp_path):
+    # 60 validation images at 224 px: about a second per batch of 8 on one CPU core.
+    data = write_image_folder(tmp_path / "data", val_per_class=20, size=260)
+    out = tmp_path / "out"
+    cmd = main_cmd(str(data), *TINY, "--val-resize-size", "232", "--val-crop-size", "224",
+                   "-p", "1", "--epochs", "1", "--output-dir", str(out))
+    proc = start(cmd)
+    try:
+        lines = read_until(proc, "Test: [1/8]")
+        os.killpg(proc.pid, signal.SIGINT)
+        output = "".join(lines) + proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, output
+    assert one_error_line(output) == (f"error: stopped by SIGINT during the validation of epoch "
+                                      f"0; checkpoint saved in {out}; resume with --resume auto")
+    batches = [int(b) for b in re.findall(r"^Test: \[(\d)/8\]", output, flags=re.M)]
+    assert max(batches) < 8, output  # it did not wait for the end of the validation
+    ckpt = load_checkpoint(out / "checkpoint.pth.tar")
+    assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["steps_per_epoch"]) == (0, 3, 3)
+    # The resumed run validates the trained epoch, and that is all that was left.
+    proc = run_main(*cmd[2:], "--resume", "auto")
+    assert proc.returncode == 0, proc.stderr
+    assert "Epoch: [" not in proc.stdout
+    (record,) = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert (record["epoch"], record["val_count"]) == (0, 60)
+
+
+def test_ranks_with_unequal_validation_shards_stop_validation_together(tmp_path):
+    # 33 validation images on 2 ranks, 4 per batch: 5 batches on rank 0, 4 on rank 1, which
+    # must still take part in the stop agreement of rank 0's fifth batch.
+    data = write_image_folder(tmp_path / "data", val_per_class=11, size=260)
+    out = tmp_path / "out"
+    proc = start(main_cmd(str(data), *TINY, "--val-resize-size", "232", "--val-crop-size",
+                          "224", "-p", "1", "--epochs", "1", "--multiprocessing-distributed",
+                          "--nproc-per-node", "2", "--output-dir", str(out)))
+    try:
+        lines = read_until(proc, "Test: [1/5]")
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: every process of the job
+        output = "".join(lines) + proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, output
+    assert f"\nerror: stopped by SIGINT during the validation of epoch 0; checkpoint saved in " \
+        f"{out}" in output
+    assert max(int(b) for b in re.findall(r"^Test: \[(\d)/5\]", output, flags=re.M)) < 5
+    ckpt = load_checkpoint(out / "checkpoint.pth.tar")
+    assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["world_size"]) == (0, 3, 2)
+
+
+def test_a_signal_after_the_stopped_line_still_exits_143(data, tmp_path):
+    proc = start(main_cmd(str(data), *TINY, "-j", "2", "-p", "1", "--epochs", "1",
+                          "--output-dir", str(tmp_path / "out")))
+    try:
+        lines = read_until(proc, "Epoch: [0][1/3]")
+        os.killpg(proc.pid, signal.SIGINT)
+        lines += read_until(proc, "error: stopped by SIGINT")
+        # Frozen while it shuts down, then a second Ctrl-C more than a second after the first.
+        os.killpg(proc.pid, signal.SIGSTOP)
+        assert proc.poll() is None, "exited before the second signal: nothing was tested"
+        time.sleep(1.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGCONT)
+        output = "".join(lines) + proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, output
+    assert "KeyboardInterrupt" not in output and "Traceback" not in output, output
+
+
+def test_a_second_signal_once_the_stop_is_over_exits_143(tmp_path):
+    # The trainer's order: stop flag installed, signal, stop agreed, saved, uninstalled; then
+    # a second Ctrl-C before the process has exited.
+    script = """
+import os, signal, time
+from imagenet.preemption import StopFlag
+flag = StopFlag()
+flag.install()
+os.kill(os.getpid(), signal.SIGINT)
+assert flag.should_stop()
+flag.uninstall()
+time.sleep(1.2)
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(5)
+print("still alive", flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=child_env(), timeout=60)
+    assert proc.returncode == 143, proc.stdout + proc.stderr
+    assert "still alive" not in proc.stdout and "KeyboardInterrupt" not in proc.stderr
+    assert "second signal (SIGINT): exiting now (the checkpoint is saved)" in proc.stderr
