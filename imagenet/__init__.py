@@ -7,9 +7,10 @@ Starting
   errors       the exceptions cli turns into exit codes (2 usage, 1 runtime, 143 preempted).
   launch       pure decisions: launch mode, each process's rank and device, the backend, and the
                per-process batch and loader workers (Layout). Reads the launchers' variables.
-  distributed  joins the process group (errors that say what to check), barrier, cleanup.
+  distributed  joins the process group (errors that say what to check), barrier, agreed
+               errors, cleanup.
 
-One training process (trainer.run_training: build -> resume -> train)
+One training process (trainer.run_training: build -> claim the folder -> resume -> check -> train)
   build        Run: everything a process holds, built from the flags; build_engine makes the
                objects of a training step (also used by the tests and benchmarks).
   data         datasets, the resumable training sampler, the exact validation shards, loaders;
@@ -20,8 +21,13 @@ One training process (trainer.run_training: build -> resume -> train)
   models       a torchvision model by name, its weights; wrapped for DDP (and unwrapped).
   comm_hooks   DDP gradient compression for slow links (fp16/bf16/PowerSGD) and its state.
   optim        optimizer, per-iteration learning-rate schedule, loss, EMA.
+  rundir       the output folder belongs to one run: its lock, earlier runs moved to previous/.
+  preflight    before the first step: the folder claimed, room for the checkpoints, every
+               validation image readable; every rank raises the same error.
+  disk         free space, the file size limit, one line for a write that did not fit.
   checkpoint   files (atomic writes, safe loads), state (what a run saves, how a resume puts it
-               back), rng (every rank's random streams).
+               back), guard (only finite state, the same class names), rng (every rank's random
+               streams).
   trainer      the epoch loop: train, validate, keep the best, save, log.
   engine       train_one_epoch and evaluate; dicts in, dicts out, no files.
   metrics      top-k counts and sums that stay on the device and are all-reduced once.
