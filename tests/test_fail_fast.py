@@ -303,21 +303,28 @@ def read_until(proc: subprocess.Popen, text: str) -> list[str]:
     raise AssertionError(f"'{text}' never printed:\n{''.join(lines)}")
 
 
+def interrupt_when(cmd: list[str], text: str) -> tuple[int, str]:
+    """Run ``cmd``; Ctrl-C (SIGINT to its whole process group) once it prints ``text``.
+    Returns its exit code and output."""
+    proc = start(cmd)
+    try:
+        lines = read_until(proc, text)
+        os.killpg(proc.pid, signal.SIGINT)
+        rest = proc.communicate(timeout=300)[0]
+        return proc.returncode, "".join(lines) + rest
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def test_a_signal_during_validation_stops_within_a_batch_and_keeps_the_trained_epoch(tmp_path):
     # 60 validation images at 224 px: about a second per batch of 8 on one CPU core.
     data = write_image_folder(tmp_path / "data", val_per_class=20, size=260)
     out = tmp_path / "out"
     cmd = main_cmd(str(data), *TINY, "--val-resize-size", "232", "--val-crop-size", "224",
                    "-p", "1", "--epochs", "1", "--output-dir", str(out))
-    proc = start(cmd)
-    try:
-        lines = read_until(proc, "Test: [1/8]")
-        os.killpg(proc.pid, signal.SIGINT)
-        output = "".join(lines) + proc.communicate(timeout=300)[0]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 143, output
+    code, output = interrupt_when(cmd, "Test: [1/8]")
+    assert code == 143, output
     assert one_error_line(output) == (f"error: stopped by SIGINT during the validation of epoch "
                                       f"0; checkpoint saved in {out}; resume with --resume auto")
     batches = [int(b) for b in re.findall(r"^Test: \[(\d)/8\]", output, flags=re.M)]
@@ -337,17 +344,11 @@ def test_ranks_with_unequal_validation_shards_stop_validation_together(tmp_path)
     # must still take part in the stop agreement of rank 0's fifth batch.
     data = write_image_folder(tmp_path / "data", val_per_class=11, size=260)
     out = tmp_path / "out"
-    proc = start(main_cmd(str(data), *TINY, "--val-resize-size", "232", "--val-crop-size",
-                          "224", "-p", "1", "--epochs", "1", "--multiprocessing-distributed",
-                          "--nproc-per-node", "2", "--output-dir", str(out)))
-    try:
-        lines = read_until(proc, "Test: [1/5]")
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: every process of the job
-        output = "".join(lines) + proc.communicate(timeout=300)[0]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 143, output
+    code, output = interrupt_when(main_cmd(str(data), *TINY, "--val-resize-size", "232",
+                                           "--val-crop-size", "224", "-p", "1", "--epochs", "1",
+                                           "--multiprocessing-distributed", "--nproc-per-node",
+                                           "2", "--output-dir", str(out)), "Test: [1/5]")
+    assert code == 143, output
     assert f"\nerror: stopped by SIGINT during the validation of epoch 0; checkpoint saved in " \
         f"{out}" in output
     assert max(int(b) for b in re.findall(r"^Test: \[(\d)/5\]", output, flags=re.M)) < 5
