@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
+from torchvision.datasets import DatasetFolder
 
 from imagenet import disk, rundir
 from imagenet import transforms as T
@@ -136,9 +137,10 @@ def check_room(run: Run, resumed: Path | None) -> None:
 
 def first_bad_val_image(run: Run) -> DataError | None:
     """The first unreadable image of this rank's validation shard (the ShardSampler's)."""
-    samples = getattr(run.data.val_loader.dataset, "samples", None)
-    if run.cfg.dummy or samples is None:
+    dataset = run.data.val_loader.dataset
+    if not isinstance(dataset, DatasetFolder):  # --dummy, or tar shards (read whole to check)
         return None
+    samples = dataset.samples
     start = time.perf_counter()
     mine = samples[run.dist.rank::run.dist.world_size]
     for path, _ in mine:

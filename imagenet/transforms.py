@@ -119,17 +119,19 @@ def _open_pil(source, path: str | Path) -> Image.Image:
     except Image.UnidentifiedImageError:
         # PIL's own text names the in-memory buffer (<_io.BytesIO object at 0x...>), not a file.
         raise DataError(f"cannot read image {path}: no image format recognises its first bytes "
-                        f"({_size(path)}: empty, damaged or not an image)") from None
+                        f"({_size(source)}: empty, damaged or not an image)") from None
     except _PIL_ERRORS as exc:
-        raise DataError(f"cannot read image {path}: {exc} ({_size(path)})") from None
+        raise DataError(f"cannot read image {path}: {exc} ({_size(source)})") from None
 
 
-def _size(path: str | Path) -> str:
-    """The file's size for an error message ("0 bytes" explains a lot)."""
+def _size(source) -> str:
+    """The size of an image's bytes or file, for an error message ("0 bytes" explains a lot)."""
     try:
-        return f"{os.path.getsize(path):,} bytes"
-    except OSError as exc:
-        return exc.strerror or "size unknown"
+        size = source.getbuffer().nbytes if isinstance(source, io.BytesIO) \
+            else os.path.getsize(source)
+    except OSError:
+        return "size unknown"
+    return f"{size:,} bytes"
 
 
 def interpolation_mode(name: str) -> v2.InterpolationMode:
