@@ -349,8 +349,10 @@ def test_ranks_with_unequal_validation_shards_stop_validation_together(tmp_path)
                                            "--multiprocessing-distributed", "--nproc-per-node",
                                            "2", "--output-dir", str(out)), "Test: [1/5]")
     assert code == 143, output
-    assert f"\nerror: stopped by SIGINT during the validation of epoch 0; checkpoint saved in " \
-        f"{out}" in output
+    # Rank 0 may learn of the stop from rank 1's vote before its own SIGINT handler has run.
+    assert re.search(r"\nerror: stopped by (SIGINT|a signal on another rank) during the "
+                     rf"validation of epoch 0; checkpoint saved in {re.escape(str(out))}",
+                     output), output
     assert max(int(b) for b in re.findall(r"^Test: \[(\d)/5\]", output, flags=re.M)) < 5
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["world_size"]) == (0, 3, 2)

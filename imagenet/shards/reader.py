@@ -44,6 +44,15 @@ class ReadStats:
     read: int = 0  # encoded samples read (whole blocks)
     decoded: int = 0
 
+    def add(self, **counts: int) -> None:
+        """Add to the counters; the streams' threads share one ReadStats."""
+        with _STATS_LOCK:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+
+_STATS_LOCK = threading.Lock()  # module-level: a ReadStats travels to loader workers (pickled)
+
 
 class _Stream:
     """One stretch of the epoch sequence, read front to back as encoded samples."""
@@ -78,10 +87,9 @@ class _Stream:
         if self.reader is None or self.reader_shard != shard or self.reader.index != lo:
             self.close()
             self.reader, self.reader_shard = SampleReader(open_shard(url), url, WANTED), shard
-            self.stats.opened += 1
-            self.stats.skipped += self.reader.skip(lo)
+            self.stats.add(opened=1, skipped=self.reader.skip(lo))
         raw = [self._next(url, count) for _ in range(hi - lo)]
-        self.stats.read += hi - lo
+        self.stats.add(read=hi - lo)
         if hi == count:  # the shard must end here, as _info.json says
             extra = self.reader.next()
             if extra is not None:
