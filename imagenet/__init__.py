@@ -26,8 +26,10 @@ One training process (trainer.run_training: build -> claim the folder -> resume 
                validation image readable; every rank raises the same error.
   disk         free space, the file size limit, one line for a write that did not fit.
   checkpoint   files (atomic writes, safe loads), state (what a run saves, how a resume puts it
-               back), guard (only finite state, the same class names), rng (every rank's random
-               streams).
+               back), guard (only finite state, the same class names), source (which checkpoint
+               every rank resumes: rank 0 decides), changes (the flags and layout that differ
+               from the checkpoint's), rng (every rank's random streams).
+  position     where a run is in epochs and images, in any layout; the schedule rebuilt there.
   trainer      the epoch loop: train, validate, keep the best, save, log.
   engine       train_one_epoch and evaluate; dicts in, dicts out, no files.
   metrics      top-k counts and sums that stay on the device and are all-reduced once.

@@ -7,7 +7,7 @@ the tests and the benchmarks all build their engines with it.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +24,7 @@ from imagenet.errors import UsageError
 from imagenet.launch import Layout
 from imagenet.models import build_model, wrap
 from imagenet.optim import build_criterion, build_ema, build_optimizer, build_scheduler
+from imagenet.position import EpochStart, images_trained
 from imagenet.shards import build_shard_data, data_format
 
 
@@ -59,6 +60,12 @@ class Run:
     best: Best
     best_ema: Best | None  # --model-ema: the EMA weights' best top-1
     aug_seed: int  # augmentation randomness is a function of (aug_seed, epoch, sample)
+    epoch_start: EpochStart = field(default_factory=EpochStart)  # a resume inside an epoch
+
+    def images_trained(self) -> int:
+        """Images of the current epoch's order trained so far, whatever layout trained them."""
+        return images_trained(self.step, self.epoch_start, self.layout.global_batch,
+                              self.data.train.images)
 
 
 def seed_process(seed: int | None) -> None:

@@ -73,7 +73,9 @@ class ResumableDistributedSampler(Sampler):
 
     Yields ``(epoch, index)`` keys for ``SeededDataset``. Every rank gets the same number of
     samples (the permutation is padded by repeating its start, as DistributedSampler does) so DDP
-    ranks never wait for a rank that ran out of data.
+    ranks never wait for a rank that ran out of data. A resumed epoch continues with the items
+    of its permutation after the first ``skip`` (trained before, in any layout: W ranks that
+    each trained n samples trained exactly the first n x W items).
     """
 
     def __init__(self, size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
@@ -81,29 +83,43 @@ class ResumableDistributedSampler(Sampler):
         self.size, self.rank, self.world_size = size, rank, world_size
         self.seed, self.shuffle = seed, shuffle
         self.num_samples = math.ceil(size / world_size)
-        self.epoch, self.start = 0, 0
+        self.epoch, self.skip = 0, 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Select the epoch, skipping the first ``start`` samples of this rank's share."""
-        self.epoch, self.start = epoch, start
+        self.continue_epoch(epoch, start * self.world_size)
+
+    def continue_epoch(self, epoch: int, images: int) -> None:
+        """Select the epoch, continuing after the first ``images`` items of its global order."""
+        self.epoch, self.skip = epoch, min(images, self.size)
+
+    def _order(self) -> list[int]:
+        """The epoch's global order."""
+        if not self.shuffle:
+            return list(range(self.size))
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.size, generator=g).tolist()
 
     def indices(self) -> list[int]:
         """This rank's full index list for the current epoch."""
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.size, generator=g).tolist()
-        else:
-            order = list(range(self.size))
-        total = self.num_samples * self.world_size
-        while len(order) < total:
-            order += order[: total - len(order)]
-        return order[self.rank:total:self.world_size]
+        return _padded_share(self._order(), 0, self.rank, self.world_size)
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        return iter([(self.epoch, i) for i in self.indices()[self.start:]])
+        share = _padded_share(self._order(), self.skip, self.rank, self.world_size)
+        return iter([(self.epoch, i) for i in share])
 
     def __len__(self) -> int:
-        return max(self.num_samples - self.start, 0)
+        return math.ceil((self.size - self.skip) / self.world_size)
+
+
+def _padded_share(order: list[int], skip: int, rank: int, world_size: int) -> list[int]:
+    """Rank ``rank``'s stride of ``order[skip:]``, padded to a multiple of ``world_size`` with
+    the order's first items (DistributedSampler's padding)."""
+    rest = order[skip:]
+    total = math.ceil(len(rest) / world_size) * world_size
+    while len(rest) < total:
+        rest += order[: total - len(rest)]
+    return rest[rank:total:world_size]
 
 
 class NoSingleImageBatches(BatchSampler):
@@ -182,8 +198,16 @@ class TrainData(Protocol):
     def images(self) -> int:
         """Images trained on per epoch, all ranks together."""
 
+    # True when the epoch's order is one sequence strided over the ranks: then any layout can
+    # go on with the rest of it (``continue_after``), whatever layout trained the first part.
+    continues_any_layout: bool
+
     def set_position(self, epoch: int, samples_done: int) -> None:
         """Continue ``epoch`` after this rank's first ``samples_done`` samples."""
+
+    def continue_after(self, epoch: int, images: int) -> None:
+        """Continue ``epoch`` after its first ``images`` images, all ranks together (without
+        ``continues_any_layout``: as this layout's steps so far trained them)."""
 
     def reseed(self, order_seed: int, aug_seed: int) -> None:
         """Adopt a checkpoint's seeds (before the first epoch is loaded)."""
@@ -216,17 +240,27 @@ class FolderTrain:
     def images(self) -> int:
         return self.sampler.num_samples * self.sampler.world_size
 
+    continues_any_layout = True
+
+    @property
+    def order_size(self) -> int:
+        """Items in an epoch's order: the dataset (the sampler pads it for the ranks)."""
+        return self.sampler.size
+
     def set_position(self, epoch: int, samples_done: int) -> None:
         self.sampler.set_epoch(epoch, start=samples_done)
+
+    def continue_after(self, epoch: int, images: int) -> None:
+        self.sampler.continue_epoch(epoch, images)
 
     def reseed(self, order_seed: int, aug_seed: int) -> None:
         self.sampler.seed, self.dataset.seed = order_seed, aug_seed
 
     def preview(self, epoch: int, count: int) -> torch.Tensor:
-        position = self.sampler.epoch, self.sampler.start
+        position = self.sampler.epoch, self.sampler.skip
         self.sampler.set_epoch(epoch)
         indices = self.sampler.indices()[:count]
-        self.sampler.set_epoch(*position)
+        self.sampler.continue_epoch(*position)
         return torch.stack([self.dataset[(epoch, i)][0] for i in indices])
 
 

@@ -30,6 +30,13 @@ def report(exc: TrainerError, debug: bool = False, rank: int = 0) -> int:
     return exc.exit_code
 
 
+def on_every_rank(exc: TrainerError) -> TrainerError:
+    """Mark ``exc`` as raised by every rank at the same point (decided together, e.g. after an
+    all-reduce): no rank has to tell the others (``failures``)."""
+    exc.on_every_rank = True  # type: ignore[attr-defined]
+    return exc
+
+
 class UsageError(TrainerError):
     """Bad flags or paths on the command line (exit code 2, like argparse)."""
 

@@ -117,8 +117,7 @@ def train_rest_of_epoch(run: Run, hooks: Hooks) -> dict[str, float]:
     """Train the epoch from ``run.step.step_in_epoch`` on, continuing the same data order."""
     if run.step.step_in_epoch >= run.engine.opts.steps_per_epoch:
         return {}  # resumed after the last step: only the validation is left
-    run.data.train.set_position(run.step.epoch,
-                                run.layout.samples_before(run.step.step_in_epoch))
+    run.data.train.continue_after(run.step.epoch, run.images_trained())
     return train_one_epoch(run.engine, run.data.train_loader, run.step, hooks)
 
 

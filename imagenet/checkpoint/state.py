@@ -6,17 +6,29 @@
 from __future__ import annotations
 
 import logging
-import warnings
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from imagenet import comm_hooks
 from imagenet.build import Run
 from imagenet.checkpoint import files, guard, rng
+from imagenet.checkpoint.changes import check_ranks_agree, log_changes
+from imagenet.checkpoint.source import agreed_checkpoint, broadcast_weights
+from imagenet.config import Config
 from imagenet.distributed import barrier
-from imagenet.engine import Engine, Step
+from imagenet.engine import Step
+from imagenet.errors import TrainerError, on_every_rank
 from imagenet.launch import elastic_restart_count
 from imagenet.models import unwrap
+from imagenet.position import (
+    EpochStart,
+    ResumePoint,
+    rebuild_schedule,
+    resume_point,
+    schedule_steps,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +43,7 @@ def checkpoint_state(run: Run, epoch_done: bool) -> dict[str, Any]:
     states = rng.gather_rng(run.dist.rank, run.dist.world_size)
     parts, step, layout = run.engine.parts, run.step, run.layout
     epoch, step_in_epoch = (step.epoch + 1, 0) if epoch_done else (step.epoch, step.step_in_epoch)
+    images = 0 if epoch_done else run.images_trained()
     ema = parts.ema
     return {
         # The classic's meaning: the epoch to start at. Mid-epoch it is the current epoch.
@@ -52,9 +65,10 @@ def checkpoint_state(run: Run, epoch_done: bool) -> dict[str, Any]:
         "batch_size": layout.batch_size,
         "grad_accum_steps": layout.grad_accum_steps,
         "steps_per_epoch": run.engine.opts.steps_per_epoch,
-        # Per rank, the samples of this epoch already trained on; the order is (seed, epoch).
-        "sampler": {"seed": run.data.train.order_seed, "epoch": epoch,
-                    "start": layout.samples_before(step_in_epoch)},
+        # The images of this epoch's order (seed, epoch) already trained, by all ranks; "start"
+        # is the same per rank, for readers of older checkpoints.
+        "sampler": {"seed": run.data.train.order_seed, "epoch": epoch, "images": images,
+                    "start": images // layout.world_size},
         "rng": states,  # python, numpy, torch CPU and CUDA states of every rank, by rank
         "comm_hook": comm_hooks.hook_state(parts.model),
         "config": run.cfg.to_dict(),
@@ -91,33 +105,46 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
 
 
 def resume(run: Run) -> Path | None:
-    """Restore model, optimizer, schedule, position, best accuracy and RNG from a checkpoint;
-    returns its path (None: a fresh start)."""
-    restarted = elastic_restart_count() > 0
-    path = files.resolve_resume(run.cfg.resume, run.output_dir, restarted)
-    if path is None:
-        if run.cfg.resume == "auto" or restarted:
+    """Continue from the checkpoint every rank agreed on, as the run this command line describes.
+
+    Weights, optimizer moments, EMA, scaler, position, best accuracy and RNG come from the
+    checkpoint; the hyper-parameters and the learning-rate schedule come from the flags, placed
+    at the checkpoint's point in training (``imagenet.position``). Returns the checkpoint's path
+    (None: a fresh start).
+    """
+    check_ranks_agree(run.cfg, run.dist.world_size)
+    found = agreed_checkpoint(run.cfg.resume, run.output_dir, run.dist)
+    if found is None:
+        if run.cfg.resume == "auto" or elastic_restart_count() > 0:
             log.info("=> no checkpoint in %s: starting fresh", run.output_dir)
+        place_schedule(run, run.step.epoch, 0)  # --start-epoch N: epoch N's learning rate
         return None
+    path, ckpt = found
     log.info("=> loading checkpoint '%s'", path)
-    ckpt = files.load_checkpoint(path)
     files.load_model_state(run.raw_model, ckpt, path, run.cfg.arch)
-    guard.check_resumable(ckpt, path, run.data.classes)
-    parts, steps_per_epoch = run.engine.parts, run.engine.opts.steps_per_epoch
-    classic = "global_step" not in ckpt  # written by pytorch/examples' main.py
-    # Our schedule counts optimizer steps: it only carries over with the same steps per epoch.
-    same_schedule = not classic and ckpt.get("steps_per_epoch", steps_per_epoch) \
-        == steps_per_epoch
-    for key, obj in (("optimizer", parts.optimizer), ("scheduler", parts.scheduler),
-                     ("scaler", parts.scaler), ("ema", parts.ema)):
-        if obj is not None and ckpt.get(key) and (same_schedule or key != "scheduler"):
+    try:  # every rank holds the same checkpoint now: every rank stops here together
+        guard.check_resumable(ckpt, path, run.data.classes)
+    except TrainerError as exc:
+        raise on_every_rank(exc) from None
+    steps_per_epoch = run.engine.opts.steps_per_epoch
+    log_changes(ckpt, run.cfg, run.layout, steps_per_epoch)
+    parts = run.engine.parts
+    restore_optimizer(parts.optimizer, ckpt, run.cfg)
+    for key, obj in (("scaler", parts.scaler), ("ema", parts.ema)):
+        if obj is not None and ckpt.get(key):
             obj.load_state_dict(ckpt[key])
     comm_hooks.load_hook_state(parts.model, ckpt.get("comm_hook"))
     run.best.acc1 = resumed_best(ckpt, path, run.output_dir)
     if run.best_ema is not None:
         run.best_ema.acc1 = resumed_best(ckpt, path, run.output_dir, "best_ema_acc1",
                                          files.BEST_EMA)
-    run.step = resumed_step(run, ckpt, same_schedule, classic)
+    train = run.data.train
+    point = resume_point(ckpt, steps_per_epoch, run.layout.global_batch, same_layout(run, ckpt),
+                         train.order_size if train.continues_any_layout else None)
+    global_step = int(ckpt.get("global_step", point.epoch * steps_per_epoch))
+    run.step = Step(point.epoch, point.step_in_epoch, global_step)
+    run.epoch_start = EpochStart(point.epoch, point.images, point.step_in_epoch)
+    place_schedule(run, point.epoch, point.step_in_epoch)
     run.aug_seed = int(ckpt.get("aug_seed", run.aug_seed))
     # The data order of the epoch being continued, and its augmentation.
     order_seed = int(ckpt["sampler"]["seed"]) if ckpt.get("sampler") else run.data.train.order_seed
@@ -125,9 +152,67 @@ def resume(run: Run) -> Path | None:
     saved_rng = rng.rng_for_rank(ckpt.get("rng"), run.dist.rank)
     if saved_rng is not None and same_layout(run, ckpt):
         rng.restore_rng(saved_rng)
+    broadcast_weights(run.raw_model, parts.ema)
     log.info("=> loaded checkpoint '%s' (epoch %d, step %d, best Acc@1 %.3f)", path,
              run.step.epoch, run.step.step_in_epoch, run.best.acc1)
+    if point.approximated:
+        log_approximation(run, point)
     return path
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, ckpt: dict[str, Any],
+                      cfg: Config) -> None:
+    """The saved optimizer state (momentum, Adam moments) with this command line's
+    hyper-parameters (--lr, --wd, --momentum, ...), which a plain load would overwrite."""
+    saved = ckpt.get("optimizer")
+    if not saved:
+        return
+    saved_opt = (ckpt.get("config") or {}).get("opt", "sgd")  # the classic used SGD
+    if saved_opt != cfg.opt:
+        log.warning("--opt changed from %s to %s: the optimizer state starts afresh", saved_opt,
+                    cfg.opt)
+        return
+    own = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    try:
+        optimizer.load_state_dict(saved)
+    except ValueError as exc:  # other parameter groups: --norm-/--bias-weight-decay changed
+        log.warning("the optimizer state does not fit this run's parameter groups (%s): it "
+                    "starts afresh", exc)
+        return
+    for group, flags in zip(optimizer.param_groups, own):
+        params = group["params"]
+        group.clear()  # the saved settings, initial_lr included, give way to the flags'
+        group.update(flags, params=params)
+
+
+def place_schedule(run: Run, epoch: int, step_in_epoch: int) -> None:
+    """The learning-rate schedule of the flags, at (epoch, step_in_epoch) of this layout."""
+    steps_per_epoch = run.engine.opts.steps_per_epoch
+    done = schedule_steps(epoch, step_in_epoch, steps_per_epoch)
+    if done == 0:
+        return  # build_engine's schedule is already there
+    parts = run.engine.parts
+    parts.scheduler = rebuild_schedule(parts.optimizer, run.cfg, steps_per_epoch, done)
+    log.info("=> learning-rate schedule from the flags at epoch %d, step %d of %d: lr %.6g",
+             epoch, step_in_epoch, steps_per_epoch, parts.optimizer.param_groups[0]["lr"])
+
+
+def log_approximation(run: Run, point: ResumePoint) -> None:
+    """The one line that says what a mid-epoch resume with another layout approximates."""
+    steps = run.engine.opts.steps_per_epoch
+    if point.images == 0:  # tar shards
+        log.info("=> approximated: epoch %d was left after %.2f steps of this layout's global "
+                 "batch %d; tar shards can only continue an epoch in the layout that began it, "
+                 "so the epoch starts over (its schedule too) and those images are trained "
+                 "again", point.epoch, point.exact_step, run.layout.global_batch)
+        return
+    size = run.data.train.order_size
+    log.info("=> approximated: epoch %d was left after %d of its %d images, %.2f steps of this "
+             "run's global batch %d; it continues with the %d images not yet trained, and the "
+             "schedule from step %d of %d (less than a step away), so that the epoch ends "
+             "exactly where a run with this layout throughout would", point.epoch, point.images,
+             size, point.exact_step, run.layout.global_batch, size - point.images,
+             point.step_in_epoch, steps)
 
 
 def same_layout(run: Run, ckpt: dict[str, Any]) -> bool:
@@ -136,27 +221,6 @@ def same_layout(run: Run, ckpt: dict[str, Any]) -> bool:
     return (ckpt.get("world_size") == layout.world_size
             and ckpt.get("batch_size") == layout.batch_size
             and ckpt.get("grad_accum_steps", 1) == layout.grad_accum_steps)
-
-
-def resumed_step(run: Run, ckpt: dict[str, Any], same_schedule: bool, classic: bool) -> Step:
-    """Where training continues; brings the schedule there when it cannot be loaded."""
-    steps_per_epoch = run.engine.opts.steps_per_epoch
-    epoch, step_in_epoch = int(ckpt.get("epoch", 0)), int(ckpt.get("step_in_epoch", 0))
-    global_step = int(ckpt.get("global_step", epoch * steps_per_epoch + step_in_epoch))
-    if step_in_epoch >= ckpt.get("steps_per_epoch", steps_per_epoch):
-        step_in_epoch = steps_per_epoch  # trained; only the validation is left
-    elif step_in_epoch and not same_layout(run, ckpt):
-        log.warning("checkpoint was written mid-epoch with another world size, batch size or "
-                    "--grad-accum-steps; restarting epoch %d from its first step", epoch)
-        step_in_epoch = 0
-        global_step = epoch * steps_per_epoch
-    if not same_schedule:
-        if not classic:
-            log.warning("checkpoint has %s steps per epoch, this run %d: the learning-rate "
-                        "schedule is recomputed", ckpt.get("steps_per_epoch"), steps_per_epoch)
-        fast_forward_schedule(run.engine, global_step if classic
-                              else epoch * steps_per_epoch + step_in_epoch)
-    return Step(epoch, step_in_epoch, global_step)
 
 
 def resumed_best(ckpt: dict[str, Any], path: Path, output_dir: Path, key: str = "best_acc1",
@@ -175,13 +239,3 @@ def resumed_best(ckpt: dict[str, Any], path: Path, output_dir: Path, key: str = 
                  best_file, on_disk, best)
         return on_disk
     return best
-
-
-def fast_forward_schedule(engine: Engine, steps: int) -> None:
-    """Bring our per-iteration schedule to ``steps`` (the classic stored a per-epoch StepLR)."""
-    for group in engine.parts.optimizer.param_groups:
-        group["lr"] = group.get("initial_lr", group["lr"])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()"
-        for _ in range(steps):
-            engine.parts.scheduler.step()

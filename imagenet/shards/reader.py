@@ -273,6 +273,13 @@ class ShardTrain:
                            f"multiple of the batch ({batch})")
         self.sampler.set_position(epoch, samples_done // batch)
 
+    # Each rank reads a contiguous stretch of the epoch: only the layout that trained part of
+    # an epoch can go on with the rest of it.
+    continues_any_layout = False
+
+    def continue_after(self, epoch: int, images: int) -> None:
+        self.set_position(epoch, images // self.sampler.layout["world_size"])
+
     def reseed(self, order_seed: int, aug_seed: int) -> None:
         self.sampler.seed, self.sampler.aug_seed = order_seed, aug_seed
 

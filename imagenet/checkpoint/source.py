@@ -1,0 +1,114 @@
+"""Which checkpoint a resume uses, the same on every rank.
+
+Rank 0 decides (it writes the checkpoints, so it is the rank that sees them) and tells the others
+which file, if any, and its identity. A rank that can read the same file loads it itself; a rank
+that cannot - a node-local output folder, or a stale copy from another run - receives rank 0's.
+Rank 0's errors (a damaged file, a --resume path that does not exist) are raised on every rank
+with the same message. After loading, ``broadcast_weights`` makes the weights and buffers
+rank 0's everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from imagenet import errors
+from imagenet.checkpoint import files
+from imagenet.distributed import DistInfo
+from imagenet.errors import TrainerError
+from imagenet.launch import elastic_restart_count
+
+log = logging.getLogger(__name__)
+
+Found = tuple[Path, dict[str, Any]]
+
+
+def resolve_and_load(resume: str | None, output_dir: Path) -> Found | None:
+    """This process's choice: the checkpoint --resume (or a torchrun restart) names, loaded."""
+    path = files.resolve_resume(resume, output_dir, elastic_restart_count() > 0)
+    return None if path is None else (path, files.load_checkpoint(path))
+
+
+def identity(ckpt: dict[str, Any]) -> list[Any]:
+    """What tells two copies of a checkpoint apart: its position and a sum of its weights."""
+    weights = sum(float(t.double().sum()) for t in ckpt["state_dict"].values()
+                  if isinstance(t, torch.Tensor) and t.is_floating_point())
+    return [ckpt.get("epoch"), ckpt.get("step_in_epoch"), ckpt.get("global_step"), weights]
+
+
+def agreed_checkpoint(resume: str | None, output_dir: Path, info: DistInfo) -> Found | None:
+    """The checkpoint every rank resumes from (None: all start fresh). Collective."""
+    if not info.distributed:
+        return resolve_and_load(resume, output_dir)
+    found, decision = None, None
+    if info.is_main:
+        try:
+            found = resolve_and_load(resume, output_dir)
+            decision = {"path": str(found[0]) if found else None,
+                        "identity": identity(found[1]) if found else None}
+        except TrainerError as exc:
+            decision = {"error": type(exc).__name__, "message": str(exc)}
+    decision = _broadcast(decision)
+    if "error" in decision:
+        error = getattr(errors, decision["error"], errors.RunError)
+        raise errors.on_every_rank(error(decision["message"]))
+    if decision["path"] is None:
+        if resume == "auto" or elastic_restart_count() > 0:
+            _note_ignored_checkpoint(output_dir, info)
+        return None
+    path = Path(decision["path"])
+    if not info.is_main:
+        found = _same_copy(path, decision["identity"], info.rank)
+    needed = [None] * info.world_size
+    dist.all_gather_object(needed, found is None)
+    if any(needed):
+        received = _broadcast(found[1] if found else None)
+        found = found or (path, received)
+    return found
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def _same_copy(path: Path, wanted: list[Any], rank: int) -> Found | None:
+    """``path`` loaded here if it is the file rank 0 chose; None when this rank cannot read it."""
+    try:
+        ckpt = files.load_checkpoint(path)
+    except TrainerError as exc:
+        log.warning("cannot use %s on rank %d (%s): receiving rank 0's copy", path, rank, exc)
+        return None
+    if identity(ckpt) != wanted:
+        log.warning("%s on rank %d is not the file rank 0 resumes from (another run's copy on a "
+                    "node-local disk?): receiving rank 0's copy", path, rank)
+        return None
+    return path, ckpt
+
+
+def _note_ignored_checkpoint(output_dir: Path, info: DistInfo) -> None:
+    """Say so when this rank has a checkpoint that rank 0 does not resume from."""
+    own = output_dir / files.CHECKPOINT
+    if not info.is_main and own.is_file():
+        log.warning("rank 0 starts fresh, so %s on rank %d is not used (checkpoints are read "
+                    "from rank 0's --output-dir)", own, info.rank)
+
+
+def broadcast_weights(*modules: nn.Module | None) -> None:
+    """Every tensor of the modules' state (parameters and buffers) as rank 0 has it."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for module in modules:
+            if module is None:
+                continue
+            for tensor in module.state_dict().values():
+                dist.broadcast(tensor, src=0)
