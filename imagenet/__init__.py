@@ -9,6 +9,8 @@ Starting
                per-process batch and loader workers (Layout). Reads the launchers' variables.
   distributed  joins the process group (errors that say what to check), barrier, agreed
                errors, cleanup.
+  failures     one rank's failure stops every rank within seconds, with its message (through the
+               rendezvous store, for launchers that do not stop the other ranks themselves).
 
 One training process (trainer.run_training: build -> claim the folder -> resume -> check -> train)
   build        Run: everything a process holds, built from the flags; build_engine makes the

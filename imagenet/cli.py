@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from imagenet.config import Config, parse_config
 from imagenet.distributed import cleanup, init_distributed
 from imagenet.errors import INTERRUPTED_EXIT_CODE, TrainerError, report
+from imagenet.failures import stop_together
 from imagenet.launch import (
     Launch,
     check_gpu_flag,
@@ -45,8 +46,9 @@ def _worker(local_index: int, cfg: Config, launch: Launch, master: dict[str, str
         try:
             if info.device.type == "cpu" and info.rank == 0 and not cfg.no_accel:
                 log.info("=> no CUDA device: training on the CPU")
-            run_training(cfg, info, plan_layout(cfg, launch, info.world_size,
-                                                info.local_world_size))
+            with stop_together(cfg, info):  # a failure on any rank ends every rank
+                run_training(cfg, info, plan_layout(cfg, launch, info.world_size,
+                                                    info.local_world_size))
         finally:
             cleanup()
     except TrainerError as exc:

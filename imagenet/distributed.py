@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from imagenet.config import Config
-from imagenet.errors import DistributedError
+from imagenet.errors import DistributedError, TrainerError, on_every_rank
 from imagenet.launch import (
     Launch,
     choose_backend,
@@ -234,6 +234,8 @@ def raise_agreed(error: Exception | None) -> None:
         first = next((i for i, e in enumerate(gathered) if e is not None), None)
         if first is not None and first != dist.get_rank():
             error = gathered[first]  # a copy; this rank's own error keeps its traceback
+    if isinstance(error, TrainerError):
+        on_every_rank(error)  # no rank has to tell the others (failures)
     if error is not None:
         raise error
 

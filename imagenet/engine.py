@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from imagenet.errors import NonFiniteLossError, RunError
+from imagenet.errors import NonFiniteLossError, RunError, on_every_rank
 from imagenet.metrics import DeviceSums, topk_correct
 from imagenet.transforms import normalize
 
@@ -236,12 +237,26 @@ def train_one_epoch(engine: Engine, loader: Iterable, step: Step,
 
 
 def check_finite(bad_step: torch.Tensor, epoch: int) -> None:
-    """Stop with a named epoch and step if any loss so far was NaN or infinite."""
-    bad = int(bad_step.item())
+    """Stop with a named epoch and step if any loss so far, on any rank, was NaN or infinite.
+
+    Every rank checks at the same steps, so every rank stops here, with the same message.
+    """
+    bad = first_bad_step_of_all_ranks(bad_step)
     if bad >= 0:
-        raise NonFiniteLossError(
+        raise on_every_rank(NonFiniteLossError(
             f"the loss became NaN/infinite at epoch {epoch}, step {bad}; training stopped. "
-            "Lower --lr, try --clip-grad-norm, or check the data")
+            "Lower --lr, try --clip-grad-norm, or check the data"))
+
+
+def first_bad_step_of_all_ranks(bad_step: torch.Tensor) -> int:
+    """The earliest step any rank recorded in ``bad_step`` (-1: none). Collective, one sync."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return int(bad_step.item())
+    none = torch.iinfo(torch.long).max
+    earliest = torch.where(bad_step < 0, torch.full_like(bad_step, none), bad_step)
+    dist.all_reduce(earliest, op=dist.ReduceOp.MIN)
+    bad = int(earliest.item())
+    return -1 if bad == none else bad
 
 
 def _progress(engine: Engine, step: Step, sums: _Sums, loss: torch.Tensor,
@@ -303,8 +318,9 @@ def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count:
     totals = sums.read()
     count = int(round(totals["count"]))
     if count != expected_count:
-        raise RunError(f"validated {count} images but the validation set has {expected_count}; "
-                       "the validation shards are inconsistent across ranks")
+        raise on_every_rank(RunError(
+            f"validated {count} images but the validation set has {expected_count}; the "
+            "validation shards are inconsistent across ranks"))
     return {"loss": totals["loss"] / max(count, 1),
             "acc1": 100 * totals["correct1"] / max(count, 1),
             "acc5": 100 * totals["correct5"] / max(count, 1), "count": count,

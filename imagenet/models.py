@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torchvision
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -93,6 +94,19 @@ def wrap(raw: nn.Module, cfg: Config, dist: DistInfo) -> nn.Module:
     comm_hooks.register_comm_hook(model, raw, cfg, dist.backend or "gloo")
     if dist.is_main:
         comm_hooks.log_payload(raw, cfg, dist.world_size)
+    return model
+
+
+def for_evaluation(model: nn.Module) -> nn.Module:
+    """The module to validate: without DDP, whose forward may broadcast buffers (a collective
+    that a rank without validation batches would skip: a hang), and with rank 0's buffers
+    (BatchNorm statistics) on every rank, so every rank validates the model that is saved."""
+    if isinstance(model, DDP):
+        model = model.module
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        with torch.no_grad():
+            for buffer in model.buffers():
+                dist.broadcast(buffer, src=0)
     return model
 
 

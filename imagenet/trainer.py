@@ -21,9 +21,10 @@ from imagenet.config import Config
 from imagenet.data import shutdown_workers
 from imagenet.distributed import DistInfo
 from imagenet.engine import Hooks, Step, evaluate, train_one_epoch
-from imagenet.errors import NonFiniteLossError, Preempted
+from imagenet.errors import NonFiniteLossError, Preempted, on_every_rank
 from imagenet.launch import Layout
 from imagenet.logger import RunLogger, print_val_progress
+from imagenet.models import for_evaluation
 from imagenet.preemption import StopBetweenBatches, StopFlag, StopRequested
 from imagenet.preflight import check_before_training, claim_output_dir
 
@@ -102,7 +103,7 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
                 raise stopped(run, stop, "after")
         stop.drain()
     except NonFiniteLossError as exc:
-        raise NonFiniteLossError(f"{exc}; {last_good(run.output_dir)}") from None
+        raise on_every_rank(NonFiniteLossError(f"{exc}; {last_good(run.output_dir)}")) from None
     finally:
         stop.uninstall()
     if record:
@@ -156,7 +157,7 @@ def validate(run: Run, model: nn.Module, name: str = "",
         largest_shard = math.ceil(run.data.val_size / run.dist.world_size)
         loader = StopBetweenBatches(loader, stop, math.ceil(largest_shard /
                                                             run.layout.batch_size))
-    metrics = evaluate(run.engine, model, loader, run.data.val_size,
+    metrics = evaluate(run.engine, for_evaluation(model), loader, run.data.val_size,
                        print_val_progress if run.dist.is_main else None)
     log.info(" * %sAcc@1 %.3f Acc@5 %.3f  (%d images)", name, metrics["acc1"], metrics["acc5"],
              metrics["count"])
