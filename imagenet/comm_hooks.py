@@ -1,16 +1,18 @@
 """DDP gradient compression for slow links (--ddp-comm-hook), its checkpoint state and traffic.
 
 --ddp-comm-hook uses torch's built-in hooks. fp16/bf16 halve the all-reduce payload; PowerSGD
-sends a rank-r factorisation of each weight matrix (with error feedback and warm start). Two
-things are added around torch's ``powerSGD_hook``, both explained in ``PowerSGDHook``: on gloo
-each bucket's hook waits for the previous bucket's (torch's hook alone aborts gloo runs with
-several buckets), and its per-bucket memory follows DDP's bucket layout, so a bucket rebuild or
-a resume never pairs a bucket with another bucket's memory.
+sends a rank-r factorisation of each weight matrix (with error feedback and warm start). Three
+things are added around torch's ``powerSGD_hook``, explained in ``PowerSGDHook``: on gloo each
+bucket's hook waits for the previous bucket's (torch's hook alone aborts gloo runs with several
+buckets); its per-bucket memory follows DDP's bucket layout, so a bucket rebuild or a resume
+never pairs a bucket with another bucket's memory; and a step whose gradients were not finite
+(an fp16 overflow, which GradScaler skips) does not leave inf/NaN in that memory.
 """
 
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -85,6 +87,39 @@ class PowerSGDHook:
         self.names = {id(p): name for name, p in raw.named_parameters()}
         self.layouts: dict[int, tuple[str, ...]] = {}  # bucket index -> its parameter names
         self.set_aside: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.finite: list[torch.Tensor] = []  # per bucket of the last step: its result was finite
+        self.step_done = False  # the last bucket of a step has reported since the last check
+
+    def forget_overflowed_step(self) -> None:
+        """After a step whose gradients were not finite, drop the memory that step wrote.
+
+        With --amp fp16 an overflow is routine: GradScaler skips that step and lowers the scale.
+        But the step's inf/NaN has already gone into PowerSGD's error feedback and its warm-start
+        Q, and from then on every gradient would be NaN and every step skipped, silently. So the
+        first bucket of the next step checks the previous step's results (all-reduced: every
+        rank decides the same; one host sync per step, and fp16's GradScaler makes one anyway):
+        if any was not finite, the error feedback restarts at zero and P/Q at a new random start
+        - what a resume does, and one step's compression error.
+        """
+        if not self.step_done:  # a later bucket of the step whose flags are being collected
+            return
+        self.step_done = False
+        flags, self.finite = self.finite, []
+        if all(bool(flag) for flag in flags):
+            return
+        log.debug("PowerSGD: a step with non-finite gradients; error feedback and warm start "
+                  "restart")
+        state = self.state
+        for memory in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
+            memory.clear()
+        self.layouts.clear()
+
+    def record_finite(self, last: bool, future: torch.futures.Future) -> torch.Tensor:
+        """``.then`` callback: note whether this bucket's averaged gradient is finite."""
+        result = future.value()
+        self.finite.append(torch.isfinite(result).all())
+        self.step_done = self.step_done or last
+        return result
 
     def follow_layout(self, bucket: torch_dist.GradBucket) -> None:
         """Give bucket ``index`` the memory of its parameters, never another bucket's."""
@@ -109,8 +144,10 @@ def powersgd_hook(hook, bucket):
     """torch's powerSGD_hook, one bucket at a time on gloo (see ``PowerSGDHook``)."""
     if hook.previous is not None:
         hook.previous.wait()  # a no-op once done, e.g. for the first bucket of a step
+    hook.forget_overflowed_step()
     hook.follow_layout(bucket)
-    future = powersgd.powerSGD_hook(hook.state, bucket)
+    future = powersgd.powerSGD_hook(hook.state, bucket).then(
+        partial(hook.record_finite, bucket.is_last()))
     if hook.serialise:
         hook.previous = future
     return future

@@ -46,7 +46,8 @@ def build_model(arch: str, num_classes: int, pretrained: bool = False,
     """torchvision model ``arch``; pretrained weights through torchvision's own loader."""
     chosen = resolve_weights(arch, pretrained, weights)
     if chosen is None:
-        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes,
+                                            **NO_AUX_HEADS.get(arch, {}))
     log.info("=> using pre-trained model '%s' (%s)", arch, chosen)
     try:
         model = torchvision.models.get_model(arch, weights=chosen)
@@ -58,6 +59,26 @@ def build_model(arch: str, num_classes: int, pretrained: bool = False,
             f"{chosen.url}") from None
     if num_classes != len(chosen.meta.get("categories") or []):
         replace_classifier(model, num_classes)
+    return drop_aux_heads(model)
+
+
+# GoogLeNet and Inception-v3 are built without their auxiliary classifiers, as torchvision builds
+# them for its pretrained weights: in train mode they would return the aux logits too, which no
+# loss here expects, and Inception-v3's aux head needs crops of ~300 px. torchvision's reference
+# recipe trains them without aux losses as well. init_weights=True is torchvision's default today
+# (it only warns that it may change).
+NO_AUX_HEADS = {"googlenet": {"aux_logits": False, "init_weights": True},
+                "inception_v3": {"aux_logits": False, "init_weights": True}}
+
+
+def drop_aux_heads(model: nn.Module) -> nn.Module:
+    """GoogLeNet / Inception-v3 with pretrained weights, minus the aux classifiers (torchvision
+    keeps Inception-v3's): train mode then returns plain logits, as eval mode does."""
+    if getattr(model, "aux_logits", False):
+        model.aux_logits = False
+        for name in ("aux1", "aux2", "AuxLogits"):
+            if hasattr(model, name):
+                setattr(model, name, None)
     return model
 
 
