@@ -24,6 +24,7 @@ from imagenet.launch import (
     plan_layout,
     rendezvous,
     resolve_ranks,
+    unlaunched_slurm_tasks,
 )
 from imagenet.logger import setup_logging
 from imagenet.preemption import PREEMPT_EXIT_CODE
@@ -150,6 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         check_gpu_flag(cfg.gpu, cfg.no_accel, cuda_count)
         launch = plan_launch(cfg, os.environ, cuda_count)
+        note = unlaunched_slurm_tasks(os.environ)
+        if note:
+            setup_logging(0, cfg.debug)
+            log.warning("%s", note)
         if launch.mode != "single":  # impossible requests fail here, not in every rank
             device_type = "cuda" if cuda_count and not cfg.no_accel else "cpu"
             choose_backend(cfg.dist_backend, device_type)

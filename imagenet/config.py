@@ -145,9 +145,11 @@ class Config:
                                                "(default: %(default)s)")
     batch_size: int = _flag("-b", "--batch-size", group="optimisation", default=256, type=int,
                             metavar="N",
-                            help="images per step on this node: split across the node's ranks "
-                                 "with --multiprocessing-distributed, else per process; the "
-                                 "global batch is printed at start (default: %(default)s)")
+                            help="images per step, per node with --multiprocessing-distributed "
+                                 "(or several GPUs and no launcher: split across the node's "
+                                 "processes, as the classic), per process under torchrun, srun "
+                                 "and manual --rank; x --grad-accum-steps per optimizer step; "
+                                 "the global batch is printed at start (default: %(default)s)")
     lr: float = _flag("--lr", "--learning-rate", group="optimisation", default=0.1, type=float,
                       metavar="LR", help="initial learning rate (default: %(default)s)")
     momentum: float = _flag("--momentum", group="optimisation", default=0.9, type=float,

@@ -38,9 +38,41 @@ def env_int(env: Mapping[str, str], name: str) -> int | None:
     return int(value) if value not in (None, "") else None
 
 
+def in_srun_step(env: Mapping[str, str]) -> bool:
+    """True in a process that ``srun`` started. An sbatch script (SLURM's batch step) also has
+    SLURM_PROCID and the allocation's SLURM_NTASKS, but no SLURM_STEP_ID: it is one process."""
+    return "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
+
+
+def slurm_tasks(env: Mapping[str, str]) -> int:
+    """Tasks of this SLURM job step (srun -n), else of the allocation; 1 outside SLURM."""
+    return env_int(env, "SLURM_STEP_NUM_TASKS") or env_int(env, "SLURM_NTASKS") or 1
+
+
+def slurm_tasks_per_node(env: Mapping[str, str]) -> int | None:
+    """Tasks of this job step on each node ('2(x3)' counts 2), if SLURM says."""
+    return (env_int(env, "SLURM_NTASKS_PER_NODE")
+            or _first_int(env.get("SLURM_STEP_TASKS_PER_NODE"))
+            or _first_int(env.get("SLURM_TASKS_PER_NODE")))
+
+
 def is_slurm_job_step(env: Mapping[str, str]) -> bool:
     """True inside ``srun`` with several tasks (one process per task is the convention)."""
-    return "SLURM_PROCID" in env and (env_int(env, "SLURM_NTASKS") or 1) > 1
+    return in_srun_step(env) and slurm_tasks(env) > 1
+
+
+def unlaunched_slurm_tasks(env: Mapping[str, str]) -> str | None:
+    """A warning when this runs in an sbatch script whose tasks no srun started, else None.
+
+    Taking the allocation's task count as the world size would make this process rank 0 of N
+    and wait --dist-timeout for peers that never start; it runs as on a plain machine instead.
+    """
+    tasks = env_int(env, "SLURM_NTASKS") or 1
+    if "SLURM_JOB_ID" not in env or in_srun_step(env) or tasks <= 1:
+        return None
+    return (f"SLURM allocated {tasks} tasks, but srun did not start this process (no "
+            "SLURM_STEP_ID: an sbatch script runs once): it runs as one launch on this node. "
+            "For one process per task, start it with `srun python main.py ...`")
 
 
 def plan_launch(cfg: Config, env: Mapping[str, str], cuda_count: int) -> Launch:
@@ -78,9 +110,13 @@ def _plan_spawn(cfg: Config, env: Mapping[str, str], gpus: int) -> Launch:
     nprocs = cfg.nproc_per_node or gpus or 1
     _check_gpus(nprocs, gpus)
     from_env = cfg.dist_url == "env://"  # like the classic: WORLD_SIZE / RANK count nodes then
+    slurm_nodes, slurm_node = _srun_nodes(env)
     nnodes = cfg.world_size if cfg.world_size > 0 else (
-        env_int(env, "WORLD_SIZE") if from_env else None) or 1
-    node_rank = cfg.rank if cfg.rank >= 0 else (env_int(env, "RANK") if from_env else None)
+        env_int(env, "WORLD_SIZE") if from_env else None) or slurm_nodes or 1
+    node_rank = cfg.rank if cfg.rank >= 0 else (
+        env_int(env, "RANK") if from_env else None)
+    if node_rank is None:
+        node_rank = slurm_node
     if node_rank is None:
         if nnodes > 1:
             raise UsageError(f"--world-size {nnodes} nodes: give each node its --rank "
@@ -92,6 +128,21 @@ def _plan_spawn(cfg: Config, env: Mapping[str, str], gpus: int) -> Launch:
     return Launch("spawn", nprocs, nnodes, node_rank,
                   f"--multiprocessing-distributed: {nprocs} process(es) on node {node_rank} "
                   f"of {nnodes}")
+
+
+def _srun_nodes(env: Mapping[str, str]) -> tuple[int | None, int | None]:
+    """(nodes, this node's rank) for --multiprocessing-distributed under srun: one task per
+    node, each spawning that node's processes. Several tasks per node are refused: each would
+    spawn a process per GPU of the same node."""
+    if not is_slurm_job_step(env):
+        return None, None
+    per_node = slurm_tasks_per_node(env)
+    if per_node is not None and per_node > 1:
+        raise UsageError(f"srun started {slurm_tasks(env)} tasks, {per_node} per node, and "
+                         "--multiprocessing-distributed starts one process per GPU in each: "
+                         "run one task per node (srun --ntasks-per-node=1) or drop "
+                         "--multiprocessing-distributed (srun then starts one process per task)")
+    return slurm_tasks(env), int(env["SLURM_PROCID"])
 
 
 def _check_gpus(nprocs: int, gpus: int) -> None:
@@ -114,11 +165,9 @@ def resolve_ranks(launch: Launch, local_index: int, cfg: Config,
         return (int(env["RANK"]), local or 0, world,
                 env_int(env, "LOCAL_WORLD_SIZE") or world)
     if launch.mode == "env":  # SLURM
-        ntasks = int(env["SLURM_NTASKS"])
-        per_node = (env_int(env, "SLURM_NTASKS_PER_NODE")
-                    or _first_int(env.get("SLURM_TASKS_PER_NODE")))
+        ntasks = slurm_tasks(env)
         return (int(env["SLURM_PROCID"]), env_int(env, "SLURM_LOCALID") or 0, ntasks,
-                per_node or ntasks)
+                slurm_tasks_per_node(env) or ntasks)
     if launch.mode == "manual":
         local = cfg.gpu if cfg.gpu is not None else (env_int(env, "LOCAL_RANK") or 0)
         return cfg.rank, local, cfg.world_size, 1
@@ -200,7 +249,7 @@ def rendezvous(cfg: Config, launch: Launch, env: dict[str, str]) -> str:
     """The init_method URL; fills MASTER_ADDR/PORT in ``env`` where the launcher did not."""
     if cfg.dist_url != "env://":
         return cfg.dist_url
-    if launch.mode == "env" and "SLURM_PROCID" in env and "RANK" not in env:
+    if launch.mode in ("env", "spawn") and is_slurm_job_step(env) and "RANK" not in env:
         env.setdefault("MASTER_ADDR", first_slurm_host(env.get("SLURM_JOB_NODELIST", "")))
         # Every task must agree on the port without talking: derive it from the job id.
         env.setdefault("MASTER_PORT", str(15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))

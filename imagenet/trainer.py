@@ -18,6 +18,7 @@ from imagenet.build import Best, Run, build_run
 from imagenet.checkpoint.guard import last_good
 from imagenet.checkpoint.state import resume, save
 from imagenet.config import Config
+from imagenet.cpu_features import native_bf16, slow_bf16_warning
 from imagenet.data import shutdown_workers
 from imagenet.distributed import DistInfo
 from imagenet.engine import Hooks, Step, evaluate, train_one_epoch
@@ -218,4 +219,7 @@ def describe(run: Run) -> dict[str, Any]:
              "step(s); %d loader worker(s) per process; %d classes, %d val images",
              run.cfg.arch, d.device, layout.global_batch, d.world_size, layout.batch_size,
              layout.grad_accum_steps, layout.workers, run.data.num_classes, run.data.val_size)
+    slow_bf16 = slow_bf16_warning(run.cfg.amp, d.device.type, native_bf16())
+    if slow_bf16 and d.is_main:
+        log.warning("%s", slow_bf16)
     return info

@@ -106,7 +106,7 @@ def test_torch_distributed_launch_local_rank_argument():
 
 
 def test_slurm_task_variables():
-    env = {"SLURM_PROCID": "6", "SLURM_LOCALID": "2", "SLURM_NTASKS": "8",
+    env = {"SLURM_PROCID": "6", "SLURM_LOCALID": "2", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0",
            "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[03-04]"}
     launch = plan_launch(cfg_of(), env, cuda_count=4)
     assert launch.mode == "env"
@@ -185,7 +185,7 @@ def test_per_process_batch_and_workers():
 
 def test_rendezvous_slurm_derives_master_from_nodelist_and_job_id():
     env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[03-04]",
-           "SLURM_JOB_ID": "123456"}
+           "SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "0"}
     assert rendezvous(cfg_of(), Launch("env"), env) == "env://"
     assert env["MASTER_ADDR"] == "gpu03"
     assert env["MASTER_PORT"] == str(15000 + 123456 % 20000)

@@ -131,7 +131,7 @@ def test_slurm_srun_variables(data, tmp_path):
     job_id, port = slurm_job_id()
     envs = [child_env(SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS="2",
                       SLURM_TASKS_PER_NODE="2", SLURM_JOB_NODELIST="localhost",
-                      SLURM_JOB_ID=job_id) for r in range(2)]
+                      SLURM_JOB_ID=job_id, SLURM_STEP_ID="0") for r in range(2)]
     cmd = main_cmd(str(data), *RUN, "-b", "4", "--output-dir", str(out))
     results = run_parallel([cmd, cmd], envs, tmp_path / "logs")
     check_artifacts(out, world=2, per_process=4, steps=3, results=results)

@@ -23,8 +23,23 @@ def capture_rng() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This process's device only: a restart may see fewer GPUs per process (torchrun with
+        # 8 visible -> srun --gpus-per-task=1), and the others' streams are not this rank's.
+        state["cuda_device"] = torch.cuda.get_rng_state()
     return state
+
+
+def cuda_state_to_restore(state: dict[str, Any], device: int, devices: int
+                          ) -> torch.Tensor | None:
+    """The saved CUDA RNG state for this process's device ``device`` of ``devices`` visible.
+
+    Older checkpoints hold every visible device's state ("cuda"); only an entry for ``device``
+    applies, and one that this process cannot see is skipped instead of raising IndexError.
+    """
+    if "cuda_device" in state:
+        return state["cuda_device"]
+    every = state.get("cuda") or []
+    return every[device] if device < min(len(every), devices) else None
 
 
 def restore_rng(state: dict[str, Any]) -> None:
@@ -35,8 +50,11 @@ def restore_rng(state: dict[str, Any]) -> None:
         kind, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = cuda_state_to_restore(state, torch.cuda.current_device(),
+                                     torch.cuda.device_count())
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
 
 
 def gather_rng(rank: int, world_size: int) -> list[dict[str, Any]] | None:
