@@ -158,12 +158,13 @@ class SharedFate:
             return None
         return None if value == DONE else Failure(**json.loads(value))
 
-    def finish(self) -> None:
-        """Release this rank's watcher and say it is done; rank 0 waits for everyone."""
+    def finish(self, wait_for_all: bool = True) -> None:
+        """Release this rank's watcher and say it is done; rank 0 waits for everyone (unless a
+        rank is known to be gone)."""
         try:
             self.store.set(self._key("mailbox", self.rank), DONE)
             self._thread.join(timeout=5)
-            self._done(wait_for_all=self.rank == 0)
+            self._done(wait_for_all=wait_for_all and self.rank == 0)
         except Exception as exc:
             log.debug("store unavailable at the end: %s", exc)
 
@@ -261,7 +262,7 @@ def stop_together(cfg: Config, info: DistInfo) -> Iterator[None]:
                                  os.getpid()))
             fate.finish()
             raise
-        fate.finish()
+        fate.finish(wait_for_all=peer is not None)  # a rank that vanished never says done
         if peer is not None:
             follow(peer)
             raise peer.error() from None
