@@ -103,5 +103,5 @@ def check_ranks_agree(cfg: Config, world_size: int) -> None:
             name, more = differ[0], ", ".join(flag_name(n) for n in differ[1:5])
             raise on_every_rank(UsageError(
                 f"rank {rank} was started with {flag_name(name)} {_show(theirs.get(name))} and "
-                f"rank 0 with {_show(every[0].get(name))}"
+                f"rank 0 with {flag_name(name)} {_show(every[0].get(name))}"
                 f"{f' (and other {more})' if more else ''}: every rank needs the same flags"))

@@ -127,7 +127,8 @@ def resume(run: Run) -> Path | None:
     except TrainerError as exc:
         raise on_every_rank(exc) from None
     steps_per_epoch = run.engine.opts.steps_per_epoch
-    log_changes(ckpt, run.cfg, run.layout, steps_per_epoch)
+    if not run.cfg.evaluate:  # -e only evaluates the weights: training flags do not matter
+        log_changes(ckpt, run.cfg, run.layout, steps_per_epoch)
     parts = run.engine.parts
     restore_optimizer(parts.optimizer, ckpt, run.cfg)
     for key, obj in (("scaler", parts.scaler), ("ema", parts.ema)):
