@@ -13,8 +13,10 @@ fresh run with the resumed command line at the same point in training:
   images / global batch, and from there on every learning rate equals the fresh run's, exactly.
 
 The chains cover world size 1 -> 2 and 2 -> 1 (--multiprocessing-distributed splitting -b over 2
-processes), -b and --grad-accum-steps, each resumed mid-epoch and at an epoch boundary, in the
+processes; 2 -> 1 keeping the global batch, so the steps per epoch stay and only the layout
+changes), -b and --grad-accum-steps, each resumed mid-epoch and at an epoch boundary, in the
 warm-up and after it; a fifth chain extends --epochs mid-epoch and changes --lr at a boundary.
+squeezenet1_1 keeps checkpoints small (5 MB) and steps fast: only the schedule is under test.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ class Layout:
 
 
 W1 = Layout(("-b", "8"), 8, 5)  # 12 steps; mid-epoch checkpoints after 40 images
+# One process with W2's global batch: W2 -> W1B16 is the classic job with -b per node requeued
+# on fewer processes (same steps per epoch, another layout: the issue's case 3).
+W1B16 = Layout(("-b", "16"), 16, 2)
 W2 = Layout(("-b", "16", "--multiprocessing-distributed", "--nproc-per-node", "2"), 16, 2)  # 6
 B12 = Layout(("-b", "12"), 12, 3)  # 8 steps
 K2 = Layout(("-b", "8", "--grad-accum-steps", "2"), 16, 2)  # 6 steps of 2 micro-batches
@@ -66,7 +71,7 @@ LR = ("--lr", "0.1")
 STOPS = [("mid", 0), ("boundary", 1), ("mid", 2), ("boundary", 3), None]
 CHAINS = {
     "world 1-2-1-2-1": [W1, W2, W1, W2, W1],
-    "world 2-1-2-1-2": [W2, W1, W2, W1, W2],
+    "world 2-1-2-1-2, same batch": [W2, W1B16, W2, W1B16, W2],
     "-b 8-12-8-12-8": [W1, B12, W1, B12, W1],
     "accum 1-2-1-2-1": [W1, K2, W1, K2, W1],
 }
@@ -151,7 +156,8 @@ def scalars(out: Path, tag: str) -> dict[int, float]:
 def runs(tmp_path_factory) -> dict:
     """Every chain and every fresh reference, two at a time."""
     base = tmp_path_factory.mktemp("matrix")
-    fresh = {"w1": (W1, ()), "w2": (W2, ()), "b12": (B12, ()), "k2": (K2, ()),
+    fresh = {"w1": (W1, ()), "w2": (W2, ()), "w1 b16": (W1B16, ()), "b12": (B12, ()),
+             "k2": (K2, ()),
              "w1 epochs 6": (W1, EPOCHS6), "w1 epochs 6 lr 0.1": (W1, EPOCHS6 + LR)}
     jobs = {name: (lambda n=name, legs=legs: run_chain(base / n, [(x, ()) for x in legs], STOPS))
             for name, legs in CHAINS.items()}
