@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import child_env, load_checkpoint, main_cmd
 
 IMAGES = 96
@@ -243,3 +244,40 @@ def test_changed_flags_and_layout_are_printed_at_start(runs):
     assert "=> changed since the checkpoint: --lr 0.05 -> 0.1" in lr
     assert (changed(epochs), changed(lr)) == (["--epochs"], ["--lr"])
     assert "layout changed" not in epochs + lr and "approximated" not in epochs
+
+
+@pytest.mark.slow
+def test_shards_start_an_epoch_over_when_another_layout_resumes_it(tmp_path):
+    # Tar shards give each rank a contiguous stretch of the epoch: another layout cannot go on
+    # with the rest, so the epoch starts over - data and schedule together, as a fresh run's.
+    from helpers import write_image_folder
+    from test_shards import prepare_shards
+
+    from imagenet.config import parse_config
+    from imagenet.optim import build_optimizer, build_scheduler
+
+    folder = write_image_folder(tmp_path / "folder", classes=3, train_per_class=16)
+    assert prepare_shards(folder, tmp_path / "shards", "--shard-max-images", "20").returncode == 0
+    flags = ["-a", "squeezenet1_1", "--train-crop-size", "32", "--val-resize-size", "36",
+             "--val-crop-size", "32", "-j", "0", "-p", "1", "--seed", "0", *SCHEDULE]
+    out = tmp_path / "out"
+    run_leg(main_cmd(str(tmp_path / "shards"), *flags, "-b", "8", "--save-every", "3",
+                     "--output-dir", str(out)), r"Epoch: \[0\]\[\s*4/", tmp_path / "leg0.log")
+    ckpt = load_checkpoint(out / "checkpoint.pth.tar")
+    assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["sampler"]["images"]) == (0, 3, 24)
+    output = run_leg(main_cmd(str(tmp_path / "shards"), *flags, "-b", "12", "--output-dir",
+                              str(out), "--resume", "auto"), None, tmp_path / "leg1.log")
+    assert "=> approximated: epoch 0 was left after 2.00 steps of this layout's global batch " \
+        "12; tar shards can only continue an epoch in the layout that began it" in output
+    assert re.search(r"^Epoch: \[0\]\[1/4\]", output, flags=re.M), output
+    cfg = parse_config(["data", *flags])
+    optimizer = build_optimizer(torch.nn.Linear(1, 1), cfg)
+    scheduler = build_scheduler(optimizer, cfg, 4)
+    fresh = []
+    for _ in range(16):
+        optimizer.step()
+        scheduler.step()
+        fresh.append(optimizer.param_groups[0]["lr"])
+    lrs = scalars(out, "step/lr")
+    got = [lrs[g] for g in range(ckpt["global_step"] + 1, max(lrs) + 1)]
+    assert got == pytest.approx(fresh, rel=1e-6) and len(got) == 16
