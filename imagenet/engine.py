@@ -19,8 +19,10 @@ from functools import partial
 import torch
 from torch import nn
 
+from imagenet import fsdp
 from imagenet.errors import NonFiniteLossError, RunError
 from imagenet.metrics import DeviceSums, topk_correct
+from imagenet.models import no_sync
 from imagenet.transforms import normalize
 
 
@@ -154,10 +156,8 @@ def _forward_backward(engine: Engine, group: list, sums: _Sums, bad_step: torch.
         if parts.batch_transform is not None:
             images, target = parts.batch_transform(images, target)
         last_micro = i == len(group) - 1
-        # DDP all-reduces on the last micro-batch only.
-        sync = parts.model.no_sync() if (not last_micro and hasattr(parts.model, "no_sync")) \
-            else contextlib.nullcontext()
-        with sync:
+        # DDP all-reduces (FSDP reduce-scatters) on the last micro-batch only.
+        with contextlib.nullcontext() if last_micro else no_sync(parts.model):
             with autocast(opts.device, opts.amp_dtype):
                 output = parts.model(images)
                 loss = parts.criterion(output, target)
@@ -286,8 +286,14 @@ def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count:
     sums = DeviceSums(("loss", "correct1", "correct5", "count"), opts.device)
     start = time.perf_counter()
     total_batches = len(loader)  # type: ignore[arg-type]
+    sharded = fsdp.is_sharded(model)
+    if sharded:
+        fsdp.broadcast_buffers(model)  # rank 0's BatchNorm statistics, as under DDP
+        rounds = _most_batches(total_batches, opts.device)
+    spare = None
     for i, (images, target) in enumerate(loader):
         images, target = to_device(images, target, opts)
+        spare = images[:1]
         with autocast(opts.device, opts.amp_dtype):
             output = model(images)
             loss = criterion(output.float(), target)
@@ -299,6 +305,12 @@ def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count:
                          "acc1": 100 * local["correct1"] / max(local["count"], 1),
                          "acc5": 100 * local["correct5"] / max(local["count"], 1),
                          "batch_time": (time.perf_counter() - start) / (i + 1)})
+    if sharded:
+        # Every forward all-gathers weights: a rank with fewer batches joins the others' last
+        # forwards with a throw-away image (uncounted).
+        for _ in range(rounds - total_batches):
+            with autocast(opts.device, opts.amp_dtype):
+                model(spare)
     sums.all_reduce()
     totals = sums.read()
     count = int(round(totals["count"]))
@@ -309,3 +321,10 @@ def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count:
             "acc1": 100 * totals["correct1"] / max(count, 1),
             "acc5": 100 * totals["correct5"] / max(count, 1), "count": count,
             "time": time.perf_counter() - start}
+
+
+def _most_batches(batches: int, device: torch.device) -> int:
+    """The largest validation batch count of any rank (one small all-reduce)."""
+    most = torch.tensor([batches], device=device)
+    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    return int(most.item())

@@ -10,9 +10,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from imagenet import comm_hooks
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel
+
+from imagenet import comm_hooks, fsdp
 from imagenet.build import Run
-from imagenet.checkpoint import files, guard, rng
+from imagenet.checkpoint import files, guard, rng, sharded
 from imagenet.distributed import barrier
 from imagenet.engine import Engine, Step
 from imagenet.launch import elastic_restart_count
@@ -21,12 +25,14 @@ from imagenet.models import unwrap
 log = logging.getLogger(__name__)
 
 
-def checkpoint_state(run: Run, epoch_done: bool) -> dict[str, Any]:
+def checkpoint_state(run: Run, epoch_done: bool, weights: bool = True) -> dict[str, Any]:
     """The full run state; classic keys first. Collective: every rank must call it.
 
     ``epoch_done``: the epoch is trained *and* validated, so a resume starts the next one.
     Otherwise (epoch, step_in_epoch) says where training continues; step_in_epoch equal to
     steps_per_epoch means only the epoch's validation is left (a signal at its last step).
+    ``weights=False`` (--sharded-checkpoint, whose shards hold them): no model, optimizer or
+    EMA tensors.
     """
     states = rng.gather_rng(run.dist.rank, run.dist.world_size)
     parts, step, layout = run.engine.parts, run.step, run.layout
@@ -38,12 +44,13 @@ def checkpoint_state(run: Run, epoch_done: bool) -> dict[str, Any]:
         "step_in_epoch": step_in_epoch,
         "global_step": step.global_step,
         "arch": run.cfg.arch,
-        "state_dict": run.raw_model.state_dict(),
+        "state_dict": model_state(run.raw_model) if weights else None,
         "best_acc1": float(run.best.acc1),
-        "optimizer": parts.optimizer.state_dict(),
+        "optimizer": optimizer_state(run.raw_model, parts.optimizer) if weights else None,
         "scheduler": parts.scheduler.state_dict(),
         "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
-        "ema": ema.state_dict() if ema is not None else None,
+        "ema": None if ema is None else ema_state(ema) if weights else
+        {"n_averaged": ema.n_averaged.clone()},
         "best_ema_acc1": float(run.best_ema.acc1) if run.best_ema is not None else None,
         "num_classes": run.data.num_classes,
         "classes": run.data.classes,
@@ -61,11 +68,58 @@ def checkpoint_state(run: Run, epoch_done: bool) -> dict[str, Any]:
     }
 
 
-def ema_weights_state(run: Run) -> dict[str, Any]:
-    """model_best_ema.pth.tar: the EMA weights as a plain model checkpoint (``-e --resume``)."""
-    assert run.engine.parts.ema is not None and run.best_ema is not None
+# ---- the model, optimizer and EMA states: plain, DDP and FSDP alike (FSDP gathers to rank 0)
+
+def model_state(model: nn.Module) -> dict[str, Any]:
+    """The unwrapped model's state_dict; sharded, gathered to rank 0 ({} elsewhere; collective)."""
+    model = unwrap(model)
+    return fsdp.gathered_model_state(model) if fsdp.is_sharded(model) else model.state_dict()
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The classic ``optimizer.state_dict()`` (keyed by parameter index) for every mode;
+    sharded, gathered to rank 0 ({} elsewhere; collective)."""
+    if fsdp.is_sharded(model):
+        return fsdp.gathered_optimizer_state(unwrap(model), optimizer)
+    return optimizer.state_dict()
+
+
+def ema_state(ema: AveragedModel) -> dict[str, Any]:
+    """``ema.state_dict()``; sharded, gathered to rank 0 ({} elsewhere; collective)."""
+    if not fsdp.is_sharded(ema):
+        return ema.state_dict()
+    weights = fsdp.gathered_model_state(ema.module)
+    if not weights:
+        return {}
+    return {"n_averaged": ema.n_averaged.clone(), **{f"module.{k}": v for k, v in weights.items()}}
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                         state: dict[str, Any]) -> None:
+    """Load a classic optimizer state_dict into the (possibly sharded) optimizer."""
+    if fsdp.is_sharded(model):
+        fsdp.load_optimizer_state(unwrap(model), optimizer, state)
+    else:
+        optimizer.load_state_dict(state)
+
+
+def load_ema_state(ema: AveragedModel, state: dict[str, Any]) -> None:
+    """Load ``ema.state_dict()`` into the (possibly sharded) EMA."""
+    if not fsdp.is_sharded(ema):
+        ema.load_state_dict(state)
+        return
+    fsdp.load_model_state(ema.module, {k[len("module."):]: v for k, v in state.items()
+                                       if k.startswith("module.")})
+    ema.n_averaged.copy_(state["n_averaged"])
+
+
+def ema_weights_state(run: Run, ema: dict[str, Any]) -> dict[str, Any]:
+    """model_best_ema.pth.tar: the EMA weights (``ema``: the checkpoint's EMA state) as a plain
+    model checkpoint (``-e --resume``)."""
+    assert run.best_ema is not None
     return {"epoch": run.step.epoch + 1, "arch": run.cfg.arch,
-            "state_dict": unwrap(run.engine.parts.ema.module).state_dict(),
+            "state_dict": {k[len("module."):]: v for k, v in ema.items()
+                           if k.startswith("module.")},
             "best_acc1": float(run.best_ema.acc1), "ema": True,
             "num_classes": run.data.num_classes, "classes": run.data.classes,
             "config": run.cfg.to_dict()}
@@ -77,12 +131,16 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
     Best files are replaced before the checkpoint: a kill in between leaves a best file ahead of
     the checkpoint (``resumed_best`` adopts it), never a checkpoint whose best has no file.
     """
+    if run.cfg.sharded_checkpoint:
+        save_sharded(run, is_best, epoch_done, is_best_ema)
+        return
     payload = checkpoint_state(run, epoch_done)
     guard.refuse_non_finite(payload, run.dist.is_main, run.output_dir, run.step.epoch,
                             run.step.step_in_epoch)
     if run.dist.is_main:
         if is_best_ema:
-            files.atomic_save(ema_weights_state(run), run.output_dir / files.BEST_EMA)
+            files.atomic_save(ema_weights_state(run, payload["ema"]),
+                              run.output_dir / files.BEST_EMA)
         best = [run.output_dir / files.BEST] if is_best else []
         files.atomic_save(payload, run.output_dir / files.CHECKPOINT, copies=best)
     # No rank moves on (or exits after a signal) before the file is in place: under mp.spawn the
@@ -90,33 +148,61 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
     barrier()
 
 
+def save_sharded(run: Run, is_best: bool, epoch_done: bool, is_best_ema: bool) -> None:
+    """``save`` for --sharded-checkpoint: directories of shards instead of files. Collective."""
+    out = run.output_dir
+    meta = checkpoint_state(run, epoch_done, weights=False)
+    # Each rank checks the shards it is about to write; all stop if one holds NaN/inf.
+    guard.refuse_non_finite({**meta, **sharded.sharded_state(run)}, True, out, run.step.epoch,
+                            run.step.step_in_epoch)
+    if is_best_ema:
+        sharded.save_ema_weights(run, {**ema_weights_state(run, {}), "state_dict": None},
+                                 out / files.dcp_name(files.BEST_EMA))
+    best = (out / files.dcp_name(files.BEST),) if is_best else ()
+    sharded.save(run, meta, out / files.dcp_name(files.CHECKPOINT), copies=best)
+
+
+def load_weights(run: Run, ckpt: dict[str, Any], path: Path) -> None:
+    """The checkpoint's model (checked: finite, these class names), optimizer and EMA into the
+    (possibly sharded) run. Every rank reads and checks the same file: none fails alone."""
+    files.load_model_state(run.raw_model, ckpt, path, run.cfg.arch)
+    guard.check_resumable(ckpt, path, run.data.classes)
+    parts = run.engine.parts
+    if ckpt.get("optimizer"):
+        load_optimizer_state(run.raw_model, parts.optimizer, ckpt["optimizer"])
+    if parts.ema is not None and ckpt.get("ema"):
+        load_ema_state(parts.ema, ckpt["ema"])
+
+
 def resume(run: Run) -> Path | None:
     """Restore model, optimizer, schedule, position, best accuracy and RNG from a checkpoint;
     returns its path (None: a fresh start)."""
     restarted = elastic_restart_count() > 0
-    path = files.resolve_resume(run.cfg.resume, run.output_dir, restarted)
+    path = files.resolve_resume(run.cfg.resume, run.output_dir, restarted,
+                                run.cfg.sharded_checkpoint)
     if path is None:
         if run.cfg.resume == "auto" or restarted:
             log.info("=> no checkpoint in %s: starting fresh", run.output_dir)
         return None
     log.info("=> loading checkpoint '%s'", path)
-    ckpt = files.load_checkpoint(path)
-    files.load_model_state(run.raw_model, ckpt, path, run.cfg.arch)
-    guard.check_resumable(ckpt, path, run.data.classes)
+    if path.is_dir():
+        ckpt = sharded.load(run, path)  # resharded to this run; returns the trainer state
+    else:
+        ckpt = files.load_checkpoint(path)
+        load_weights(run, ckpt, path)
     parts, steps_per_epoch = run.engine.parts, run.engine.opts.steps_per_epoch
     classic = "global_step" not in ckpt  # written by pytorch/examples' main.py
     # Our schedule counts optimizer steps: it only carries over with the same steps per epoch.
     same_schedule = not classic and ckpt.get("steps_per_epoch", steps_per_epoch) \
         == steps_per_epoch
-    for key, obj in (("optimizer", parts.optimizer), ("scheduler", parts.scheduler),
-                     ("scaler", parts.scaler), ("ema", parts.ema)):
+    for key, obj in (("scheduler", parts.scheduler), ("scaler", parts.scaler)):
         if obj is not None and ckpt.get(key) and (same_schedule or key != "scheduler"):
             obj.load_state_dict(ckpt[key])
     comm_hooks.load_hook_state(parts.model, ckpt.get("comm_hook"))
-    run.best.acc1 = resumed_best(ckpt, path, run.output_dir)
+    run.best.acc1 = resumed_best(ckpt, path, run.output_dir, best_file=run.best.path.name)
     if run.best_ema is not None:
         run.best_ema.acc1 = resumed_best(ckpt, path, run.output_dir, "best_ema_acc1",
-                                         files.BEST_EMA)
+                                         run.best_ema.path.name)
     run.step = resumed_step(run, ckpt, same_schedule, classic)
     run.aug_seed = int(ckpt.get("aug_seed", run.aug_seed))
     # The data order of the epoch being continued, and its augmentation.
