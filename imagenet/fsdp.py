@@ -132,14 +132,17 @@ def mixed_precision(cfg: Config) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
 
 
-def shard(model: nn.Module, cfg: Config, device: torch.device) -> DeviceMesh:
-    """Shard ``model`` in place over all ranks: its repeated blocks, then the root."""
+def shard(model: nn.Module, cfg: Config, device: torch.device,
+          units: list[nn.Module] | None = None) -> DeviceMesh:
+    """Shard ``model`` in place over all ranks: its ``units`` (default: ``repeated_blocks``),
+    then the root."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.fsdp_cpu_offload \
         else OffloadPolicy()
     policy = mixed_precision(cfg)
     zero3 = cfg.fsdp_zero != 2
-    units = repeated_blocks(model)  # before any sharding changes the module classes
+    if units is None:
+        units = repeated_blocks(model)  # before any sharding changes the module classes
     common = {"mesh": mesh, "offload_policy": offload, "reshard_after_forward": zero3}
     if policy.param_dtype is not None:
         # BatchNorm keeps fp32 weights, as FSDP1 did by default: CPU batch_norm rejects bf16

@@ -9,9 +9,11 @@ kill leaves the previous one whole. It resumes at any world size (torch reshards
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import os
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +27,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from imagenet import fsdp
+from imagenet.build import Run
 from imagenet.checkpoint import files
 from imagenet.distributed import barrier
 from imagenet.errors import CheckpointError
-
-log = logging.getLogger(__name__)
 
 SHARDED = ("state_dict", "optimizer", "ema")  # the keys whose tensors DCP holds
 
@@ -49,6 +50,14 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
+@contextlib.contextmanager
+def single_process_is_meant() -> Iterator[None]:
+    """Silence torch's warning that without a process group DCP reads and writes alone."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def write(tensors: dict[str, Any], meta: dict[str, Any], path: Path, is_main: bool,
           copies: tuple[Path, ...] = ()) -> None:
     """Collective: every rank writes its shards of ``tensors``, rank 0 ``meta``; then the
@@ -57,7 +66,8 @@ def write(tensors: dict[str, Any], meta: dict[str, Any], path: Path, is_main: bo
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run
     barrier()
-    dcp.save(tensors, checkpoint_id=tmp)
+    with single_process_is_meant():
+        dcp.save(tensors, checkpoint_id=tmp)
     if is_main:
         files.atomic_save(meta, tmp / files.SHARDED_META)
         for copy in copies:
@@ -66,7 +76,7 @@ def write(tensors: dict[str, Any], meta: dict[str, Any], path: Path, is_main: bo
     barrier()
 
 
-def sharded_state(run: Any) -> dict[str, Any]:
+def sharded_state(run: Run) -> dict[str, Any]:
     """The run's model, optimizer and EMA as local shards (what DCP writes and reads)."""
     parts = run.engine.parts
     state = {"state_dict": get_model_state_dict(run.raw_model),
@@ -76,7 +86,7 @@ def sharded_state(run: Any) -> dict[str, Any]:
     return state
 
 
-def save(run: Any, meta: dict[str, Any], path: Path, copies: tuple[Path, ...] = ()) -> None:
+def save(run: Run, meta: dict[str, Any], path: Path, copies: tuple[Path, ...] = ()) -> None:
     """Write the run's checkpoint directory at ``path`` (``meta``: the classic payload
     without weights). Collective."""
     fsdp.broadcast_buffers(run.raw_model)  # DCP would keep an arbitrary rank's statistics
@@ -85,7 +95,7 @@ def save(run: Any, meta: dict[str, Any], path: Path, copies: tuple[Path, ...] = 
     write(sharded_state(run), meta, path, run.dist.is_main, copies)
 
 
-def save_ema_weights(run: Any, meta: dict[str, Any], path: Path) -> None:
+def save_ema_weights(run: Run, meta: dict[str, Any], path: Path) -> None:
     """model_best_ema.dcp: the EMA weights as a model checkpoint directory. Collective."""
     write({"state_dict": get_model_state_dict(run.engine.parts.ema.module)}, meta, path,
           run.dist.is_main)
@@ -96,7 +106,7 @@ def load_meta(path: Path) -> dict[str, Any]:
     return files.load_checkpoint(path / files.SHARDED_META)
 
 
-def load(run: Any, path: Path) -> dict[str, Any]:
+def load(run: Run, path: Path) -> dict[str, Any]:
     """Put the directory's model, optimizer and EMA into the run (resharded to this world
     size); return its trainer state. Collective."""
     meta = load_meta(path)
@@ -104,12 +114,14 @@ def load(run: Any, path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} was saved for -a {meta['arch']}, but this run uses "
                               f"-a {run.cfg.arch}; pass -a {meta['arch']} or another checkpoint")
     parts = run.engine.parts
-    state = sharded_state(run)
-    if parts.ema is None or meta.get("ema") is None:
-        state.pop("ema", None)
-    dcp.load(state, checkpoint_id=path)
+    saved = {key.split(".")[0] for key in  # model_best_ema.dcp holds the weights only
+             dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
+    state = {k: v for k, v in sharded_state(run).items() if k in saved}
+    with single_process_is_meant():
+        dcp.load(state, checkpoint_id=path)
     set_model_state_dict(run.raw_model, state["state_dict"])
-    set_optimizer_state_dict(run.raw_model, parts.optimizer, state["optimizer"])
+    if "optimizer" in state:
+        set_optimizer_state_dict(run.raw_model, parts.optimizer, state["optimizer"])
     if "ema" in state:
         set_model_state_dict(parts.ema.module, state["ema"])
         parts.ema.n_averaged.copy_(meta["ema"]["n_averaged"])
