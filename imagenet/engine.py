@@ -290,10 +290,10 @@ def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count:
     if sharded:
         fsdp.broadcast_buffers(model)  # rank 0's BatchNorm statistics, as under DDP
         rounds = _most_batches(total_batches, opts.device)
-    spare = None
+    spare, done = None, 0
     for i, (images, target) in enumerate(loader):
         images, target = to_device(images, target, opts)
-        spare = images[:1]
+        spare, done = images[:1], i + 1
         with autocast(opts.device, opts.amp_dtype):
             output = model(images)
             loss = criterion(output.float(), target)
@@ -308,7 +308,7 @@ def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count:
     if sharded:
         # Every forward all-gathers weights: a rank with fewer batches joins the others' last
         # forwards with a throw-away image (uncounted).
-        for _ in range(rounds - total_batches):
+        for _ in range(rounds - done):
             with autocast(opts.device, opts.amp_dtype):
                 model(spare)
     sums.all_reduce()
@@ -324,7 +324,11 @@ def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count:
 
 
 def _most_batches(batches: int, device: torch.device) -> int:
-    """The largest validation batch count of any rank (one small all-reduce)."""
-    most = torch.tensor([batches], device=device)
+    """The largest validation batch count of any rank (one small all-reduce); every rank
+    raises if one has none (it would have no image to join the others' forwards with)."""
+    most = torch.tensor([batches, batches == 0], device=device)
     torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-    return int(most.item())
+    if most[1]:
+        raise RunError("a process has no validation images: --fsdp needs at least one image "
+                       "per process in every rank's validation shard")
+    return int(most[0].item())

@@ -113,7 +113,9 @@ def shard(model: nn.Module, cfg: Config, dist: DistInfo,
     if dist.is_main:
         log.info("=> FSDP over %d processes (ZeRO-%d%s): %s", dist.world_size,
                  cfg.fsdp_zero or 3, ", CPU offload" if cfg.fsdp_cpu_offload else "", units)
-    return torch.compile(model) if cfg.compile else model
+    # Static shapes: with automatic dynamic shapes, inductor (torch 2.14, CPU) fails to compile
+    # the backward of a recompiled FSDP graph ("Cannot convert expression to float").
+    return torch.compile(model, dynamic=False) if cfg.compile else model
 
 
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
