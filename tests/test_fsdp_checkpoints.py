@@ -75,14 +75,15 @@ def test_fsdp_to_ddp_and_ddp_to_fsdp_continue_bitwise_equal(runs):
         assert_equal(got[key], want[key], key)
 
 
-def test_fsdp_checkpoint_loads_into_a_plain_model_and_evaluates_in_one_process(runs, data):
+def test_fsdp_checkpoint_loads_into_a_plain_model_and_evaluates_in_one_process(runs, data,
+                                                                              tmp_path):
     best = load_checkpoint(runs / "fsdp1" / "model_best.pth.tar")
     model = torchvision.models.resnet18(num_classes=3)
     model.load_state_dict(best["state_dict"])  # strict: plain keys, full tensors
     assert list(best["optimizer"]["state"])[:2] == [0, 1]  # optimizer.state_dict()'s format
     # -e in one process (world size 2 -> 1) reproduces the best top-1 of the FSDP run.
     proc = run_main(str(data), *FLAGS, *SINGLE, "-j", "0", "-e", "--resume",
-                    str(runs / "fsdp1" / "model_best.pth.tar"))
+                    str(runs / "fsdp1" / "model_best.pth.tar"), "--output-dir", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert f" * Acc@1 {best['best_acc1']:.3f} " in proc.stdout, proc.stdout
 

@@ -25,11 +25,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from imagenet import fsdp
 from imagenet.build import Run
-from imagenet.checkpoint import files
-from imagenet.distributed import barrier
+from imagenet.checkpoint import files, guard
+from imagenet.distributed import barrier, raise_agreed
 from imagenet.errors import CheckpointError
 
 SHARDED = ("state_dict", "optimizer", "ema")  # the keys whose tensors DCP holds
@@ -86,6 +87,15 @@ def sharded_state(run: Run) -> dict[str, Any]:
     return state
 
 
+def local_tensors(state: Any) -> Any:
+    """``state`` with each DTensor replaced by this rank's shard (checks that stay local)."""
+    if isinstance(state, dict):
+        return {k: local_tensors(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(local_tensors(v) for v in state)
+    return state.to_local() if isinstance(state, DTensor) else state
+
+
 def save(run: Run, meta: dict[str, Any], path: Path, copies: tuple[Path, ...] = ()) -> None:
     """Write the run's checkpoint directory at ``path`` (``meta``: the classic payload
     without weights). Collective."""
@@ -113,12 +123,17 @@ def load(run: Run, path: Path) -> dict[str, Any]:
     if meta.get("arch") and meta["arch"] != run.cfg.arch:
         raise CheckpointError(f"{path} was saved for -a {meta['arch']}, but this run uses "
                               f"-a {run.cfg.arch}; pass -a {meta['arch']} or another checkpoint")
+    guard.check_resumable(meta, path, run.data.classes)  # the class names (no weights here)
     parts = run.engine.parts
     saved = {key.split(".")[0] for key in  # model_best_ema.dcp holds the weights only
              dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
     state = {k: v for k, v in sharded_state(run).items() if k in saved}
     with single_process_is_meant():
         dcp.load(state, checkpoint_id=path)
+    bad = guard.non_finite(local_tensors(state))
+    raise_agreed(CheckpointError(f"{path} holds NaN/infinite values ({bad[0]} and maybe more): "
+                                 "it was saved by a run that diverged; use an earlier "
+                                 "checkpoint") if bad else None)
     set_model_state_dict(run.raw_model, state["state_dict"])
     if "optimizer" in state:
         set_optimizer_state_dict(run.raw_model, parts.optimizer, state["optimizer"])

@@ -153,8 +153,8 @@ def save_sharded(run: Run, is_best: bool, epoch_done: bool, is_best_ema: bool) -
     out = run.output_dir
     meta = checkpoint_state(run, epoch_done, weights=False)
     # Each rank checks the shards it is about to write; all stop if one holds NaN/inf.
-    guard.refuse_non_finite({**meta, **sharded.sharded_state(run)}, True, out, run.step.epoch,
-                            run.step.step_in_epoch)
+    local = sharded.local_tensors(sharded.sharded_state(run))
+    guard.refuse_non_finite({**meta, **local}, True, out, run.step.epoch, run.step.step_in_epoch)
     if is_best_ema:
         sharded.save_ema_weights(run, {**ema_weights_state(run, {}), "state_dict": None},
                                  out / files.dcp_name(files.BEST_EMA))
