@@ -2,12 +2,14 @@
 training process in each, gloo between them. Run by hand, as root (not a test):
 
     python benchmarks/bench_comm.py steptime [--rate 10mbit] [--hooks none bf16 powersgd:4]
+        [fsdp fsdp-zero2]
     python benchmarks/bench_comm.py top1 [--rate none] [--hooks none powersgd] [--epochs 6]
 
 steptime: ResNet-18 (1000 classes), the same batch on both hosts, seconds per optimizer step
 through imagenet.models.wrap (the trainer's DDP and hooks) for each hook, after warm-up steps.
 PowerSGD runs with --powersgd-start-iter 0 so every step is compressed; ``powersgd:R`` sets
-its rank (default 4). All models are built (DDP broadcasts the weights) before the link is
+its rank (default 4); ``fsdp`` and ``fsdp-zero2`` are no hooks but --fsdp (ZeRO-3, ZeRO-2)
+instead of DDP, for comparison. All models are built (DDP broadcasts the weights) before the link is
 throttled: only training steps cross the slow link. Also printed: the compute-only step time
 (DDP's no_sync, nothing sent).
 top1: ``main.py --demo`` on both hosts for each hook; top-1 (last and best epoch) from
@@ -36,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 MASTER, PEER = "10.201.0.1", "10.201.0.2"
 PORT = 29631
+# --hooks also takes these: the model sharded with --fsdp (ZeRO-3 / ZeRO-2) instead of DDP.
+FSDP = {"fsdp": ["--fsdp"], "fsdp-zero2": ["--fsdp", "--fsdp-zero", "2"]}
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -157,8 +161,11 @@ def worker(args: argparse.Namespace) -> None:
         torch.manual_seed(0)
         raw = torchvision.models.resnet18(num_classes=1000)
         name, _, rank = hook.partition(":")
-        cfg = parse_config(["data", "--ddp-comm-hook", name, "--powersgd-start-iter", "0",
-                            "--powersgd-rank", rank or "4"])
+        if name in FSDP:  # not a hook: --fsdp instead of DDP, for comparison
+            cfg = parse_config(["data", *FSDP[name]])
+        else:
+            cfg = parse_config(["data", "--ddp-comm-hook", name, "--powersgd-start-iter", "0",
+                                "--powersgd-rank", rank or "4"])
         runs[hook] = (wrap(raw, cfg, info), torch.optim.SGD(raw.parameters(), lr=1e-3))
     generator = torch.Generator().manual_seed(args.rank)
     images = torch.randn(args.batch, 3, args.image_size, args.image_size, generator=generator)

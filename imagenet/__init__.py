@@ -21,7 +21,9 @@ One training process (trainer.run_training: build -> claim the folder -> resume 
   shards       tar shards (WebDataset format): sources, downloads, a strict tar reader, the
                epoch plan (a pure function of seed, epoch and layout), the loaders.
   transforms   JPEG decoding and augmentation to uint8 tensors; normalisation on the device.
-  models       a torchvision model by name, its weights; wrapped for DDP (and unwrapped).
+  models       a torchvision model by name, its weights; wrapped for DDP or FSDP (and unwrapped).
+  fsdp         --fsdp: which blocks become FSDP units (one rule for every model), sharding with
+               mixed precision and offload, and the sharded states gathered for checkpoints.
   comm_hooks   DDP gradient compression for slow links (fp16/bf16/PowerSGD) and its state.
   optim        optimizer, per-iteration learning-rate schedule, loss, EMA.
   rundir       the output folder belongs to one run: its lock, earlier runs moved to previous/.
@@ -31,7 +33,8 @@ One training process (trainer.run_training: build -> claim the folder -> resume 
   checkpoint   files (atomic writes, safe loads), state (what a run saves, how a resume puts it
                back), guard (only finite state, the same class names), source (which checkpoint
                every rank resumes: rank 0 decides), changes (the flags and layout that differ
-               from the checkpoint's), rng (every rank's random streams).
+               from the checkpoint's), rng (every rank's random streams), sharded
+               (--sharded-checkpoint directories).
   position     where a run is in epochs and images, in any layout; the schedule rebuilt there.
   trainer      the epoch loop: train, validate, keep the best, save, log.
   engine       train_one_epoch and evaluate; dicts in, dicts out, no files.
@@ -44,4 +47,6 @@ Side tools (not imported by a training run unless asked for)
                     or -> tar shards (tools.shardwrite), also from an ImageFolder.
   tools.envcheck    main.py --env-check: installation, devices and a real all-reduce.
   tools.demo        the built-in demo data set (--demo, run_single.sh).
+  tools.unshard     python -m imagenet.tools.unshard: a --sharded-checkpoint directory -> the
+                    classic single file.
 """

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 
 from imagenet import transforms as T
 from imagenet.checkpoint import files
@@ -40,7 +41,7 @@ class Best:
 
         A first epoch at 0% still gets a file: nothing has scored yet and there is none.
         """
-        improved = acc1 > self.acc1 or (self.acc1 == 0.0 and not self.path.is_file())
+        improved = acc1 > self.acc1 or (self.acc1 == 0.0 and not self.path.exists())
         self.acc1 = max(self.acc1, acc1)
         return improved
 
@@ -108,17 +109,19 @@ def amp_dtype(amp: str | None) -> torch.dtype | None:
 
 
 def build_engine(cfg: Config, raw: nn.Module, model: nn.Module, device: torch.device,
-                 layout: Layout, steps_per_epoch: int, num_classes: int) -> Engine:
+                 layout: Layout, steps_per_epoch: int, num_classes: int,
+                 ema: AveragedModel | None = None) -> Engine:
     """The objects and options of a training step, from the flags.
 
-    ``raw`` is the plain model (optimizer, EMA), ``model`` what the step calls (DDP, compiled).
+    ``raw`` is the plain (or sharded) model (optimizer, EMA), ``model`` what the step calls
+    (DDP, compiled). ``ema``: built before --fsdp sharded ``raw``; None builds it from ``raw``.
     """
     optimizer = build_optimizer(raw, cfg)
     parts = Parts(
         model=model, criterion=build_criterion(cfg), optimizer=optimizer,
         scheduler=build_scheduler(optimizer, cfg, steps_per_epoch),
         scaler=torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None,
-        ema=build_ema(raw, cfg, layout),
+        ema=ema if ema is not None else build_ema(raw, cfg, layout),
         batch_transform=T.batch_transform(cfg.mixup_alpha, cfg.cutmix_alpha, num_classes))
     opts = Options(
         device=device, steps_per_epoch=steps_per_epoch, epochs=cfg.epochs,
@@ -136,14 +139,21 @@ def build_run(cfg: Config, dist: DistInfo, layout: Layout) -> Run:
     seed_process(cfg.seed)
     aug_seed = cfg.seed if cfg.seed is not None else random.SystemRandom().randrange(2**31)
     data = load_data(cfg, dist, layout, data_root(cfg, output_dir), aug_seed)
+    if cfg.fsdp and data.val_size < dist.world_size:  # every rank joins every sharded forward
+        raise UsageError(f"--fsdp: the validation set has {data.val_size} image(s), fewer than "
+                         f"the {dist.world_size} processes; it needs at least one per process")
     raw = build_model(cfg.arch, data.num_classes, cfg.pretrained, cfg.weights).to(dist.device)
-    if cfg.channels_last:
+    if cfg.channels_last and not (cfg.fsdp and dist.distributed):
+        # FSDP shards contiguous weights only; the activations still run channels_last (the
+        # input is), which is where the speed comes from.
         raw = raw.to(memory_format=torch.channels_last)
-    model = wrap(raw, cfg, dist)
+    ema = build_ema(raw, cfg, layout)  # a copy of the whole model: before --fsdp shards it
+    model = wrap(raw, cfg, dist, ema)
     if cfg.seed is not None:  # per-rank stream for dropout / MixUp in the training step
         torch.manual_seed(cfg.seed + dist.rank)
     steps = -(-data.train.batches // layout.grad_accum_steps)
-    engine = build_engine(cfg, raw, model, dist.device, layout, steps, data.num_classes)
-    best_ema = Best(output_dir / files.BEST_EMA) if cfg.model_ema else None
+    engine = build_engine(cfg, raw, model, dist.device, layout, steps, data.num_classes, ema)
+    name = files.dcp_name if cfg.sharded_checkpoint else str  # best: a file or a directory
+    best_ema = Best(output_dir / name(files.BEST_EMA)) if cfg.model_ema else None
     return Run(cfg, dist, layout, output_dir, data, raw, engine, Step(epoch=cfg.start_epoch),
-               Best(output_dir / files.BEST), best_ema, aug_seed)
+               Best(output_dir / name(files.BEST)), best_ema, aug_seed)

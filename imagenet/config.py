@@ -255,6 +255,30 @@ class Config:
     bucket_cap_mb: float = _flag("--bucket-cap-mb", group="distributed", default=25.0,
                                  type=float, metavar="MB",
                                  help="DDP gradient bucket size, MB (default: %(default)s)")
+    fsdp: bool = _flag("--fsdp", group="distributed", default=False, action="store_true",
+                       help="fully sharded data parallel instead of DDP: each of N processes "
+                            "holds 1/N of the weights, gradients and optimizer state, and "
+                            "gathers a block's weights just before using it (torch FSDP2); for "
+                            "models whose training state does not fit one device")
+    fsdp_zero: int | None = _flag("--fsdp-zero", group="distributed", default=None, type=int,
+                                  choices=(2, 3),
+                                  help="with --fsdp: 3 = free each block's gathered weights "
+                                       "after its forward and gather them again for its "
+                                       "backward (least memory); 2 = keep them until the "
+                                       "backward (one all-gather less per step, more memory) "
+                                       "(default: 3)")
+    fsdp_cpu_offload: bool = _flag("--fsdp-cpu-offload", group="distributed", default=False,
+                                   action="store_true",
+                                   help="with --fsdp: keep the weight, gradient and optimizer "
+                                        "shards in host memory, copied to the device for each "
+                                        "block (least device memory; the optimizer steps on "
+                                        "the CPU)")
+    fsdp_reduce_dtype: str | None = _flag("--fsdp-reduce-dtype", group="distributed",
+                                          default=None, choices=("fp32", "bf16", "fp16"),
+                                          help="with --fsdp: dtype of the gradient "
+                                               "reduce-scatter (default: fp32; with --amp the "
+                                               "weights are gathered and used in the --amp "
+                                               "dtype)")
     # ---- checkpointing
     output_dir: str = _flag("--output-dir", group="checkpointing", default=".", metavar="DIR",
                             help="checkpoints, logs, TensorBoard (default: current folder)")
@@ -263,6 +287,12 @@ class Config:
                                     "checkpoint.pth.tar if present (default: none)")
     evaluate: bool = _flag("-e", "--evaluate", group="checkpointing", default=False,
                            action="store_true", help="evaluate the model on val/ and exit")
+    sharded_checkpoint: bool = _flag(
+        "--sharded-checkpoint", group="checkpointing", default=False, action="store_true",
+        help="with --fsdp: write checkpoint.dcp/ (torch.distributed.checkpoint; every rank "
+             "writes its own shards, nothing is gathered) instead of checkpoint.pth.tar, for "
+             "models whose state does not fit one host; python -m imagenet.tools.unshard "
+             "turns it into the single file")
     save_every: int = _flag("--save-every", group="checkpointing", default=0, type=int,
                             metavar="STEPS", help="also checkpoint every N optimizer steps "
                                                   "within an epoch; 0 = epoch ends only "
@@ -378,6 +408,7 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--nproc-per-node must be at least 1, got {cfg.nproc_per_node}")
     check_numbers_and_ranks(cfg)
     check_dist_url(cfg.dist_url)
+    check_fsdp(cfg)
     check_arch(cfg.arch)
 
 
@@ -409,6 +440,23 @@ def check_dist_url(url: str) -> None:
         raise UsageError(f"--dist-url '{url}' is not a rendezvous address: give env:// (the "
                          "launcher's MASTER_ADDR and MASTER_PORT), tcp://HOST:PORT of rank 0, or "
                          "file:///a/shared/file")
+
+
+def check_fsdp(cfg: Config) -> None:
+    """--fsdp and what cannot go with it (or only with it)."""
+    only_fsdp = {"--fsdp-zero": cfg.fsdp_zero is not None,
+                 "--fsdp-cpu-offload": cfg.fsdp_cpu_offload,
+                 "--fsdp-reduce-dtype": cfg.fsdp_reduce_dtype is not None,
+                 "--sharded-checkpoint": cfg.sharded_checkpoint}
+    given = [name for name, on in only_fsdp.items() if on]
+    if given and not cfg.fsdp:
+        raise UsageError(f"{given[0]} applies to fully sharded training: add --fsdp "
+                         "(or drop it)")
+    if cfg.fsdp and cfg.ddp_comm_hook != "none":
+        raise UsageError(f"--ddp-comm-hook {cfg.ddp_comm_hook} compresses DDP's gradient "
+                         "all-reduce; --fsdp reduce-scatters gradient shards instead and has no "
+                         "DDP hooks: drop one (--fsdp-reduce-dtype bf16 halves FSDP's "
+                         "gradient bytes)")
 
 
 def available_archs() -> list[str]:

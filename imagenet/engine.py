@@ -20,8 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from imagenet import fsdp
 from imagenet.errors import NonFiniteLossError, RunError, on_every_rank
 from imagenet.metrics import DeviceSums, topk_correct
+from imagenet.models import no_sync
 from imagenet.transforms import normalize
 
 
@@ -155,10 +157,8 @@ def _forward_backward(engine: Engine, group: list, sums: _Sums, bad_step: torch.
         if parts.batch_transform is not None:
             images, target = parts.batch_transform(images, target)
         last_micro = i == len(group) - 1
-        # DDP all-reduces on the last micro-batch only.
-        sync = parts.model.no_sync() if (not last_micro and hasattr(parts.model, "no_sync")) \
-            else contextlib.nullcontext()
-        with sync:
+        # DDP all-reduces (FSDP reduce-scatters) on the last micro-batch only.
+        with contextlib.nullcontext() if last_micro else no_sync(parts.model):
             with autocast(opts.device, opts.amp_dtype):
                 output = parts.model(images)
                 loss = parts.criterion(output, target)
@@ -301,8 +301,14 @@ def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count:
     sums = DeviceSums(("loss", "correct1", "correct5", "count"), opts.device)
     start = time.perf_counter()
     total_batches = len(loader)  # type: ignore[arg-type]
+    sharded = fsdp.is_sharded(model)
+    if sharded:
+        fsdp.broadcast_buffers(model)  # rank 0's BatchNorm statistics, as under DDP
+        rounds = _most_batches(total_batches, opts.device)
+    spare, done = None, 0
     for i, (images, target) in enumerate(loader):
         images, target = to_device(images, target, opts)
+        spare, done = images[:1], i + 1
         with autocast(opts.device, opts.amp_dtype):
             output = model(images)
             loss = criterion(output.float(), target)
@@ -314,6 +320,12 @@ def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count:
                          "acc1": 100 * local["correct1"] / max(local["count"], 1),
                          "acc5": 100 * local["correct5"] / max(local["count"], 1),
                          "batch_time": (time.perf_counter() - start) / (i + 1)})
+    if sharded:
+        # Every forward all-gathers weights: a rank with fewer batches joins the others' last
+        # forwards with a throw-away image (uncounted).
+        for _ in range(rounds - done):
+            with autocast(opts.device, opts.amp_dtype):
+                model(spare)
     sums.all_reduce()
     totals = sums.read()
     count = int(round(totals["count"]))
@@ -325,3 +337,14 @@ def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count:
             "acc1": 100 * totals["correct1"] / max(count, 1),
             "acc5": 100 * totals["correct5"] / max(count, 1), "count": count,
             "time": time.perf_counter() - start}
+
+
+def _most_batches(batches: int, device: torch.device) -> int:
+    """The largest validation batch count of any rank (one small all-reduce); every rank
+    raises if one has none (it would have no image to join the others' forwards with)."""
+    most = torch.tensor([batches, batches == 0], device=device)
+    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    if most[1]:
+        raise RunError("a process has no validation images: --fsdp needs at least one image "
+                       "per process in every rank's validation shard")
+    return int(most[0].item())

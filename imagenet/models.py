@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -11,8 +12,9 @@ import torch.distributed as dist
 import torchvision
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.swa_utils import AveragedModel
 
-from imagenet import comm_hooks
+from imagenet import comm_hooks, fsdp
 from imagenet.config import Config
 from imagenet.distributed import DistInfo
 from imagenet.errors import RunError, UsageError
@@ -97,13 +99,19 @@ def replace_classifier(model: nn.Module, num_classes: int) -> None:
     log.info("=> replaced classifier '%s' for %d classes", last_name, num_classes)
 
 
-def wrap(raw: nn.Module, cfg: Config, dist: DistInfo) -> nn.Module:
-    """The module the training step calls: raw -> (SyncBN) -> (compiled) -> (DDP + comm hook)."""
+def wrap(raw: nn.Module, cfg: Config, dist: DistInfo,
+         ema: AveragedModel | None = None) -> nn.Module:
+    """The module the training step calls: raw -> (SyncBN) -> (compiled) -> (DDP + comm hook),
+    or with --fsdp: raw (and ``ema``'s copy) sharded in place -> (compiled)."""
     model = raw
     if cfg.sync_bn and dist.distributed:
         # convert_sync_batchnorm returns a new module only for a bare BatchNorm root; torchvision
         # models are containers, so ``raw`` keeps the converted layers in place.
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if cfg.fsdp and dist.distributed:
+        return shard(model, cfg, dist, ema)
+    if cfg.fsdp:
+        log.info("=> one process: --fsdp has nothing to shard; training the whole model")
     if cfg.compile:
         model = torch.compile(model)
     if not dist.distributed:
@@ -129,6 +137,30 @@ def for_evaluation(model: nn.Module) -> nn.Module:
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
     return model
+
+
+def shard(model: nn.Module, cfg: Config, dist: DistInfo,
+          ema: AveragedModel | None) -> nn.Module:
+    """--fsdp: shard ``model`` and the EMA's copy by the same rule, then compile."""
+    units = fsdp.describe_units(model, fsdp.repeated_blocks(model))  # before classes change
+    for module in ([ema.module] if ema is not None else []) + [model]:
+        fsdp.shard(module, cfg, dist.device)
+    if dist.is_main:
+        log.info("=> FSDP over %d processes (ZeRO-%d%s): %s", dist.world_size,
+                 cfg.fsdp_zero or 3, ", CPU offload" if cfg.fsdp_cpu_offload else "", units)
+    # Static shapes: with automatic dynamic shapes, inductor (torch 2.14, CPU) fails to compile
+    # the backward of a recompiled FSDP graph ("Cannot convert expression to float").
+    return torch.compile(model, dynamic=False) if cfg.compile else model
+
+
+def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
+    """No gradient communication in this block (an accumulating micro-batch): DDP's no_sync,
+    FSDP's equivalent, or nothing for a single process."""
+    if hasattr(model, "no_sync"):
+        return model.no_sync()
+    if fsdp.is_sharded(model):
+        return fsdp.no_gradient_sync(model)
+    return contextlib.nullcontext()
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -7,6 +7,7 @@ from torch import nn
 from torch.optim import lr_scheduler
 
 from imagenet.config import Config
+from imagenet.fsdp import local_shards
 from imagenet.launch import Layout
 
 NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm,
@@ -85,8 +86,10 @@ def build_ema(model: nn.Module, cfg: Config,
     images_per_update = layout.global_batch * cfg.model_ema_steps
     adjust = images_per_update / cfg.epochs
     alpha = min(1.0, (1.0 - cfg.model_ema_decay) * adjust)
+    # Built before --fsdp shards the model (a sharded module cannot be copied); the update then
+    # runs on each rank's local shards.
     return torch.optim.swa_utils.AveragedModel(
-        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(1.0 - alpha),
+        model, multi_avg_fn=local_shards(torch.optim.swa_utils.get_ema_multi_avg_fn(1.0 - alpha)),
         use_buffers=True)
 
 

@@ -36,7 +36,8 @@ LOCK = ".run.lock"
 PREVIOUS = "previous"
 CONFIG, TENSORBOARD = "config.json", "tb"
 # What one run writes; moved aside together when a fresh run starts in a used folder.
-RECORD = (files.CHECKPOINT, files.BEST, files.BEST_EMA, METRICS, CONFIG, TENSORBOARD)
+RECORD = (files.CHECKPOINT, files.BEST, files.BEST_EMA, METRICS, CONFIG, TENSORBOARD,
+          *(files.dcp_name(n) for n in (files.CHECKPOINT, files.BEST, files.BEST_EMA)))
 # lockf's answers on filesystems without (working) locks: NFS without lockd, some FUSE, Lustre
 # mounted without -o flock.
 NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}

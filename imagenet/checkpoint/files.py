@@ -13,7 +13,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from imagenet import disk
+from imagenet import disk, fsdp
 from imagenet.errors import CheckpointError, UsageError
 
 log = logging.getLogger(__name__)
@@ -23,6 +23,9 @@ BEST = "model_best.pth.tar"
 BEST_EMA = "model_best_ema.pth.tar"  # --model-ema: the EMA weights at their best top-1
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / DataParallel and torch.compile
 ZIP_MAGIC, PICKLE_MAGIC = b"PK\x03\x04", b"\x80"  # torch.save's zip format; legacy / pickle
+# --sharded-checkpoint: a directory per checkpoint (checkpoint.dcp/ ...) whose trainer state (no
+# weights) is this file; the weights are torch.distributed.checkpoint shards next to it.
+SHARDED_META = "trainer_state.pth.tar"
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -115,11 +118,49 @@ def atomic_copy(src: Path, dst: Path) -> None:
     _fsync_dir(dst.parent)
 
 
+def dcp_name(name: str) -> str:
+    """The sharded checkpoint directory's name for a file name: checkpoint.pth.tar ->
+    checkpoint.dcp."""
+    return name.replace(".pth.tar", ".dcp")
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """True for a complete sharded checkpoint directory (its trainer state is in place)."""
+    return (path / SHARDED_META).is_file()
+
+
+def _aside(path: Path) -> Path:
+    return path.with_name(f".{path.name}.old")
+
+
+def existing_dir(path: Path) -> Path | None:
+    """Checkpoint directory ``path``, or the old one that a kill during ``replace_dir`` left
+    aside; None when there is neither."""
+    for candidate in (path, _aside(path)):
+        if is_checkpoint_dir(candidate):
+            return candidate
+    return None
+
+
+def replace_dir(tmp: Path, path: Path) -> None:
+    """Put the finished directory ``tmp`` at ``path``. A directory cannot replace another in
+    one step: the old one is renamed aside first, where ``existing_dir`` finds it after a kill
+    between the two renames."""
+    aside = _aside(path)
+    if path.exists():  # else an aside left by a kill is the newest whole one: keep it for now
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(path, aside)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def remove_stale_temp_files(folder: Path) -> None:
     """Delete temp files that a killed writer left behind."""
     for name in (CHECKPOINT, BEST, BEST_EMA):
         for tmp in folder.glob(f".{name}.tmp-*"):
             tmp.unlink(missing_ok=True)
+        shutil.rmtree(folder / f".{dcp_name(name)}.tmp", ignore_errors=True)
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
@@ -209,7 +250,10 @@ def load_model_state(model: torch.nn.Module, ckpt: Mapping[str, Any], path: Path
                         f"{own[key].shape[0]})")
             raise CheckpointError(f"{path}: '{key}' has shape {tuple(value.shape)} but the "
                                   f"model expects {tuple(own[key].shape)}{hint}")
-    model.load_state_dict(state, strict=True)
+    if fsdp.is_sharded(model):
+        fsdp.load_model_state(model, state)  # every rank checked it above: none fails alone
+    else:
+        model.load_state_dict(state, strict=True)
 
 
 def _few(keys: list[str], n: int = 5) -> str:
@@ -222,6 +266,8 @@ def _few(keys: list[str], n: int = 5) -> str:
 def best_acc1_on_disk(folder: Path, name: str = BEST) -> float | None:
     """best_acc1 recorded in ``folder``/``name`` (None if absent or unreadable)."""
     path = folder / name
+    if path.is_dir():
+        path = path / SHARDED_META
     if not path.is_file():
         return None
     try:  # mmap: only the small best_acc1 entry is read, not the weights
@@ -239,23 +285,27 @@ def best_acc1_of(ckpt: Mapping[str, Any], key: str = "best_acc1") -> float:
     return float(value.item() if isinstance(value, torch.Tensor) else value)
 
 
-def resolve_resume(resume: str | None, output_dir: Path, restarted: bool) -> Path | None:
+def resolve_resume(resume: str | None, output_dir: Path, restarted: bool,
+                   sharded: bool = False) -> Path | None:
     """The checkpoint to resume from, or None for a fresh start.
 
-    'auto' means OUTPUT_DIR/checkpoint.pth.tar if it exists. A torchrun restart always prefers
-    that file (it holds the progress of the attempt that failed) and falls back to --resume. An
-    explicit path that does not exist is an error: a fresh start would overwrite the checkpoint
-    the user meant to continue.
+    'auto' means OUTPUT_DIR/checkpoint.pth.tar if it exists (checkpoint.dcp/ with ``sharded``).
+    A torchrun restart always prefers that file (it holds the progress of the attempt that
+    failed) and falls back to --resume. An explicit path that does not exist is an error: a
+    fresh start would overwrite the checkpoint the user meant to continue.
     """
-    own = output_dir / CHECKPOINT
-    if restarted and own.is_file():
+    if sharded:
+        own = existing_dir(output_dir / dcp_name(CHECKPOINT))
+    else:
+        own = output_dir / CHECKPOINT if (output_dir / CHECKPOINT).is_file() else None
+    if restarted and own is not None:
         return own
     if resume == "auto" or (resume is None and restarted):
-        return own if own.is_file() else None
+        return own
     if resume is None:
         return None
     path = Path(resume)
-    if not path.is_file():
+    if not (path.is_file() or is_checkpoint_dir(path)):
         raise UsageError(f"--resume: no checkpoint at {path}; check the path, or use "
                          "--resume auto to continue OUTPUT_DIR/checkpoint.pth.tar when present")
     return path

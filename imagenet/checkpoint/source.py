@@ -29,27 +29,31 @@ log = logging.getLogger(__name__)
 Found = tuple[Path, dict[str, Any]]
 
 
-def resolve_and_load(resume: str | None, output_dir: Path) -> Found | None:
-    """This process's choice: the checkpoint --resume (or a torchrun restart) names, loaded."""
-    path = files.resolve_resume(resume, output_dir, elastic_restart_count() > 0)
-    return None if path is None else (path, files.load_checkpoint(path))
+def resolve_and_load(resume: str | None, output_dir: Path, sharded: bool) -> Found | None:
+    """This process's choice: the checkpoint --resume (or a torchrun restart) names, loaded
+    (a --sharded-checkpoint directory: its trainer state; the shards are read later)."""
+    path = files.resolve_resume(resume, output_dir, elastic_restart_count() > 0, sharded)
+    if path is None:
+        return None
+    return path, files.load_checkpoint(path / files.SHARDED_META if path.is_dir() else path)
 
 
 def identity(ckpt: dict[str, Any]) -> list[Any]:
     """What tells two copies of a checkpoint apart: its position and a sum of its weights."""
-    weights = sum(float(t.double().sum()) for t in ckpt["state_dict"].values()
+    weights = sum(float(t.double().sum()) for t in (ckpt["state_dict"] or {}).values()
                   if isinstance(t, torch.Tensor) and t.is_floating_point())
     return [ckpt.get("epoch"), ckpt.get("step_in_epoch"), ckpt.get("global_step"), weights]
 
 
-def agreed_checkpoint(resume: str | None, output_dir: Path, info: DistInfo) -> Found | None:
+def agreed_checkpoint(resume: str | None, output_dir: Path, info: DistInfo,
+                      sharded: bool = False) -> Found | None:
     """The checkpoint every rank resumes from (None: all start fresh). Collective."""
     if not info.distributed:
-        return resolve_and_load(resume, output_dir)
+        return resolve_and_load(resume, output_dir, sharded)
     found, decision = None, None
     if info.is_main:
         try:
-            found = resolve_and_load(resume, output_dir)
+            found = resolve_and_load(resume, output_dir, sharded)
             decision = {"path": str(found[0]) if found else None,
                         "identity": identity(found[1]) if found else None}
         except TrainerError as exc:
@@ -83,7 +87,7 @@ def _broadcast(obj: Any) -> Any:
 def _same_copy(path: Path, wanted: list[Any], rank: int) -> Found | None:
     """``path`` loaded here if it is the file rank 0 chose; None when this rank cannot read it."""
     try:
-        ckpt = files.load_checkpoint(path)
+        ckpt = files.load_checkpoint(path / files.SHARDED_META if path.is_dir() else path)
     except TrainerError as exc:
         log.warning("cannot use %s on rank %d (%s): receiving rank 0's copy", path, rank, exc)
         return None

@@ -5,21 +5,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel
 
-from imagenet import comm_hooks
+from imagenet import comm_hooks, fsdp
 from imagenet.build import Run
-from imagenet.checkpoint import files, guard, rng
+from imagenet.checkpoint import files, guard, rng, sharded
 from imagenet.checkpoint.changes import check_ranks_agree, log_changes
 from imagenet.checkpoint.source import agreed_checkpoint, broadcast_weights
 from imagenet.config import Config
 from imagenet.distributed import barrier
 from imagenet.engine import Step
-from imagenet.errors import TrainerError, on_every_rank
+from imagenet.errors import CheckpointError, TrainerError, on_every_rank
 from imagenet.launch import elastic_restart_count
 from imagenet.models import unwrap
 from imagenet.position import (
@@ -33,12 +37,14 @@ from imagenet.position import (
 log = logging.getLogger(__name__)
 
 
-def checkpoint_state(run: Run, epoch_done: bool) -> dict[str, Any]:
+def checkpoint_state(run: Run, epoch_done: bool, weights: bool = True) -> dict[str, Any]:
     """The full run state; classic keys first. Collective: every rank must call it.
 
     ``epoch_done``: the epoch is trained *and* validated, so a resume starts the next one.
     Otherwise (epoch, step_in_epoch) says where training continues; step_in_epoch equal to
     steps_per_epoch means only the epoch's validation is left (a signal at its last step).
+    ``weights=False`` (--sharded-checkpoint, whose shards hold them): no model, optimizer or
+    EMA tensors.
     """
     states = rng.gather_rng(run.dist.rank, run.dist.world_size)
     parts, step, layout = run.engine.parts, run.step, run.layout
@@ -51,12 +57,13 @@ def checkpoint_state(run: Run, epoch_done: bool) -> dict[str, Any]:
         "step_in_epoch": step_in_epoch,
         "global_step": step.global_step,
         "arch": run.cfg.arch,
-        "state_dict": run.raw_model.state_dict(),
+        "state_dict": model_state(run.raw_model) if weights else None,
         "best_acc1": float(run.best.acc1),
-        "optimizer": parts.optimizer.state_dict(),
+        "optimizer": optimizer_state(run.raw_model, parts.optimizer) if weights else None,
         "scheduler": parts.scheduler.state_dict(),
         "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
-        "ema": ema.state_dict() if ema is not None else None,
+        "ema": None if ema is None else ema_state(ema) if weights else
+        {"n_averaged": ema.n_averaged.clone()},
         "best_ema_acc1": float(run.best_ema.acc1) if run.best_ema is not None else None,
         "num_classes": run.data.num_classes,
         "classes": run.data.classes,
@@ -75,11 +82,58 @@ def checkpoint_state(run: Run, epoch_done: bool) -> dict[str, Any]:
     }
 
 
-def ema_weights_state(run: Run) -> dict[str, Any]:
-    """model_best_ema.pth.tar: the EMA weights as a plain model checkpoint (``-e --resume``)."""
-    assert run.engine.parts.ema is not None and run.best_ema is not None
+# ---- the model, optimizer and EMA states: plain, DDP and FSDP alike (FSDP gathers to rank 0)
+
+def model_state(model: nn.Module) -> dict[str, Any]:
+    """The unwrapped model's state_dict; sharded, gathered to rank 0 ({} elsewhere; collective)."""
+    model = unwrap(model)
+    return fsdp.gathered_model_state(model) if fsdp.is_sharded(model) else model.state_dict()
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The classic ``optimizer.state_dict()`` (keyed by parameter index) for every mode;
+    sharded, gathered to rank 0 ({} elsewhere; collective)."""
+    if fsdp.is_sharded(model):
+        return fsdp.gathered_optimizer_state(unwrap(model), optimizer)
+    return optimizer.state_dict()
+
+
+def ema_state(ema: AveragedModel) -> dict[str, Any]:
+    """``ema.state_dict()``; sharded, gathered to rank 0 ({} elsewhere; collective)."""
+    if not fsdp.is_sharded(ema):
+        return ema.state_dict()
+    weights = fsdp.gathered_model_state(ema.module)
+    if not weights:
+        return {}
+    return {"n_averaged": ema.n_averaged.clone(), **{f"module.{k}": v for k, v in weights.items()}}
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                         state: dict[str, Any]) -> None:
+    """Load a classic optimizer state_dict into the (possibly sharded) optimizer."""
+    if fsdp.is_sharded(model):
+        fsdp.load_optimizer_state(unwrap(model), optimizer, state)
+    else:
+        optimizer.load_state_dict(state)
+
+
+def load_ema_state(ema: AveragedModel, state: dict[str, Any]) -> None:
+    """Load ``ema.state_dict()`` into the (possibly sharded) EMA."""
+    if not fsdp.is_sharded(ema):
+        ema.load_state_dict(state)
+        return
+    fsdp.load_model_state(ema.module, {k[len("module."):]: v for k, v in state.items()
+                                       if k.startswith("module.")})
+    ema.n_averaged.copy_(state["n_averaged"])
+
+
+def ema_weights_state(run: Run, ema: dict[str, Any]) -> dict[str, Any]:
+    """model_best_ema.pth.tar: the EMA weights (``ema``: the checkpoint's EMA state) as a plain
+    model checkpoint (``-e --resume``)."""
+    assert run.best_ema is not None
     return {"epoch": run.step.epoch + 1, "arch": run.cfg.arch,
-            "state_dict": unwrap(run.engine.parts.ema.module).state_dict(),
+            "state_dict": {k[len("module."):]: v for k, v in ema.items()
+                           if k.startswith("module.")},
             "best_acc1": float(run.best_ema.acc1), "ema": True,
             "num_classes": run.data.num_classes, "classes": run.data.classes,
             "config": run.cfg.to_dict()}
@@ -91,17 +145,57 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
     Best files are replaced before the checkpoint: a kill in between leaves a best file ahead of
     the checkpoint (``resumed_best`` adopts it), never a checkpoint whose best has no file.
     """
+    if run.cfg.sharded_checkpoint:
+        save_sharded(run, is_best, epoch_done, is_best_ema)
+        return
     payload = checkpoint_state(run, epoch_done)
     guard.refuse_non_finite(payload, run.dist.is_main, run.output_dir, run.step.epoch,
                             run.step.step_in_epoch)
     if run.dist.is_main:
         if is_best_ema:
-            files.atomic_save(ema_weights_state(run), run.output_dir / files.BEST_EMA)
+            files.atomic_save(ema_weights_state(run, payload["ema"]),
+                              run.output_dir / files.BEST_EMA)
         best = [run.output_dir / files.BEST] if is_best else []
         files.atomic_save(payload, run.output_dir / files.CHECKPOINT, copies=best)
     # No rank moves on (or exits after a signal) before the file is in place: under mp.spawn the
     # first rank to exit makes the parent terminate the others, rank 0 included.
     barrier()
+
+
+def save_sharded(run: Run, is_best: bool, epoch_done: bool, is_best_ema: bool) -> None:
+    """``save`` for --sharded-checkpoint: directories of shards instead of files. Collective."""
+    out = run.output_dir
+    meta = checkpoint_state(run, epoch_done, weights=False)
+    # Each rank checks the shards it is about to write; all stop if one holds NaN/inf.
+    local = sharded.local_tensors(sharded.sharded_state(run))
+    guard.refuse_non_finite({**meta, **local}, True, out, run.step.epoch, run.step.step_in_epoch)
+    if is_best_ema:
+        sharded.save_ema_weights(run, {**ema_weights_state(run, {}), "state_dict": None},
+                                 out / files.dcp_name(files.BEST_EMA))
+    best = (out / files.dcp_name(files.BEST),) if is_best else ()
+    sharded.save(run, meta, out / files.dcp_name(files.CHECKPOINT), copies=best)
+
+
+def load_weights(run: Run, ckpt: dict[str, Any], path: Path) -> None:
+    """The checkpoint's model (checked: these class names), optimizer and EMA into the
+    (possibly sharded) run; a directory is --sharded-checkpoint's. Every rank reads and checks
+    the same checkpoint: none fails alone."""
+    parts = run.engine.parts
+    keep_optimizer = same_optimizer(ckpt, run.cfg)
+    with flags_kept(parts.optimizer):
+        if path.is_dir():  # resharded to this run
+            sharded.load(run, path, optimizer=keep_optimizer)
+            return
+        files.load_model_state(run.raw_model, ckpt, path, run.cfg.arch)
+        guard.check_resumable(ckpt, path, run.data.classes)
+        if keep_optimizer and ckpt.get("optimizer"):
+            try:
+                load_optimizer_state(run.raw_model, parts.optimizer, ckpt["optimizer"])
+            except (ValueError, CheckpointError) as exc:  # --norm-/--bias-weight-decay changed
+                log.warning("the optimizer state does not fit this run's parameter groups "
+                            "(%s): it starts afresh", exc)
+        if parts.ema is not None and ckpt.get("ema"):
+            load_ema_state(parts.ema, ckpt["ema"])
 
 
 def resume(run: Run) -> Path | None:
@@ -113,7 +207,8 @@ def resume(run: Run) -> Path | None:
     (None: a fresh start).
     """
     check_ranks_agree(run.cfg, run.dist.world_size)
-    found = agreed_checkpoint(run.cfg.resume, run.output_dir, run.dist)
+    found = agreed_checkpoint(run.cfg.resume, run.output_dir, run.dist,
+                              run.cfg.sharded_checkpoint)
     if found is None:
         if run.cfg.resume == "auto" or elastic_restart_count() > 0:
             log.info("=> no checkpoint in %s: starting fresh", run.output_dir)
@@ -121,24 +216,21 @@ def resume(run: Run) -> Path | None:
         return None
     path, ckpt = found
     log.info("=> loading checkpoint '%s'", path)
-    files.load_model_state(run.raw_model, ckpt, path, run.cfg.arch)
+    parts = run.engine.parts
     try:  # every rank holds the same checkpoint now: every rank stops here together
-        guard.check_resumable(ckpt, path, run.data.classes)
+        load_weights(run, ckpt, path)
     except TrainerError as exc:
         raise on_every_rank(exc) from None
     steps_per_epoch = run.engine.opts.steps_per_epoch
     if not run.cfg.evaluate:  # -e only evaluates the weights: training flags do not matter
         log_changes(ckpt, run.cfg, run.layout, steps_per_epoch)
-    parts = run.engine.parts
-    restore_optimizer(parts.optimizer, ckpt, run.cfg)
-    for key, obj in (("scaler", parts.scaler), ("ema", parts.ema)):
-        if obj is not None and ckpt.get(key):
-            obj.load_state_dict(ckpt[key])
+    if parts.scaler is not None and ckpt.get("scaler"):
+        parts.scaler.load_state_dict(ckpt["scaler"])
     comm_hooks.load_hook_state(parts.model, ckpt.get("comm_hook"))
-    run.best.acc1 = resumed_best(ckpt, path, run.output_dir)
+    run.best.acc1 = resumed_best(ckpt, path, run.output_dir, best_file=run.best.path.name)
     if run.best_ema is not None:
         run.best_ema.acc1 = resumed_best(ckpt, path, run.output_dir, "best_ema_acc1",
-                                         files.BEST_EMA)
+                                         run.best_ema.path.name)
     train = run.data.train
     point = resume_point(ckpt, steps_per_epoch, run.layout.global_batch, same_layout(run, ckpt),
                          train.order_size if train.continues_any_layout else None)
@@ -153,7 +245,8 @@ def resume(run: Run) -> Path | None:
     saved_rng = rng.rng_for_rank(ckpt.get("rng"), run.dist.rank)
     if saved_rng is not None and same_layout(run, ckpt):
         rng.restore_rng(saved_rng)
-    broadcast_weights(run.raw_model, parts.ema)
+    if not fsdp.is_sharded(run.raw_model):  # sharded: loaded from rank 0's state already
+        broadcast_weights(run.raw_model, parts.ema)
     log.info("=> loaded checkpoint '%s' (epoch %d, step %d, best Acc@1 %.3f)", path,
              run.step.epoch, run.step.step_in_epoch, run.best.acc1)
     if point.approximated:
@@ -161,25 +254,21 @@ def resume(run: Run) -> Path | None:
     return path
 
 
-def restore_optimizer(optimizer: torch.optim.Optimizer, ckpt: dict[str, Any],
-                      cfg: Config) -> None:
-    """The saved optimizer state (momentum, Adam moments) with this command line's
-    hyper-parameters (--lr, --wd, --momentum, ...), which a plain load would overwrite."""
-    saved = ckpt.get("optimizer")
-    if not saved:
-        return
+def same_optimizer(ckpt: dict[str, Any], cfg: Config) -> bool:
+    """Whether the checkpoint's optimizer state (momentum, Adam moments) fits --opt."""
     saved_opt = (ckpt.get("config") or {}).get("opt", "sgd")  # the classic used SGD
     if saved_opt != cfg.opt:
         log.warning("--opt changed from %s to %s: the optimizer state starts afresh", saved_opt,
                     cfg.opt)
-        return
+    return saved_opt == cfg.opt
+
+
+@contextlib.contextmanager
+def flags_kept(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Load the saved optimizer state inside: this command line's hyper-parameters (--lr, --wd,
+    --momentum, ...), which a load overwrites, are put back after it."""
     own = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    try:
-        optimizer.load_state_dict(saved)
-    except ValueError as exc:  # other parameter groups: --norm-/--bias-weight-decay changed
-        log.warning("the optimizer state does not fit this run's parameter groups (%s): it "
-                    "starts afresh", exc)
-        return
+    yield
     for group, flags in zip(optimizer.param_groups, own):
         params = group["params"]
         group.clear()  # the saved settings, initial_lr included, give way to the flags'

@@ -133,7 +133,8 @@ def plan_checks(cfg: Config, numel: int) -> tuple[Plan, Check]:
     count = torch.cuda.device_count() if use_cuda else 0
     device_type = "cuda" if use_cuda else "cpu"
     nprocs = cfg.nproc_per_node or (count if use_cuda else CPU_PROCS)
-    plan = Plan(nprocs, device_type, None, numel, cfg.arch, min(cfg.dist_timeout, MAX_TIMEOUT_S))
+    plan = Plan(nprocs, device_type, None, numel, cfg.arch, min(cfg.dist_timeout, MAX_TIMEOUT_S),
+                fsdp=cfg.fsdp)
     try:
         backend = choose_backend(cfg.dist_backend, device_type)
     except UsageError as exc:
@@ -166,6 +167,12 @@ STALL_HINT = ("a rank failed or stopped answering mid-collective; rerun with "
 MEMORY_HINT = ("a model-sized all-reduce failed: memory, or shared memory in containers "
                "(/dev/shm size, NCCL_SHM_DISABLE=1)")
 FB_HINT = "check free device memory and that the torch and torchvision versions match"
+FSDP_STAGE = ("FSDP step", "fsdp_ok")  # with --fsdp
+
+
+def stages(plan: Plan) -> tuple[tuple[str, str], ...]:
+    """The checks the ranks run, in order."""
+    return STAGES + (FSDP_STAGE,) if plan.fsdp else STAGES
 
 
 def _stage_detail(name: str, reports: dict[int, dict[str, Any]], plan: Plan) -> str:
@@ -181,6 +188,9 @@ def _stage_detail(name: str, reports: dict[int, dict[str, Any]], plan: Plan) -> 
         return f"{RANDOM_NUMEL:,} random integer-valued floats: sum exact on every rank"
     if name == "broadcast":
         return f"{RANDOM_NUMEL:,} floats from rank 0 identical on every rank"
+    if name == FSDP_STAGE[0]:
+        return (f"a small ViT in {first['fsdp_units']} units over {world} rank(s): one sharded "
+                f"SGD step equals the unsharded one (max diff {first['fsdp_diff']:.1e})")
     nbytes = 4 * plan.numel
     if world == 1:
         return f"one rank: nothing to exchange, {_mb(nbytes)} bandwidth not measured"
@@ -213,7 +223,7 @@ def verdict(plan: Plan, reports: dict[int, dict[str, Any]], why: dict[int, str])
     """Checks from the ranks' reports: the first broken stage fails, later ones are skipped."""
     checks: list[Check] = []
     broken = False
-    for name, key in STAGES:
+    for name, key in stages(plan):
         if broken:
             checks.append(Check("SKIP", name, "not reached: an earlier check failed"))
         elif all(reports.get(r, {}).get(key) not in (None, False) for r in range(plan.nprocs)):
@@ -243,7 +253,7 @@ def _fb_check(rank: int, report: dict[str, Any], why: str | None, plan: Plan,
 
 def skipped(plan: Plan) -> list[Check]:
     """The multi-process checks, all skipped (no usable backend)."""
-    names = [name for name, _ in STAGES]
+    names = [name for name, _ in stages(plan)]
     names += [f"forward/backward rank {r}" for r in range(plan.nprocs)]
     return [Check("SKIP", n, "not run: no usable backend") for n in names]
 

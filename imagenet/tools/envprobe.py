@@ -39,6 +39,7 @@ class Plan:
     numel: int  # all-reduce bandwidth tensor = parameters of -a
     arch: str
     timeout: float  # seconds a collective may wait for its peers
+    fsdp: bool = False  # --fsdp: also one sharded training step
 
 
 def _sync(device: torch.device) -> None:
@@ -82,6 +83,35 @@ def _collectives(world: int, numel: int, device: torch.device, out: dict[str, An
     took = torch.tensor([(time.perf_counter() - start) / BW_ITERS], device=device)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     out["bw_s"] = took.item()
+
+
+def _fsdp_step(device: torch.device, out: dict[str, Any],
+               enter: Callable[[str], None]) -> None:
+    """--fsdp: the trainer's sharding of a small ViT, one SGD step on the same batch on every
+    rank, against the same step unsharded (all-gather, reduce-scatter, the block rule)."""
+    import copy
+
+    import torchvision
+
+    from imagenet import fsdp
+    from imagenet.config import parse_config
+
+    enter("FSDP step")
+    torch.manual_seed(0)
+    model = torchvision.models.VisionTransformer(image_size=16, patch_size=4, num_layers=2,
+                                                 num_heads=2, hidden_dim=32, mlp_dim=64,
+                                                 num_classes=10).to(device)
+    reference = copy.deepcopy(model)
+    out["fsdp_units"] = len(fsdp.repeated_blocks(model)) + 1
+    fsdp.shard(model, parse_config(["--fsdp"]), device)
+    images, target = torch.randn(4, 3, 16, 16, device=device), torch.arange(4, device=device)
+    for m in (model, reference):
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.5)
+        torch.nn.functional.cross_entropy(m(images), target).backward()
+        optimizer.step()
+    diff = max((p.full_tensor() - r).abs().max().item()
+               for p, r in zip(model.parameters(), reference.parameters()))
+    out.update(fsdp_diff=diff, fsdp_ok=diff < 1e-5)
 
 
 def _forward_backward(arch: str, device: torch.device, out: dict[str, Any],
@@ -140,6 +170,8 @@ def _probe(rank: int, plan: Plan, port: int, threads: int | None, results: Any) 
         out["joined_s"] = time.perf_counter() - start
         results.put(dict(out))
         _collectives(plan.nprocs, plan.numel, device, out, enter)
+        if plan.fsdp:
+            _fsdp_step(device, out, enter)
         dist.barrier()  # everyone finished communicating before the compute-only probe
         _forward_backward(plan.arch, device, out, enter)
         out["done"] = True

@@ -1,0 +1,169 @@
+"""--sharded-checkpoint: checkpoint.dcp/, a torch.distributed.checkpoint directory.
+
+Every rank writes its own shards of the model, optimizer and EMA (nothing is gathered, so no host
+needs the whole state); rank 0 adds ``trainer_state.pth.tar`` with everything else a classic
+checkpoint holds. A directory is written under a temporary name and swapped into place, so a
+kill leaves the previous one whole. It resumes at any world size (torch reshards on load) and
+``python -m imagenet.tools.unshard`` turns it into the classic single file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from imagenet import fsdp
+from imagenet.build import Run
+from imagenet.checkpoint import files, guard
+from imagenet.distributed import barrier, raise_agreed
+from imagenet.errors import CheckpointError
+
+SHARDED = ("state_dict", "optimizer", "ema")  # the keys whose tensors DCP holds
+
+
+def _link_copy(src: Path, dst: Path) -> None:
+    """A copy of directory ``src`` at ``dst`` (hard links where possible), swapped in."""
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, copy_function=_link_or_copy)
+    files.replace_dir(tmp, dst)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)  # files are never edited in place, only replaced
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+@contextlib.contextmanager
+def single_process_is_meant() -> Iterator[None]:
+    """Silence torch's warning that without a process group DCP reads and writes alone."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def write(tensors: dict[str, Any], meta: dict[str, Any], path: Path, is_main: bool,
+          copies: tuple[Path, ...] = ()) -> None:
+    """Collective: every rank writes its shards of ``tensors``, rank 0 ``meta``; then the
+    directory (and its ``copies``) replace the old ones."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run
+    barrier()
+    with single_process_is_meant():
+        dcp.save(tensors, checkpoint_id=tmp)
+    if is_main:
+        files.atomic_save(meta, tmp / files.SHARDED_META)
+        for copy in copies:
+            _link_copy(tmp, copy)
+        files.replace_dir(tmp, path)
+    barrier()
+
+
+def sharded_state(run: Run) -> dict[str, Any]:
+    """The run's model, optimizer and EMA as local shards (what DCP writes and reads)."""
+    parts = run.engine.parts
+    state = {"state_dict": get_model_state_dict(run.raw_model),
+             "optimizer": get_optimizer_state_dict(run.raw_model, parts.optimizer)}
+    if parts.ema is not None:
+        state["ema"] = get_model_state_dict(parts.ema.module)
+    return state
+
+
+def local_tensors(state: Any) -> Any:
+    """``state`` with each DTensor replaced by this rank's shard (checks that stay local)."""
+    if isinstance(state, dict):
+        return {k: local_tensors(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(local_tensors(v) for v in state)
+    return state.to_local() if isinstance(state, DTensor) else state
+
+
+def save(run: Run, meta: dict[str, Any], path: Path, copies: tuple[Path, ...] = ()) -> None:
+    """Write the run's checkpoint directory at ``path`` (``meta``: the classic payload
+    without weights). Collective."""
+    fsdp.broadcast_buffers(run.raw_model)  # DCP would keep an arbitrary rank's statistics
+    if run.engine.parts.ema is not None:
+        fsdp.broadcast_buffers(run.engine.parts.ema)
+    write(sharded_state(run), meta, path, run.dist.is_main, copies)
+
+
+def save_ema_weights(run: Run, meta: dict[str, Any], path: Path) -> None:
+    """model_best_ema.dcp: the EMA weights as a model checkpoint directory. Collective."""
+    write({"state_dict": get_model_state_dict(run.engine.parts.ema.module)}, meta, path,
+          run.dist.is_main)
+
+
+def load_meta(path: Path) -> dict[str, Any]:
+    """The trainer state of a checkpoint directory (no weights)."""
+    return files.load_checkpoint(path / files.SHARDED_META)
+
+
+def load(run: Run, path: Path, optimizer: bool = True) -> dict[str, Any]:
+    """Put the directory's model, optimizer (unless ``optimizer`` is False) and EMA into the
+    run (resharded to this world size); return its trainer state. Collective."""
+    meta = load_meta(path)
+    if meta.get("arch") and meta["arch"] != run.cfg.arch:
+        raise CheckpointError(f"{path} was saved for -a {meta['arch']}, but this run uses "
+                              f"-a {run.cfg.arch}; pass -a {meta['arch']} or another checkpoint")
+    guard.check_resumable(meta, path, run.data.classes)  # the class names (no weights here)
+    parts = run.engine.parts
+    saved = {key.split(".")[0] for key in  # model_best_ema.dcp holds the weights only
+             dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
+    state = {k: v for k, v in sharded_state(run).items()
+             if k in saved and (optimizer or k != "optimizer")}
+    with single_process_is_meant():
+        dcp.load(state, checkpoint_id=path)
+    bad = guard.non_finite(local_tensors(state))
+    raise_agreed(CheckpointError(f"{path} holds NaN/infinite values ({bad[0]} and maybe more): "
+                                 "it was saved by a run that diverged; use an earlier "
+                                 "checkpoint") if bad else None)
+    set_model_state_dict(run.raw_model, state["state_dict"])
+    if "optimizer" in state:
+        set_optimizer_state_dict(run.raw_model, parts.optimizer, state["optimizer"])
+    if "ema" in state:
+        set_model_state_dict(parts.ema.module, state["ema"])
+        parts.ema.n_averaged.copy_(meta["ema"]["n_averaged"])
+    return meta
+
+
+def to_single_file(src: Path, dst: Path) -> dict[str, Any]:
+    """The classic checkpoint of directory ``src`` written to ``dst``: plain keys, optimizer
+    state keyed by index, as ``--fsdp`` without --sharded-checkpoint would have saved it."""
+    meta = load_meta(src)
+    tmp = dst.with_name(f".{dst.name}.dcp-tmp-{os.getpid()}")
+    try:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(src, tmp)
+        tensors = torch.load(tmp, map_location="cpu", weights_only=True, mmap=True)
+        optimizer = tensors.get("optimizer")
+        if optimizer:
+            names = [n for group in optimizer["param_groups"] for n in group["params"]]
+            tensors["optimizer"] = fsdp.by_index(optimizer, names)
+        if "ema" in tensors:
+            tensors["ema"] = {"n_averaged": meta["ema"]["n_averaged"],
+                              **{f"module.{k}": v for k, v in tensors["ema"].items()}}
+        # Keep the classic key order: the metadata's (placeholders where the weights go).
+        single = {k: tensors.get(k, v) if k in SHARDED else v for k, v in meta.items()}
+        files.atomic_save(single, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return single
