@@ -181,11 +181,14 @@ def test_missing_peer_ends_within_the_timeout(data, tmp_path):
                    "--dist-timeout", "10", "--output-dir", str(tmp_path / "out"))
     (result,) = run_parallel([cmd], [child_env()], tmp_path / "logs", timeout=120)
     assert result.returncode == 1, result.stderr
+    # Both ranks time out together; the first to exit ends the job, and the other may be
+    # stopped before it prints its own line (the node's parent says so).
     errors = [ln for ln in result.stderr.splitlines() if "error: " in ln]
-    assert len(errors) == 2, result.stderr  # one per spawned rank, then both exited
-    for rank in (0, 1):
-        line = next(ln for ln in errors if f"as rank {rank} of world size 4" in ln)
+    assert 1 <= len(errors) <= 2, result.stderr
+    for line in errors:
+        assert re.search(r"as rank [01] of world size 4", line), line
         assert f"127.0.0.1:{port}" in line and "--dist-timeout 10s" in line
+    assert len(errors) == 2 or "stopped the others" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr + result.stdout
 
 
