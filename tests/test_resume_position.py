@@ -131,7 +131,7 @@ def test_the_optimizer_keeps_its_state_but_takes_the_flags_hyperparameters():
     saved = {"optimizer": saved_opt.state_dict(), "config": old.to_dict()}
     new = parse_config(["--lr", "0.03", "--wd", "0.002", "--momentum", "0.8"])
     optimizer = build_optimizer(model, new)
-    restore_optimizer(optimizer, saved, new)
+    restore_optimizer(model, optimizer, saved, new)
     group = optimizer.param_groups[0]
     assert (group["lr"], group["weight_decay"], group["momentum"]) == (0.03, 0.002, 0.8)
     assert "initial_lr" not in group
@@ -149,8 +149,8 @@ def test_an_optimizer_state_that_cannot_fit_starts_afresh_with_a_warning(flags, 
     saved_opt.step()
     new = parse_config(flags)
     optimizer = build_optimizer(model, new)
-    restore_optimizer(optimizer, {"optimizer": saved_opt.state_dict(), "config": old.to_dict()},
-                      new)
+    restore_optimizer(model, optimizer, {"optimizer": saved_opt.state_dict(),
+                                         "config": old.to_dict()}, new)
     assert not optimizer.state and "starts afresh" in caplog.text
     assert optimizer.param_groups[0]["lr"] == new.lr
 

@@ -181,21 +181,15 @@ def load_weights(run: Run, ckpt: dict[str, Any], path: Path) -> None:
     (possibly sharded) run; a directory is --sharded-checkpoint's. Every rank reads and checks
     the same checkpoint: none fails alone."""
     parts = run.engine.parts
-    keep_optimizer = same_optimizer(ckpt, run.cfg)
-    with flags_kept(parts.optimizer):
-        if path.is_dir():  # resharded to this run
-            sharded.load(run, path, optimizer=keep_optimizer)
-            return
-        files.load_model_state(run.raw_model, ckpt, path, run.cfg.arch)
-        guard.check_resumable(ckpt, path, run.data.classes)
-        if keep_optimizer and ckpt.get("optimizer"):
-            try:
-                load_optimizer_state(run.raw_model, parts.optimizer, ckpt["optimizer"])
-            except (ValueError, CheckpointError) as exc:  # --norm-/--bias-weight-decay changed
-                log.warning("the optimizer state does not fit this run's parameter groups "
-                            "(%s): it starts afresh", exc)
-        if parts.ema is not None and ckpt.get("ema"):
-            load_ema_state(parts.ema, ckpt["ema"])
+    if path.is_dir():  # resharded to this run
+        with flags_kept(parts.optimizer):
+            sharded.load(run, path, optimizer=same_optimizer(ckpt, run.cfg))
+        return
+    files.load_model_state(run.raw_model, ckpt, path, run.cfg.arch)
+    guard.check_resumable(ckpt, path, run.data.classes)
+    restore_optimizer(run.raw_model, parts.optimizer, ckpt, run.cfg)
+    if parts.ema is not None and ckpt.get("ema"):
+        load_ema_state(parts.ema, ckpt["ema"])
 
 
 def resume(run: Run) -> Path | None:
@@ -254,8 +248,22 @@ def resume(run: Run) -> Path | None:
     return path
 
 
+def restore_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
+                      ckpt: dict[str, Any], cfg: Config) -> None:
+    """The saved optimizer state (momentum, Adam moments) with this command line's
+    hyper-parameters (--lr, --wd, --momentum, ...), which a plain load would overwrite."""
+    if not ckpt.get("optimizer") or not same_optimizer(ckpt, cfg):
+        return
+    with flags_kept(optimizer):
+        try:
+            load_optimizer_state(model, optimizer, ckpt["optimizer"])
+        except (ValueError, CheckpointError) as exc:  # --norm-/--bias-weight-decay changed
+            log.warning("the optimizer state does not fit this run's parameter groups (%s): "
+                        "it starts afresh", exc)
+
+
 def same_optimizer(ckpt: dict[str, Any], cfg: Config) -> bool:
-    """Whether the checkpoint's optimizer state (momentum, Adam moments) fits --opt."""
+    """Whether the checkpoint's optimizer state fits --opt (a warning when it does not)."""
     saved_opt = (ckpt.get("config") or {}).get("opt", "sgd")  # the classic used SGD
     if saved_opt != cfg.opt:
         log.warning("--opt changed from %s to %s: the optimizer state starts afresh", saved_opt,
