@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import torchvision
 from helpers import child_env, load_checkpoint, run_main, write_image_folder
 from test_fault_tolerance import (
@@ -120,14 +119,17 @@ def test_sharded_checkpoint_directory_resumes_and_converts_to_the_classic_file(r
     ema = load_checkpoint(out / "model_best_ema.pth.tar")
     assert_equal(ema["state_dict"], load_checkpoint(
         runs / "ddp1" / "model_best_ema.pth.tar")["state_dict"], "model_best_ema")
-    # A sharded directory also resumes in one process (torch reshards 2 -> 1 on load).
+    # A sharded directory also resumes in one process (torch reshards 2 -> 1 on load), with
+    # the optimizer settings of its command line (--wd changed), not the saved ones.
     single = tmp_path / "single"
     shutil.copytree(out / "checkpoint.dcp", single / "checkpoint.dcp")
     output = run_to_end(run_cmd(data, single, *SINGLE, "--fsdp", "--sharded-checkpoint", "-j",
-                                "0", "--epochs", "2", "--resume", "auto"))
+                                "0", "--epochs", "2", "--wd", "0.002", "--resume", "auto"))
     assert "(epoch 1, step 0," in output, output
-    assert torch.load(single / "checkpoint.dcp" / "trainer_state.pth.tar",
-                      weights_only=True)["epoch"] == 2
+    assert unshard.main([str(single / "checkpoint.dcp")]) == 0
+    resumed = load_checkpoint(single / "checkpoint.pth.tar")
+    assert resumed["epoch"] == 2
+    assert {g["weight_decay"] for g in resumed["optimizer"]["param_groups"]} == {0.002}
 
 
 def test_refused_combination_is_one_line_at_start_up(tmp_path):
