@@ -25,9 +25,19 @@ def report(exc: TrainerError, debug: bool = False, rank: int = 0) -> int:
     """Print the one ``error:`` line (after the traceback with --debug); return the exit code."""
     if debug:
         traceback.print_exc()
-    tag = "" if rank == 0 else f"[rank {rank}] "
-    print(f"{tag}error: {exc}", file=sys.stderr, flush=True)
+    say_error(str(exc), rank)
     return exc.exit_code
+
+
+def say_error(message: str, rank: int = 0) -> None:
+    """Write one ``error:`` line to stderr in a single write.
+
+    The ranks of a node share one stderr; with PYTHONUNBUFFERED ``print`` writes the text and
+    its newline separately, so two ranks' lines could run together on one line.
+    """
+    tag = "" if rank == 0 else f"[rank {rank}] "
+    sys.stderr.write(f"{tag}error: {message}\n")
+    sys.stderr.flush()
 
 
 def on_every_rank(exc: TrainerError) -> TrainerError:

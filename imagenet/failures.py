@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -33,7 +32,7 @@ import torch.distributed as dist
 
 from imagenet.config import Config
 from imagenet.distributed import DistInfo, master_address
-from imagenet.errors import DistributedError, Preempted, RunError, TrainerError
+from imagenet.errors import DistributedError, Preempted, RunError, TrainerError, say_error
 from imagenet.launch import elastic_restart_count
 
 log = logging.getLogger(__name__)
@@ -132,8 +131,7 @@ class SharedFate:
         if value == DONE or not self.claim():
             return
         failure = Failure(**json.loads(value))
-        print(f"{'' if self.rank == 0 else f'[rank {self.rank}] '}error: "
-              f"{failure.error()}", file=sys.stderr, flush=True)
+        say_error(failure.error(), self.rank)
         self._done(wait_for_all=True)
         follow(failure)
         os._exit(failure.code)
