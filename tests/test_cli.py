@@ -86,6 +86,22 @@ def test_evaluate_reproduces_the_recorded_accuracy(trained):
     acc1 = float(re.search(r" \* Acc@1 ([\d.]+)", proc.stdout).group(1))
     assert acc1 == pytest.approx(best["best_acc1"], abs=1e-3)
     assert not (out / "eval" / "checkpoint.pth.tar").exists()
+    # It says what it evaluates (weights, data, images, classes), nothing about training.
+    assert "=> no CUDA device: evaluating on the CPU" in proc.stdout
+    assert (f"=> evaluating resnet18 with checkpoint '{out / 'model_best.pth.tar'}' (after "
+            f"{best['epoch']} epoch(s)) on the validation split of {data}: 9 images, 3 classes"
+            ) in proc.stdout
+    for training in ("global batch", "accumulation", "learning-rate", "lr ", "outputs"):
+        assert training not in proc.stdout, training
+
+
+def test_a_fast_start_is_quiet_and_the_end_names_the_outputs(trained):
+    _, out, stdout = trained
+    for stage in ("=> reading the data set", "=> starting the", "first training batch"):
+        assert stage not in stdout  # each took less than a few seconds
+    assert "current folder" not in stdout  # --output-dir was given
+    assert f"=> outputs in {out}: model_best.pth.tar (best Acc@1 " in stdout
+    assert stdout.rstrip().endswith(f"=> curves: tensorboard --logdir {out / 'tb'}")
 
 
 def test_resume_continues_at_the_next_epoch_and_keeps_best(trained, tmp_path):
