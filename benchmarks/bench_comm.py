@@ -234,7 +234,7 @@ def top1(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, help="what to measure")
     p = sub.add_parser("steptime", help="seconds per training step for each hook")
     p.add_argument("--rate", default="10mbit", help="tbf rate of each direction")
     p.add_argument("--hooks", nargs="+", default=["none", "bf16", "powersgd"],
