@@ -37,6 +37,7 @@ def test_run_multinode_without_master_addr_says_what_to_set():
     assert "set MASTER_ADDR to the address of node 0" in result.stderr
 
 
+@pytest.mark.slow
 def test_run_single_passes_flags_through_to_main(tmp_path):
     env = {**child_env(), "PYTHON": sys.executable, "OUTPUT_DIR": str(tmp_path / "out")}
     result = subprocess.run(["bash", str(ROOT / "run_single.sh"), "--help"], capture_output=True,
