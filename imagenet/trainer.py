@@ -19,7 +19,7 @@ from imagenet.build import Best, Run, build_run
 from imagenet.checkpoint.guard import last_good
 from imagenet.checkpoint.state import resume, save
 from imagenet.config import Config
-from imagenet.console import FirstBatch, describe_evaluation, finished
+from imagenet.console import FirstBatch, describe_evaluation, finished, slow_stage
 from imagenet.cpu_features import native_bf16, slow_bf16_warning
 from imagenet.data import shutdown_workers
 from imagenet.distributed import DistInfo
@@ -55,7 +55,9 @@ def resume_and_train(run: Run) -> dict[str, float]:
     if run.cfg.evaluate:
         describe_evaluation(run, resumed)
         return validate(run, run.engine.parts.model)
-    check_before_training(run, resumed)
+    with slow_stage("checking the disk space and every validation image") as stage:
+        check_before_training(run, resumed)
+        stage.done = "disk space and validation images checked"
     # Scalars are logged at the number of completed steps: the checkpoint's global_step is the
     # last one that counts; later ones came from a killed run and are purged, as are their
     # metrics.jsonl lines. (A fresh run finds no earlier record: it was moved aside.)
