@@ -64,14 +64,19 @@ def write_time(run: Run, reps: int) -> tuple[float, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-a", "--arch", nargs="+", default=["resnet18", "resnet50"])
-    parser.add_argument("-b", "--batch-size", type=int, default=8)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-a", "--arch", nargs="+", default=["resnet18", "resnet50"],
+                        help="architectures to measure, one after the other "
+                             "(default: resnet18 resnet50)")
+    parser.add_argument("-b", "--batch-size", type=int, default=8,
+                        help="images per step (default: 8)")
     parser.add_argument("--size", type=int, default=64, help="image side in pixels")
     parser.add_argument("--steps", type=int, default=12, help="steps per timed epoch")
     parser.add_argument("--save-every", type=int, default=3, help="optimizer steps")
     parser.add_argument("--reps", type=int, default=5, help="timed saves")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp folder; "
                         "use the checkpoint file system of your cluster to measure it)")
     args = parser.parse_args()

@@ -232,28 +232,34 @@ def top1(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("steptime")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, help="what to measure")
+    p = sub.add_parser("steptime", help="seconds per training step for each hook")
     p.add_argument("--rate", default="10mbit", help="tbf rate of each direction")
-    p.add_argument("--hooks", nargs="+", default=["none", "bf16", "powersgd"])
+    p.add_argument("--hooks", nargs="+", default=["none", "bf16", "powersgd"],
+                   help="hooks to time: none, fp16, bf16, powersgd or powersgd:RANK, and fsdp "
+                        "or fsdp-zero2 for comparison (default: none bf16 powersgd)")
     p.add_argument("--batch", type=int, default=32, help="images per host and step")
     p.add_argument("--image-size", type=int, default=56, help="pixels")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per hook")
     p.add_argument("--steps", type=int, default=2, help="timed steps per hook")
     p.add_argument("--timeout", type=float, default=600, help="seconds for the whole run")
-    p = sub.add_parser("top1")
+    p = sub.add_parser("top1", help="main.py --demo on both hosts: top-1 and wall time per hook")
     p.add_argument("--rate", default=None, help="tbf rate (default: unthrottled)")
-    p.add_argument("--hooks", nargs="+", default=["none", "powersgd"])
-    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--hooks", nargs="+", default=["none", "powersgd"],
+                   help="hooks to train with, as for steptime (default: none powersgd)")
+    p.add_argument("--epochs", type=int, default=6, help="demo epochs per run (default: 6)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("extra", nargs="*", help="more main.py flags (after --)")
-    p = sub.add_parser("worker")  # one host of steptime (started by it)
-    p.add_argument("--rank", type=int, required=True)
+    p = sub.add_parser("worker", help="one host of steptime (steptime starts it; not by hand)")
+    p.add_argument("--rank", type=int, required=True, help="0 or 1: which host this is")
     for name, kind in (("--batch", int), ("--image-size", int), ("--warmup", int),
-                       ("--steps", int), ("--go", str)):
-        p.add_argument(name, type=kind, required=True)
-    p.add_argument("--hooks", nargs="+", required=True)
+                       ("--steps", int)):
+        p.add_argument(name, type=kind, required=True, help="as given to steptime")
+    p.add_argument("--go", type=str, required=True,
+                   help="file whose appearance starts the timed steps (after the link is shaped)")
+    p.add_argument("--hooks", nargs="+", required=True, help="as given to steptime")
     args = parser.parse_args()
     if args.command != "worker" and os.geteuid() != 0:
         parser.error("network namespaces need root")

@@ -160,7 +160,8 @@ def print_table(title: str, rates: dict[str, float]) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line flags."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=Path, help="folder of JPEGs (default: generate them)")
     parser.add_argument("--num-images", type=int, default=200,
                         help="images to generate, or the most to take from --images")
@@ -168,7 +169,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--passes", type=int, default=3, help="timed passes; the best is shown")
     parser.add_argument("--crop", type=int, default=224, help="train/val crop, pixels")
     parser.add_argument("--resize", type=int, default=256, help="val short-side resize, pixels")
-    parser.add_argument("--interpolation", default="bilinear", choices=tuple(T.INTERPOLATIONS))
+    parser.add_argument("--interpolation", default="bilinear", choices=tuple(T.INTERPOLATIONS),
+                        help="resize interpolation (default: bilinear, as main.py)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     return parser.parse_args(argv)
 

@@ -98,13 +98,17 @@ def allreduce_time(rank: int, world: int, port: int, archs: list[str], repeats: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", default="resnet18")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="resnet18",
+                        help="architecture trained (default: resnet18)")
     parser.add_argument("--image-size", type=int, default=64, help="pixels")
     parser.add_argument("--global-batch", type=int, default=32, help="images per step, all ranks")
     parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps")
     parser.add_argument("--rounds", type=int, default=2, help="repeats of each configuration")
-    parser.add_argument("--reduce-archs", nargs="+", default=["resnet18", "resnet50"])
+    parser.add_argument("--reduce-archs", nargs="+", default=["resnet18", "resnet50"],
+                        help="models whose gradient all-reduce is timed "
+                             "(default: resnet18 resnet50)")
     parser.add_argument("--repeats", type=int, default=5, help="timed all-reduces per model")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")

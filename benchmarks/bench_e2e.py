@@ -84,12 +84,13 @@ def compare(data: Path, workdir: Path, args: argparse.Namespace,
 
 def get_parser() -> argparse.ArgumentParser:
     """This script's flags; the rest of the command line goes to main.py."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Unknown flags are passed to main.py.")
     parser.add_argument("--data", type=Path, help="ImageFolder root (default: generate one)")
-    parser.add_argument("-a", "--arch", default="resnet18")
-    parser.add_argument("-b", "--batch-size", type=int, default=32)
-    parser.add_argument("-j", "--workers", type=int, default=2)
+    parser.add_argument("-a", "--arch", default="resnet18", help="main.py -a (default: resnet18)")
+    parser.add_argument("-b", "--batch-size", type=int, default=32, help="main.py -b (default: 32)")
+    parser.add_argument("-j", "--workers", type=int, default=2, help="main.py -j (default: 2)")
     parser.add_argument("--classes", type=int, default=4, help="generated classes")
     parser.add_argument("--per-class", type=int, default=48, help="generated train images/class")
     return parser

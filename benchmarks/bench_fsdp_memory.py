@@ -142,8 +142,10 @@ def report(mode: str, world: int, results: list[dict], ddp_state: float | None) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-a", "--arch", default="vit_l_16")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-a", "--arch", default="vit_l_16",
+                        help="architecture (default: vit_l_16)")
     parser.add_argument("--image-size", type=int, default=64, help="pixels")
     parser.add_argument("-b", "--batch-size", type=int, default=2, help="images per process")
     parser.add_argument("--steps", type=int, default=2, help="AdamW steps")

@@ -230,13 +230,17 @@ def report(args: argparse.Namespace, results, alone: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-a", "--arch", default="resnet50")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-a", "--arch", default="resnet50",
+                        help="architecture (default: resnet50)")
     parser.add_argument("--image-size", type=int, default=64, help="pixels")
     parser.add_argument("-b", "--batch-size", type=int, default=8, help="images per process")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        metavar="VARIANT", help="variants to time, by name as printed "
+                                                "(default: all)")
     args = parser.parse_args()
     if "DDP" not in args.variants:
         args.variants.insert(0, "DDP")

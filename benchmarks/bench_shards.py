@@ -340,8 +340,11 @@ def main() -> None:
         return serve(sys.argv[2], float(sys.argv[3]))
     if sys.argv[1:2] == ["_client"]:
         return client(sys.argv[2], Path(sys.argv[3]), sys.argv[4])
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=("speed", "resume", "http"))
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=("speed", "resume", "http"),
+                   help="speed: per loader core; resume: first batch and mid-epoch resume; "
+                        "http: over a shaped link (root)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/bench_shards"),
                    help="data made here once and reused (default: %(default)s)")
     p.add_argument("--images", type=int, default=5000, help="training JPEGs (default: 5000)")

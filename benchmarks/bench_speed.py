@@ -1,4 +1,4 @@
-"""Issue 5's three speed comparisons in one run, side by side, with the ratios.
+"""The trainer's three speed comparisons in one run, side by side, with the ratios.
 
 1. data pipeline img/s per worker (one thread): classic PIL vs ours, and decode alone (ceiling);
 2. train step img/s: fp32 / channels_last / bf16 / bf16+channels_last, the fp32 and bf16 matmul
@@ -35,7 +35,8 @@ SECTIONS = ("data", "step", "e2e")
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Flags of the three sections; unknown ones are main.py flags for section 3."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Unknown flags are passed to main.py (section 3).")
     parser.add_argument("--skip", nargs="+", choices=SECTIONS, default=[],
                         help="sections to leave out")
@@ -44,8 +45,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     data.add_argument("--passes", type=int, default=3, help="timed passes; the best counts")
     data.add_argument("--crop", type=int, default=224, help="crop, pixels")
     step = parser.add_argument_group("2. train step")
-    step.add_argument("--step-arch", default="resnet18")
-    step.add_argument("--step-batch", type=int, default=32)
+    step.add_argument("--step-arch", default="resnet18",
+                      help="architecture of the timed step (default: resnet18)")
+    step.add_argument("--step-batch", type=int, default=32,
+                      help="images per timed step (default: 32)")
     step.add_argument("--steps", type=int, default=6, help="timed steps per variant")
     step.add_argument("--threads", type=int, default=2, help="torch threads for the step")
     e2e = parser.add_argument_group("3. end to end")

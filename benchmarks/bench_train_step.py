@@ -145,9 +145,11 @@ def measure(arch: str, batch: int, size: int, steps: int,
 
 def get_parser() -> argparse.ArgumentParser:
     """This script's flags."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-a", "--arch", default="resnet18")
-    parser.add_argument("-b", "--batch-size", type=int, default=32)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-a", "--arch", default="resnet18", help="architecture (default: resnet18)")
+    parser.add_argument("-b", "--batch-size", type=int, default=32,
+                        help="images per step (default: 32)")
     parser.add_argument("--size", type=int, default=224, help="image size, pixels")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per variant")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")

@@ -56,10 +56,12 @@ def seconds(fn, paths: list[Path]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, help="dataset root with val/ (default: draw JPEGs)")
     parser.add_argument("--limit", type=int, default=3000, help="images (default: 3000)")
-    parser.add_argument("--work-dir", type=Path, default=Path("runs/bench_val_check"))
+    parser.add_argument("--work-dir", type=Path, default=Path("runs/bench_val_check"),
+                        help="where the drawn JPEGs are kept (default: runs/bench_val_check)")
     args = parser.parse_args()
     if args.data:
         paths = sorted((args.data / "val").glob("*/*"))[:args.limit]

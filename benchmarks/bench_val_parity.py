@@ -1,7 +1,7 @@
 """Validation parity: the same model on the same val images, tensor backend vs PIL backend.
 
-Issue 5 asks that validation on the fast path (libjpeg-turbo decode, uint8 v2 Resize + CenterCrop,
-antialias on) reach the PIL path's accuracy within a small tolerance on the same model. This
+Validation on the fast path (libjpeg-turbo decode, uint8 v2 Resize + CenterCrop, antialias on)
+must reach the PIL path's accuracy within a small tolerance on the same model. This
 script evaluates one model on one list of val images with both backends, in lockstep, through the
 trainer's own pieces (``data.image_folder``, ``transforms.val_transform``, ``transforms.normalize``,
 ``metrics.topk_correct``), and prints top-1/top-5 of each, their difference, the per-image top-1
@@ -206,7 +206,8 @@ def report(c: dict[str, float]) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line flags."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_argument_group("model (default: train one on the demo shapes)")
     model.add_argument("--checkpoint", type=Path, help="a checkpoint written by main.py, or a "
                                                        "bare state_dict")
@@ -222,18 +223,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     data.add_argument("--interpolation", choices=tuple(T.INTERPOLATIONS),
                       help="default: checkpoint's, else bilinear")
     run = parser.add_argument_group("running")
-    run.add_argument("-b", "--batch-size", type=int, default=64)
+    run.add_argument("-b", "--batch-size", type=int, default=64,
+                     help="images per validation batch (default: 64)")
     run.add_argument("-j", "--workers", type=int, default=2, help="loader processes per backend")
     run.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     demo = parser.add_argument_group("demo training (when no model is given)")
     demo.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "val-parity",
                       help="demo data and training output; reused when the settings match")
-    demo.add_argument("--epochs", type=int, default=4)
+    demo.add_argument("--epochs", type=int, default=4, help="training epochs (default: 4)")
     demo.add_argument("--image-size", type=int, default=112,
                       help="demo image side, pixels; validation resizes it to 64 (x1/1.75, "
                            "like an ImageNet photo to 256)")
-    demo.add_argument("--train-per-class", type=int, default=100)
-    demo.add_argument("--val-per-class", type=int, default=100)
+    demo.add_argument("--train-per-class", type=int, default=100,
+                      help="drawn training images per class (default: 100)")
+    demo.add_argument("--val-per-class", type=int, default=100,
+                      help="drawn validation images per class (default: 100)")
     args = parser.parse_args(argv)
     if args.checkpoint and args.weights:
         parser.error("give --checkpoint or --weights, not both")

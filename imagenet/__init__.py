@@ -41,6 +41,8 @@ One training process (trainer.run_training: build -> claim the folder -> resume 
   metrics      top-k counts and sums that stay on the device and are all-reduced once.
   preemption   SIGTERM/SIGUSR1/SIGINT: finish the step, save, agree across ranks, exit 143.
   logger       console and progress lines, TensorBoard, metrics.jsonl, config.json (rank 0).
+  console      what a person reads around the loop: --demo's settings, slow start-up stages,
+               what -e evaluates, where a finished run's outputs are.
 
 Side tools (not imported by a training run unless asked for)
   tools.prepare     python -m imagenet.tools.prepare: ILSVRC2012 archives -> ImageFolder,

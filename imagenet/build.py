@@ -18,6 +18,7 @@ from torch.optim.swa_utils import AveragedModel
 from imagenet import transforms as T
 from imagenet.checkpoint import files
 from imagenet.config import Config
+from imagenet.console import slow_stage
 from imagenet.data import Data, build_data
 from imagenet.distributed import DistInfo
 from imagenet.engine import Engine, Options, Parts, Step
@@ -138,7 +139,11 @@ def build_run(cfg: Config, dist: DistInfo, layout: Layout) -> Run:
     # Model init uses the same seed on every rank; augmentation gets its own per-sample seeds.
     seed_process(cfg.seed)
     aug_seed = cfg.seed if cfg.seed is not None else random.SystemRandom().randrange(2**31)
-    data = load_data(cfg, dist, layout, data_root(cfg, output_dir), aug_seed)
+    root = data_root(cfg, output_dir)
+    with slow_stage(f"reading the data set {root} (listing every image)") as stage:
+        data = load_data(cfg, dist, layout, root, aug_seed)
+        stage.done = (f"found {data.num_classes} classes, {data.train.images} training images "
+                      f"per epoch and {data.val_size} validation images")
     if cfg.fsdp and data.val_size < dist.world_size:  # every rank joins every sharded forward
         raise UsageError(f"--fsdp: the validation set has {data.val_size} image(s), fewer than "
                          f"the {dist.world_size} processes; it needs at least one per process")

@@ -12,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from imagenet.config import Config, parse_config
+from imagenet.console import startup_notes
 from imagenet.distributed import cleanup, init_distributed
 from imagenet.errors import INTERRUPTED_EXIT_CODE, TrainerError, report
 from imagenet.failures import stop_together
@@ -40,13 +41,16 @@ def _worker(local_index: int, cfg: Config, launch: Launch, master: dict[str, str
     os.environ.update(master)  # the parent's rendezvous choice (spawn mode only)
     rank = resolve_ranks(launch, local_index, cfg, os.environ)[0]
     setup_logging(rank, cfg.debug)
+    for note in startup_notes(cfg):
+        log.info("%s", note)
     from imagenet.trainer import run_training  # heavy imports only where training happens
 
     try:
         info = init_distributed(cfg, launch, local_index)
         try:
             if info.device.type == "cpu" and info.rank == 0 and not cfg.no_accel:
-                log.info("=> no CUDA device: training on the CPU")
+                log.info("=> no CUDA device: %s on the CPU",
+                         "evaluating" if cfg.evaluate else "training")
             with stop_together(cfg, info):  # a failure on any rank ends every rank
                 run_training(cfg, info, plan_layout(cfg, launch, info.world_size,
                                                     info.local_world_size))
@@ -160,13 +164,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             choose_backend(cfg.dist_backend, device_type)
             check_sync_bn(cfg.sync_bn, device_type)
         if launch.mode != "spawn":
+            if cfg.global_batch_size is not None:  # an uneven split fails before joining peers
+                plan_layout(cfg, launch, *resolve_ranks(launch, 0, cfg, os.environ)[2:])
             _worker(0, cfg, launch, {})
             return 0
         setup_logging(0, cfg.debug)
         layout = plan_layout(cfg, launch, launch.nnodes * launch.nprocs, launch.nprocs)
         given = "auto" if cfg.workers is None else f"{cfg.workers} per node"
+        batch = f"-b {cfg.batch_size} per node" if cfg.global_batch_size is None \
+            else f"--global-batch-size {cfg.global_batch_size}"
         return _spawn(cfg, launch, (
-            f"=> {launch.reason}; -b {cfg.batch_size} per node -> {layout.batch_size} per "
+            f"=> {launch.reason}; {batch} -> {layout.batch_size} per "
             f"process; -j {given} -> {layout.workers} per process"))
     except TrainerError as exc:
         return report(exc, debug)

@@ -14,6 +14,7 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -150,6 +151,11 @@ class Config:
                                  "processes, as the classic), per process under torchrun, srun "
                                  "and manual --rank; x --grad-accum-steps per optimizer step; "
                                  "the global batch is printed at start (default: %(default)s)")
+    global_batch_size: int | None = _flag(
+        "--global-batch-size", group="optimisation", default=None, type=int, metavar="N",
+        help="images per optimizer step over all processes, instead of -b: each process takes "
+             "N / (processes x --grad-accum-steps), which must divide evenly; stays the same "
+             "when a resume runs on another number of processes (default: from -b)")
     lr: float = _flag("--lr", "--learning-rate", group="optimisation", default=0.1, type=float,
                       metavar="LR", help="initial learning rate (default: %(default)s)")
     momentum: float = _flag("--momentum", group="optimisation", default=0.9, type=float,
@@ -344,9 +350,18 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     parser = get_args_parser()
     ns = parser.parse_args(argv)
     values = vars(ns)
+    given = _given_dests(parser, argv)
+    if values["global_batch_size"] is not None and "batch_size" in given:
+        raise UsageError("give either -b/--batch-size (per process or per node, by launcher) "
+                         "or --global-batch-size (all processes together), not both")
+    if values["global_batch_size"] is not None:
+        given.add("batch_size")  # --demo's -b would be unused
     if values["demo"]:
-        given = _given_dests(parser, argv)
+        if values["data"] != parser.get_default("data"):
+            raise UsageError(f"--demo trains on the built-in data it writes to "
+                             f"OUTPUT_DIR/demo-data: drop DIR '{values['data']}' or --demo")
         values.update({k: v for k, v in DEMO_DEFAULTS.items() if k not in given})
+        values["data"] = str(Path(values["output_dir"]) / "demo-data")  # recorded as trained
     values["lr_milestones"] = tuple(values["lr_milestones"])
     cfg = Config(**values)
     validate(cfg)
@@ -371,7 +386,9 @@ def validate(cfg: Config) -> None:
                 "--val-crop-size": cfg.val_crop_size, "--val-resize-size": cfg.val_resize_size,
                 "--grad-accum-steps": cfg.grad_accum_steps, "--dist-timeout": cfg.dist_timeout,
                 "--model-ema-steps": cfg.model_ema_steps, "--bucket-cap-mb": cfg.bucket_cap_mb,
-                "--powersgd-rank": cfg.powersgd_rank}
+                "--powersgd-rank": cfg.powersgd_rank,
+                "--global-batch-size": 1 if cfg.global_batch_size is None
+                else cfg.global_batch_size}
     for name, value in positive.items():
         if value <= 0:
             raise UsageError(f"{name} must be positive, got {value}")

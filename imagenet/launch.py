@@ -294,16 +294,33 @@ def plan_layout(cfg: Config, launch: Launch, world_size: int, local_world_size: 
 
     With --multiprocessing-distributed (mode "spawn") -b and -j count per node, as in the classic,
     and are split across the node's processes; under every other launcher -b is per process.
-    Without -j, the usable cores are shared among the node's processes.
+    Without -j, the usable cores are shared among the node's processes. --global-batch-size
+    replaces -b under every launcher.
     """
     if launch.mode == "spawn":
-        batch = per_process_batch(cfg.batch_size, launch.nprocs)
         workers = per_process_workers(cfg.workers, launch.nprocs)
     else:
-        batch = cfg.batch_size
         workers = per_process_workers(cfg.workers, 1) if cfg.workers is not None \
             else auto_workers(local_world_size)
+    if cfg.global_batch_size is not None:
+        batch = batch_from_global(cfg.global_batch_size, world_size, cfg.grad_accum_steps)
+    elif launch.mode == "spawn":
+        batch = per_process_batch(cfg.batch_size, launch.nprocs)
+    else:
+        batch = cfg.batch_size
     return Layout(world_size, batch, cfg.grad_accum_steps, workers)
+
+
+def batch_from_global(global_batch: int, world_size: int, grad_accum_steps: int) -> int:
+    """Images per process and micro-batch for --global-batch-size: an exact split or an error."""
+    parts = world_size * grad_accum_steps
+    if global_batch % parts:
+        lower = global_batch - global_batch % parts
+        near = f"{lower} or {lower + parts}" if lower else f"{parts}"
+        raise UsageError(f"--global-batch-size {global_batch} does not divide into {world_size} "
+                         f"process(es) x {grad_accum_steps} accumulation step(s) = {parts} "
+                         f"equal micro-batches: give a multiple of {parts} (e.g. {near})")
+    return global_batch // parts
 
 
 def per_process_batch(batch_per_node: int, nprocs: int) -> int:

@@ -53,11 +53,13 @@ def print_train_progress(r: Mapping[str, Any]) -> None:
              mem)
 
 
-def print_val_progress(r: Mapping[str, Any]) -> None:
-    """The classic's 'Test:' line (this rank's shard so far)."""
+def print_val_progress(r: Mapping[str, Any], ranks: int = 1) -> None:
+    """The classic's 'Test:' line: this rank's shard so far, labelled so when there are others
+    (the job's numbers are the ' * Acc@1' line at the end)."""
     width = len(str(r["batches"]))
-    log.info("Test: [%*d/%d]  Time %6.3f  Acc@1 %6.2f  Acc@5 %6.2f", width, r["batch"],
-             r["batches"], r["batch_time"], r["acc1"], r["acc5"])
+    shard = f"  (rank 0 only, 1 of {ranks} ranks; the * line is the job's)" if ranks > 1 else ""
+    log.info("Test: [%*d/%d]  Time %6.3f  Acc@1 %6.2f  Acc@5 %6.2f%s", width, r["batch"],
+             r["batches"], r["batch_time"], r["acc1"], r["acc5"], shard)
 
 
 def git_commit() -> str | None:

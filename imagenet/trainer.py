@@ -8,6 +8,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torchvision
@@ -18,6 +19,7 @@ from imagenet.build import Best, Run, build_run
 from imagenet.checkpoint.guard import last_good
 from imagenet.checkpoint.state import resume, save
 from imagenet.config import Config
+from imagenet.console import FirstBatch, describe_evaluation, finished, slow_stage
 from imagenet.cpu_features import native_bf16, slow_bf16_warning
 from imagenet.data import shutdown_workers
 from imagenet.distributed import DistInfo
@@ -51,8 +53,11 @@ def resume_and_train(run: Run) -> dict[str, float]:
     derived = describe(run)
     resumed = resume(run)
     if run.cfg.evaluate:
+        describe_evaluation(run, resumed)
         return validate(run, run.engine.parts.model)
-    check_before_training(run, resumed)
+    with slow_stage("checking the disk space and every validation image") as stage:
+        check_before_training(run, resumed)
+        stage.done = "disk space and validation images checked"
     # Scalars are logged at the number of completed steps: the checkpoint's global_step is the
     # last one that counts; later ones came from a killed run and are purged, as are their
     # metrics.jsonl lines. (A fresh run finds no earlier record: it was moved aside.)
@@ -112,6 +117,7 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
                        {"hparam/best_acc1": run.best.acc1, "hparam/val_acc1": record["val_acc1"],
                         "hparam/val_loss": record["val_loss"]}, run.step.global_step)
     log.info("=> done in %.1f s; best Acc@1 %.3f", time.perf_counter() - start, run.best.acc1)
+    finished(run)
     return {"best_acc1": run.best.acc1, **record}
 
 
@@ -120,7 +126,8 @@ def train_rest_of_epoch(run: Run, hooks: Hooks) -> dict[str, float]:
     if run.step.step_in_epoch >= run.engine.opts.steps_per_epoch:
         return {}  # resumed after the last step: only the validation is left
     run.data.train.continue_after(run.step.epoch, run.images_trained())
-    return train_one_epoch(run.engine, run.data.train_loader, run.step, hooks)
+    loader = FirstBatch(run.data.train_loader, run.layout.workers, "training")
+    return train_one_epoch(run.engine, loader, run.step, hooks)
 
 
 def saver(run: Run, stop: StopFlag) -> Callable[[Step, Callable[[], None]], bool]:
@@ -152,14 +159,15 @@ def validate(run: Run, model: nn.Module, name: str = "",
 
     With ``stop``, a signal ends it within a batch (StopRequested) on every rank.
     """
-    loader = run.data.val_loader
+    loader = FirstBatch(run.data.val_loader, run.layout.workers, "validation")
     if stop is not None:
         # should_stop is collective: every rank asks as often as the largest shard has batches.
         largest_shard = math.ceil(run.data.val_size / run.dist.world_size)
         loader = StopBetweenBatches(loader, stop, math.ceil(largest_shard /
                                                             run.layout.batch_size))
     metrics = evaluate(run.engine, for_evaluation(model), loader, run.data.val_size,
-                       print_val_progress if run.dist.is_main else None)
+                       partial(print_val_progress, ranks=run.dist.world_size)
+                       if run.dist.is_main else None)
     log.info(" * %sAcc@1 %.3f Acc@5 %.3f  (%d images)", name, metrics["acc1"], metrics["acc5"],
              metrics["count"])
     return metrics
@@ -215,10 +223,12 @@ def describe(run: Run) -> dict[str, Any]:
             "train_images": run.data.train.images,
             "val_images": run.data.val_size,
             "steps_per_epoch": run.engine.opts.steps_per_epoch}
-    log.info("=> %s on %s: global batch %d = %d process(es) x %d images x %d accumulation "
-             "step(s); %d loader worker(s) per process; %d classes, %d val images",
-             run.cfg.arch, d.device, layout.global_batch, d.world_size, layout.batch_size,
-             layout.grad_accum_steps, layout.workers, run.data.num_classes, run.data.val_size)
+    if not run.cfg.evaluate:  # -e says what it evaluates once the weights are loaded
+        log.info("=> %s on %s: global batch %d = %d process(es) x %d images x %d accumulation "
+                 "step(s); %d loader worker(s) per process; %d classes, %d val images",
+                 run.cfg.arch, d.device, layout.global_batch, d.world_size, layout.batch_size,
+                 layout.grad_accum_steps, layout.workers, run.data.num_classes,
+                 run.data.val_size)
     slow_bf16 = slow_bf16_warning(run.cfg.amp, d.device.type, native_bf16())
     if slow_bf16 and d.is_main:
         log.warning("%s", slow_bf16)

@@ -37,6 +37,7 @@ def test_archs_with_aux_classifiers_train_from_scratch(tmp_path, arch, size):
     assert not [k for k in state if k.startswith(("aux1.", "aux2.", "AuxLogits."))]
 
 
+@pytest.mark.slow
 def test_aux_heads_are_dropped_as_for_torchvisions_pretrained_weights():
     # What --pretrained gives for inception_v3 (torchvision keeps its aux head), without the
     # download: train mode then returns plain logits.

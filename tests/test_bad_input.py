@@ -63,6 +63,7 @@ def test_val_classes_differ(capsys, image_folder, tmp_path):
     assert rc == 1 and "val/ classes differ" in line and "other" in line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", ["0", "2"])
 def test_truncated_image_is_named_without_a_worker_traceback(tmp_path, workers):
     data = write_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=2)
@@ -118,6 +119,7 @@ def test_resume_refuses_bad_checkpoints(capsys, image_folder, tmp_path):
     assert "fc.weight" in line and "5 classes" in line and "has 3" in line
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(image_folder, tmp_path):
     out = tmp_path / "o"
     out.mkdir()
@@ -133,6 +135,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(image_folder, 
     assert kept.read_bytes() == b"last good"
 
 
+@pytest.mark.slow
 def test_debug_shows_the_traceback(image_folder, tmp_path):
     proc = run_main(str(tmp_path / "missing"), *TINY, "--debug")
     assert proc.returncode != 0 and "Traceback" in proc.stderr

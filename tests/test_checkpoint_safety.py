@@ -48,6 +48,7 @@ def _resume_point(folder: Path) -> tuple[int, float]:
 KILLS = 20
 
 
+@pytest.mark.slow
 def test_sigkill_during_saves_never_leaves_an_unloadable_or_inconsistent_file(tmp_path):
     rng = random.Random(0)
     fork = multiprocessing.get_context("fork")
@@ -163,6 +164,7 @@ def _write_bad(kind: str, path: Path, marker: Path) -> str:
     return "refusing"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["truncated", "not a checkpoint", "other architecture",
                                   "other class count", "malicious (torch.save)",
                                   "malicious (plain pickle)"])

@@ -24,6 +24,7 @@ def trained(tmp_path_factory) -> tuple[Path, Path, str]:
     return data, out, proc.stdout
 
 
+@pytest.mark.slow
 def test_run_writes_both_checkpoints_with_the_promised_keys(trained):
     _, out, stdout = trained
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
@@ -41,6 +42,7 @@ def test_run_writes_both_checkpoints_with_the_promised_keys(trained):
     assert stdout.count(" * Acc@1") == 2
 
 
+@pytest.mark.slow
 def test_progress_lines_and_metrics_files(trained):
     _, out, stdout = trained
     line = next(ln for ln in stdout.splitlines() if ln.startswith("Epoch: [0]"))
@@ -54,6 +56,7 @@ def test_progress_lines_and_metrics_files(trained):
     assert config["environment"]["torch"] == torch.__version__
 
 
+@pytest.mark.slow
 def test_tensorboard_events_read_back(trained):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -77,6 +80,7 @@ def test_tensorboard_events_read_back(trained):
     assert acc.Scalars("hparam/best_acc1")[-1].value == pytest.approx(records[1]["best_acc1"])
 
 
+@pytest.mark.slow
 def test_evaluate_reproduces_the_recorded_accuracy(trained):
     data, out, _ = trained
     best = load_checkpoint(out / "model_best.pth.tar")
@@ -86,8 +90,26 @@ def test_evaluate_reproduces_the_recorded_accuracy(trained):
     acc1 = float(re.search(r" \* Acc@1 ([\d.]+)", proc.stdout).group(1))
     assert acc1 == pytest.approx(best["best_acc1"], abs=1e-3)
     assert not (out / "eval" / "checkpoint.pth.tar").exists()
+    # It says what it evaluates (weights, data, images, classes), nothing about training.
+    assert "=> no CUDA device: evaluating on the CPU" in proc.stdout
+    assert (f"=> evaluating resnet18 with checkpoint '{out / 'model_best.pth.tar'}' (after "
+            f"{best['epoch']} epoch(s)) on the validation split of {data}: 9 images, 3 classes"
+            ) in proc.stdout
+    for training in ("global batch", "accumulation", "learning-rate", "lr ", "outputs"):
+        assert training not in proc.stdout, training
 
 
+@pytest.mark.slow
+def test_a_fast_start_is_quiet_and_the_end_names_the_outputs(trained):
+    _, out, stdout = trained
+    for stage in ("=> reading the data set", "=> starting the", "first training batch"):
+        assert stage not in stdout  # each took less than a few seconds
+    assert "current folder" not in stdout  # --output-dir was given
+    assert f"=> outputs in {out}: model_best.pth.tar (best Acc@1 " in stdout
+    assert stdout.rstrip().endswith(f"=> curves: tensorboard --logdir {out / 'tb'}")
+
+
+@pytest.mark.slow
 def test_resume_continues_at_the_next_epoch_and_keeps_best(trained, tmp_path):
     data, out, _ = trained
     run_dir = tmp_path / "run"
@@ -107,6 +129,7 @@ def test_resume_continues_at_the_next_epoch_and_keeps_best(trained, tmp_path):
     assert resumed["global_step"] == ckpt["global_step"] + 3
 
 
+@pytest.mark.slow
 def test_classic_checkpoint_with_module_prefix_resumes(trained, tmp_path):
     import torchvision
 
@@ -133,6 +156,7 @@ def test_classic_checkpoint_with_module_prefix_resumes(trained, tmp_path):
     assert ckpt["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.01)
 
 
+@pytest.mark.slow
 def test_dummy_data_follows_the_size_flags(tmp_path):
     proc = run_main("--dummy", "--dummy-size", "12", "--dummy-val-size", "5",
                     "--dummy-classes", "4", *TINY, "--epochs", "1",
@@ -143,6 +167,7 @@ def test_dummy_data_follows_the_size_flags(tmp_path):
     assert state["fc.weight"].shape == (4, 512)
 
 
+@pytest.mark.slow
 def test_pretrained_offline_says_where_to_put_the_file(trained, tmp_path):
     data, _, _ = trained
     proc = run_main(str(data), *TINY, "-e", "--pretrained", "--output-dir", str(tmp_path),
@@ -153,6 +178,7 @@ def test_pretrained_offline_says_where_to_put_the_file(trained, tmp_path):
     assert str(expected) in proc.stderr
 
 
+@pytest.mark.slow
 def test_pretrained_weights_load_from_the_cache_and_adapt_the_classifier(trained, tmp_path):
     import torchvision
 
@@ -170,6 +196,7 @@ def test_pretrained_weights_load_from_the_cache_and_adapt_the_classifier(trained
     assert state["fc.weight"].shape == (3, 512)
 
 
+@pytest.mark.slow
 def test_resumed_run_continues_the_tensorboard_curves(image_folder, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

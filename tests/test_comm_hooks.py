@@ -101,6 +101,7 @@ def results(tmp_path_factory) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
 def test_each_hook_trains_with_several_buckets_on_gloo(results, name):
     run = results[0][name]
@@ -112,6 +113,7 @@ def test_each_hook_trains_with_several_buckets_on_gloo(results, name):
         assert torch.equal(value, results[1][name]["weights"][key]), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["powersgd", "powersgd_r8", "powersgd_r8_accum"])
 def test_powersgd_runs_once_per_optimizer_step_on_every_bucket(results, name):
     run = results[0][name]
@@ -125,6 +127,7 @@ def test_powersgd_runs_once_per_optimizer_step_on_every_bucket(results, name):
     assert results[1][name]["checkpoint"]["warm_start"][0]["q"].equal(saved["warm_start"][0]["q"])
 
 
+@pytest.mark.slow
 def test_grad_accumulation_with_powersgd_matches_the_full_batch(results):
     # 2 micro-batches of 4 under no_sync == one batch of 8: the hook sees the same gradient.
     full, accum = results[0]["powersgd_r8"], results[0]["powersgd_r8_accum"]
@@ -132,6 +135,7 @@ def test_grad_accumulation_with_powersgd_matches_the_full_batch(results):
         torch.testing.assert_close(accum["weights"][key], value, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_high_rank_powersgd_approaches_plain_ddp(results):
     """Tolerance: rank 8's weights differ from plain DDP's by under 5% of how far plain DDP moved
     them (measured: 1.4%; rank 2: 15%), and its last-epoch loss is within 0.05 of plain DDP's."""
@@ -157,6 +161,7 @@ def test_payload_estimate_follows_torch_powersgd_rules():
     assert comm_hooks.payload_bytes(net, "powersgd", rank=2) == (4 * elements, 4 * sent)
 
 
+@pytest.mark.slow
 def test_powersgd_checkpoint_resume_through_main(image_folder: Path, tmp_path: Path):
     out = tmp_path / "run"
     common = [str(image_folder), *TINY, "--multiprocessing-distributed", "--nproc-per-node", "2",

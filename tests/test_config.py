@@ -72,6 +72,9 @@ def test_demo_sets_small_defaults_but_respects_given_flags():
     assert cfg.epochs == 2 and cfg.lr == 0.01
     assert cfg.train_crop_size < 224 and cfg.batch_size < 256 and cfg.opt == "adamw"
     assert parse_config([]).opt == "sgd"  # without --demo: the classic's
+    assert parse_config(["--demo", "--output-dir", "runs/d"]).data == "runs/d/demo-data"
+    with pytest.raises(UsageError, match="--demo trains on the built-in data"):
+        parse_config(["/data/imagenet", "--demo"])
 
 
 @pytest.mark.parametrize("argv, flag", [

@@ -141,3 +141,11 @@ def test_the_demo_run_learns(tmp_path: Path):
     assert records[-1]["val_acc1"] > 25, records  # 43% measured; chance is 10%
     assert records[-1]["train_loss"] < records[0]["train_loss"]
     assert (out / "demo-data" / MARKER).is_file()
+    # Its first lines say what the demo changes (only flags not given: --epochs 3 was).
+    first = proc.stdout.splitlines()[:2]
+    assert first[0] == (f"=> --demo: training on the built-in demo data in {out / 'demo-data'} "
+                        "(drawn once, no download)")
+    assert "--opt adamw --lr 0.002 --wd 0.01 --lr-scheduler cosine" in first[1]
+    assert "--train-crop-size 40" in first[1] and "--epochs" not in first[1]
+    config = json.loads((out / "config.json").read_text())["config"]
+    assert config["data"] == str(out / "demo-data") and config["demo"]

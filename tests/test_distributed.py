@@ -294,6 +294,7 @@ def ddp_results(tmp_path_factory) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["plain", "accum"])
 def test_two_processes_match_one_process_with_the_global_batch(ddp_results, run):
     # 2 processes x batch 4 (or x 2 micro-batches of 2) == 1 process x batch 8, same data order.
@@ -304,12 +305,14 @@ def test_two_processes_match_one_process_with_the_global_batch(ddp_results, run)
         torch.testing.assert_close(ddp_results[0][run][name], ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["plain", "accum"])
 def test_ranks_hold_bit_identical_weights(ddp_results, run):
     for name, value in ddp_results[0][run].items():
         assert torch.equal(value, ddp_results[1][run][name]), name
 
 
+@pytest.mark.slow
 def test_sharded_validation_counts_every_image_once(ddp_results):
     # 31 images on 2 ranks with batch 3: shards of 16 and 15 images, 6 and 5 batches.
     single = evaluate_counts(0, 1, size=31, batch=3)

@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from helpers import ROOT, child_env, run_main
 
 from imagenet.tools.envcheck import WRONG_HINT, summary, verdict
@@ -16,6 +17,7 @@ def _last_line(text: str) -> str:
     return [line for line in text.splitlines() if line.strip()][-1]
 
 
+@pytest.mark.slow
 def test_env_check_passes_with_two_gloo_ranks_on_cpu():
     proc = run_main("--env-check", "-a", "resnet18", "--nproc-per-node", "2", timeout=150)
     out = proc.stdout
@@ -35,6 +37,7 @@ def test_env_check_passes_with_two_gloo_ranks_on_cpu():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_nccl_without_cuda_fails_clearly_without_starting_ranks():
     proc = run_main("--env-check", "--dist-backend", "nccl", timeout=120)
     out = proc.stdout
@@ -48,6 +51,7 @@ def test_nccl_without_cuda_fails_clearly_without_starting_ranks():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_module_entry_point_takes_main_flags():
     proc = subprocess.run([sys.executable, "-m", "imagenet.tools.envcheck", "--dist-backend",
                            "nccl", "--nproc-per-node", "3"], capture_output=True, text=True,

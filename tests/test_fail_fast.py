@@ -91,6 +91,7 @@ def as_unprivileged(cmd: list[str]) -> list[str]:
     return ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", *cmd]
 
 
+@pytest.mark.slow
 def test_unwritable_output_dir_is_refused_at_start_and_left_alone(data, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -113,6 +114,7 @@ def limit_file_size(limit: int):
     return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
 
 
+@pytest.mark.slow
 def test_a_file_size_limit_too_small_for_a_checkpoint_fails_at_start(data, tmp_path):
     proc = subprocess.run(main_cmd(str(data), *TINY, "--epochs", "1", "--output-dir",
                                    str(tmp_path / "out")),
@@ -125,6 +127,7 @@ def test_a_file_size_limit_too_small_for_a_checkpoint_fails_at_start(data, tmp_p
     assert "Epoch: [" not in proc.stdout  # not an epoch spent first
 
 
+@pytest.mark.slow
 def test_a_checkpoint_that_meets_the_file_size_limit_fails_in_one_line_and_keeps_the_old(
         tmp_path):
     # CPython ignores SIGXFSZ: the write past the limit fails with EFBIG (the classic trainer
@@ -179,6 +182,7 @@ def in_tmpfs(size_mb: int, out: Path, cmd: list[str], then: str = "") -> \
                           text=True, env=child_env(OUT=str(out)), timeout=300)
 
 
+@pytest.mark.slow
 def test_a_disk_too_small_for_the_checkpoints_fails_at_start(data, tmp_path):
     proc = in_tmpfs(120, tmp_path / "out", main_cmd(str(data), *TINY, "--epochs", "2",
                                                     "--output-dir", str(tmp_path / "out")))
@@ -189,6 +193,7 @@ def test_a_disk_too_small_for_the_checkpoints_fails_at_start(data, tmp_path):
     assert "Epoch: [" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_disk_that_fills_during_the_run_fails_the_next_save_in_one_line(data, tmp_path):
     out, keep = tmp_path / "out", tmp_path / "keep"
     keep.mkdir()
@@ -215,6 +220,7 @@ exit $code'''
 
 # ---------------------------------------------------------------- case 7: a last batch of one
 
+@pytest.mark.slow
 def test_a_last_training_batch_of_one_image_is_dropped_and_validation_is_whole(tmp_path):
     data = write_image_folder(tmp_path / "data", classes=3, train_per_class=25, val_per_class=3)
     for extra in sorted((data / "train").glob("*/img24.jpg"))[:2]:
@@ -230,6 +236,7 @@ def test_a_last_training_batch_of_one_image_is_dropped_and_validation_is_whole(t
 
 # ---------------------------------------------------------------- case 8: a silent master
 
+@pytest.mark.slow
 def test_a_master_port_that_listens_but_never_answers_ends_after_the_timeout(data, tmp_path):
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
@@ -246,6 +253,7 @@ def test_a_master_port_that_listens_but_never_answers_ends_after_the_timeout(dat
 
 # ---------------------------------------------------------------- case 9: bad validation images
 
+@pytest.mark.slow
 def test_a_bad_validation_image_is_found_before_training_on_every_rank(data, tmp_path):
     broken = tmp_path / "data"
     shutil.copytree(data, broken)
@@ -317,6 +325,7 @@ def interrupt_when(cmd: list[str], text: str) -> tuple[int, str]:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_signal_during_validation_stops_within_a_batch_and_keeps_the_trained_epoch(tmp_path):
     # 60 validation images at 224 px: about a second per batch of 8 on one CPU core.
     data = write_image_folder(tmp_path / "data", val_per_class=20, size=260)
@@ -339,6 +348,7 @@ def test_a_signal_during_validation_stops_within_a_batch_and_keeps_the_trained_e
     assert (record["epoch"], record["val_count"]) == (0, 60)
 
 
+@pytest.mark.slow
 def test_ranks_with_unequal_validation_shards_stop_validation_together(tmp_path):
     # 33 validation images on 2 ranks, 4 per batch: 5 batches on rank 0, 4 on rank 1, which
     # must still take part in the stop agreement of rank 0's fifth batch.
@@ -358,6 +368,7 @@ def test_ranks_with_unequal_validation_shards_stop_validation_together(tmp_path)
     assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["world_size"]) == (0, 3, 2)
 
 
+@pytest.mark.slow
 def test_a_signal_after_the_stopped_line_still_exits_143(data, tmp_path):
     proc = start(main_cmd(str(data), *TINY, "-j", "2", "-p", "1", "--epochs", "1",
                           "--output-dir", str(tmp_path / "out")))
@@ -379,6 +390,7 @@ def test_a_signal_after_the_stopped_line_still_exits_143(data, tmp_path):
     assert "KeyboardInterrupt" not in output and "Traceback" not in output, output
 
 
+@pytest.mark.slow
 def test_a_second_signal_once_the_stop_is_over_exits_143(tmp_path):
     # The trainer's order: stop flag installed, signal, stop agreed, saved, uninstalled; then
     # a second Ctrl-C before the process has exited.

@@ -186,6 +186,7 @@ LAYOUTS = {"single -j 0": (SINGLE, "0", "single", 0), "single -j 2": (SINGLE, "2
            "spawn -j 2": (SPAWN, "2", "spawn", 1)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_sigkill_mid_epoch_and_at_epoch_boundary_resume_bitwise(data, reference, tmp_path,
                                                                 layout):
@@ -203,6 +204,7 @@ def test_sigkill_mid_epoch_and_at_epoch_boundary_resume_bitwise(data, reference,
     assert_same_run(out, reference[ref])
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_step_saves_and_exits_143(data, reference, tmp_path):
     out = tmp_path / "out"
     # To the whole group, as SLURM does: the two loader workers must ignore it.
@@ -221,6 +223,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_143(data, reference, tmp_path
     assert_same_run(out, reference["single"])
 
 
+@pytest.mark.slow
 def test_sigusr1_under_spawn_then_sigkill_at_epoch_boundary_resume_bitwise(data, reference,
                                                                           tmp_path):
     out = tmp_path / "out"
@@ -238,6 +241,7 @@ def test_sigusr1_under_spawn_then_sigkill_at_epoch_boundary_resume_bitwise(data,
     assert_same_run(out, reference["spawn"])
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_too(data, tmp_path):
     out = tmp_path / "out"
     code, output = kill_at(run_cmd(data, out, *SINGLE, "-j", "2"), step_line(0, 2),
@@ -248,6 +252,7 @@ def test_ctrl_c_saves_too(data, tmp_path):
     assert ckpt["epoch"] == 0 and ckpt["step_in_epoch"] >= 2
 
 
+@pytest.mark.slow
 def test_a_second_different_signal_during_training_exits_at_once_without_saving(data,
                                                                                 tmp_path):
     out = tmp_path / "out"
@@ -267,6 +272,7 @@ def test_a_second_different_signal_during_training_exits_at_once_without_saving(
     assert not list(out.glob("*.pth.tar")) and not list(out.glob(".*tmp*")), output
 
 
+@pytest.mark.slow
 def test_fp16_grad_scaler_state_is_checkpointed_and_restored_bitwise(data, tmp_path):
     # squeezenet1_1: fp16 autocast on the CPU is ~25x slower than fp32 for resnet18, ~7x here.
     flags = [*FLAGS, "-a", "squeezenet1_1", "--amp", "fp16", *SINGLE, "-j", "0"]
@@ -318,6 +324,7 @@ def _worker_pid(token: str, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.slow
 def test_torchrun_restart_after_a_killed_worker_loses_at_most_save_every_steps(
         data, reference, tmp_path):
     out = tmp_path / "out"
@@ -346,6 +353,7 @@ def test_torchrun_restart_after_a_killed_worker_loses_at_most_save_every_steps(
     assert_same_run(out, reference["spawn"])
 
 
+@pytest.mark.slow
 def test_a_second_signal_exits_at_once_but_a_duplicate_delivery_does_not(tmp_path):
     script = """
 import os, signal, time
@@ -382,6 +390,7 @@ def waiting_for_a_missing_node(out: Path) -> list[str]:
             "--output-dir", str(out)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
 def test_spawned_rank_killed_before_its_handlers_still_exits_with_the_preemption_code(tmp_path,
                                                                                       sig):
@@ -396,6 +405,7 @@ def test_spawned_rank_killed_before_its_handlers_still_exits_with_the_preemption
     assert "Traceback" not in live.output
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_a_spawn_job_starts_exits_130(tmp_path):
     # Ctrl-C reaches every process of the terminal's group. A rank still starting up dies of it,
     # or (in main.py's code) gets KeyboardInterrupt, which mp.spawn's wrapper would turn into

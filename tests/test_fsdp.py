@@ -167,6 +167,7 @@ def test_sharded_validation_counts_every_image_once(results, name):
 
 # ---------------------------------------------------------------- no processes
 
+@pytest.mark.slow
 def test_block_rule_finds_each_family_s_repeated_blocks():
     def units(arch: str) -> tuple[dict[str, int], float]:
         try:

@@ -84,6 +84,7 @@ def check_artifacts(out: Path, world: int, per_process: int, steps: int, results
     assert set(tagged) <= {"WARNING", "ERROR"}, tagged
 
 
+@pytest.mark.slow
 def test_multiprocessing_distributed_splits_the_node_batch(data, tmp_path):
     out = tmp_path / "out"
     results = run_parallel([main_cmd(str(data), *RUN, "--multiprocessing-distributed",
@@ -93,6 +94,7 @@ def test_multiprocessing_distributed_splits_the_node_batch(data, tmp_path):
     assert "-b 8 per node -> 4 per process" in results[0].stdout
 
 
+@pytest.mark.slow
 def test_torchrun(data, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -102,6 +104,7 @@ def test_torchrun(data, tmp_path):
     check_artifacts(out, world=2, per_process=4, steps=3, results=results)
 
 
+@pytest.mark.slow
 def test_deprecated_torch_distributed_launch(data, tmp_path):
     # torch 2.14 still ships torch.distributed.launch; without --use_env it passes
     # --local-rank=N to the script.
@@ -125,6 +128,7 @@ def slurm_job_id() -> tuple[str, int]:
     pytest.skip("no free port in 15000-34999 for the SLURM job id")
 
 
+@pytest.mark.slow
 def test_slurm_srun_variables(data, tmp_path):
     # Two "tasks" as srun starts them: no MASTER_*; master from the node list, port from job id.
     out = tmp_path / "out"
@@ -137,6 +141,7 @@ def test_slurm_srun_variables(data, tmp_path):
     check_artifacts(out, world=2, per_process=4, steps=3, results=results)
 
 
+@pytest.mark.slow
 def test_two_nodes_of_two_processes(data, tmp_path):
     # Two main.py invocations ("nodes") with a shared --dist-url; each node has its own disk,
     # and node 1 (ranks 2 and 3) must write nothing.
@@ -151,6 +156,7 @@ def test_two_nodes_of_two_processes(data, tmp_path):
     assert "Epoch: [" not in results[1].stdout and "Acc@1" not in results[1].stdout
 
 
+@pytest.mark.slow
 def test_manual_processes_three_ranks(data, tmp_path):
     # --dist-url tcp:// --world-size 3 --rank R: 31 validation images on 3 ranks are 11/10/10
     # images, 6/5/5 batches of 2, and still counted exactly once.
@@ -173,6 +179,7 @@ def one_error(result) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_missing_peer_ends_within_the_timeout(data, tmp_path):
     # Node 1 of 2 never starts: both spawned ranks of node 0 give up after --dist-timeout.
     port = free_port()
@@ -192,6 +199,7 @@ def test_missing_peer_ends_within_the_timeout(data, tmp_path):
     assert "Traceback" not in result.stderr + result.stdout
 
 
+@pytest.mark.slow
 def test_a_rank_failing_mid_run_stops_the_job(data, tmp_path):
     # Validation image 1 is rank 1's first (ShardSampler: odd indices on rank 1 of 2). When it
     # fails, rank 0 (waiting in the all-reduce) must not hang: the whole job ends, code 1.
@@ -214,6 +222,7 @@ def test_a_rank_failing_mid_run_stops_the_job(data, tmp_path):
     assert not (out / "checkpoint.pth.tar").exists()
 
 
+@pytest.mark.slow
 def test_unreachable_master(data, tmp_path):
     port = free_port()  # nothing listens there
     cmd = main_cmd(str(data), *RUN, "--world-size", "2", "--rank", "1", "--dist-url",
@@ -225,6 +234,7 @@ def test_unreachable_master(data, tmp_path):
     assert "reachable" in line
 
 
+@pytest.mark.slow
 def test_port_already_in_use(data, tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -61,6 +61,7 @@ def two_hosts(request) -> tuple[list[str], list[str]]:
     return names, ends
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", ["dist-url", "torchrun"])
 def test_run_multinode_on_two_hosts_without_socket_ifname(two_hosts, tmp_path: Path, style):
     """run_multinode.sh once per host, as its header says, in both of its styles."""

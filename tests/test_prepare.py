@@ -319,6 +319,7 @@ def shard_samples(out: Path) -> dict[str, tuple[bytes, int]]:
 SHARDS = ["--format", "shards", "--shard-max-images", 4]
 
 
+@pytest.mark.slow
 def test_shards_from_the_archives_equal_shards_of_the_prepared_folder(archives, tmp_path):
     folder = tmp_path / "imagenet"
     assert prepare(*full_args(archives, folder)).returncode == 0
@@ -344,6 +345,7 @@ def test_shards_from_the_archives_equal_shards_of_the_prepared_folder(archives, 
     assert order != sorted(order)  # a shuffled order, not the folder's
 
 
+@pytest.mark.slow
 def test_shard_writing_is_idempotent_and_resumes_after_an_interruption(archives, tmp_path):
     out = tmp_path / "shards"
     args = [*full_args(archives, out), *SHARDS]

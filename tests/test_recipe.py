@@ -156,6 +156,7 @@ def test_bf16_autocast_trains_on_cpu(amp, expected):
     assert last["loss"] < first
 
 
+@pytest.mark.slow
 def test_ema_differs_from_the_model_and_is_checkpointed(image_folder, tmp_path):
     model = _tiny_bn_free()
     engine = _engine(model, ["--model-ema", "--model-ema-steps", "1", "--model-ema-decay", "0.9",
@@ -232,6 +233,7 @@ def test_label_smoothing_reaches_the_criterion(image_folder, tmp_path, flags, sm
     assert criterion(logits, target).item() == pytest.approx(smoothing * 2 / 3 * 30, abs=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("amp, dtype", [(None, torch.float32), ("bf16", torch.bfloat16),
                                         ("fp16", torch.float16)])
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")

@@ -1,11 +1,16 @@
-"""The shell scripts and the README's command lines: they parse, and every flag they show exists."""
+"""The shell scripts, the command lines of README.md and docs/, and the benchmarks' --help: they
+parse, and every flag they show exists."""
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import re
+import runpy
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import ROOT, child_env
@@ -32,6 +37,7 @@ def test_run_multinode_without_master_addr_says_what_to_set():
     assert "set MASTER_ADDR to the address of node 0" in result.stderr
 
 
+@pytest.mark.slow
 def test_run_single_passes_flags_through_to_main(tmp_path):
     env = {**child_env(), "PYTHON": sys.executable, "OUTPUT_DIR": str(tmp_path / "out")}
     result = subprocess.run(["bash", str(ROOT / "run_single.sh"), "--help"], capture_output=True,
@@ -40,29 +46,107 @@ def test_run_single_passes_flags_through_to_main(tmp_path):
     assert "usage: main.py" in result.stdout
 
 
-def readme_main_commands() -> list[list[str]]:
-    """The main.py arguments of every command line in README.md's code blocks."""
-    text = (ROOT / "README.md").read_text()
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def command_lines(path: Path) -> list[str]:
+    """The shell lines of a markdown file: its code blocks (continuations joined, comments
+    dropped) and the commands in backticks."""
+    text = path.read_text()
     blocks = re.findall(r"```(?:bash)?\n(.*?)```", text, flags=re.S)
-    # Table cells show commands in backticks too.
-    inline = [m for m in re.findall(r"`([^`\n]*main\.py[^`\n]*)`", text)]
-    commands = []
-    for line in [*"\n".join(blocks).replace("\\\n", " ").splitlines(), *inline]:
-        line = line.split("#", 1)[0]
-        if "main.py" not in line or line.lstrip().startswith("["):
-            continue
-        tokens = shlex.split(line)
-        args = tokens[tokens.index(next(t for t in tokens if t.endswith("main.py"))) + 1:]
-        commands.append(args)
-    return commands
+    inline = re.findall(r"`([^`\n]+)`", text)
+    lines = [*"\n".join(blocks).replace("\\\n", " ").splitlines(), *inline]
+    return [line.split("#", 1)[0] for line in lines]
 
 
-def test_readme_main_py_command_lines_parse():
-    commands = readme_main_commands()
-    assert len(commands) >= 10, commands  # the extraction still finds the README's examples
-    options = get_args_parser()._option_string_actions
-    for args in commands:
-        unknown = [a for a in args if a.startswith("-") and a.split("=")[0] not in options]
-        assert not unknown, f"README shows main.py {' '.join(args)}: no flag {unknown}"
+def doc_commands() -> list[tuple[str, str, list[str]]]:
+    """(file, program, arguments) of every main.py and ``python -m imagenet.tools.*`` command
+    in README.md and docs/ (``[-a NAME]``-style optional parts count as given)."""
+    found = []
+    for path in DOC_FILES:
+        for line in command_lines(path):
+            try:
+                tokens = [t.strip("[]") for t in shlex.split(line)]
+            except ValueError:  # prose in backticks, not a command
+                continue
+            for i, token in enumerate(tokens):
+                if token.endswith("main.py"):
+                    found.append((path.name, "main.py", tokens[i + 1:]))
+                    break
+                if token.startswith("imagenet.tools.") and tokens[i - 1:i] == ["-m"]:
+                    found.append((path.name, token, tokens[i + 1:]))
+                    break
+    return found
+
+
+def unknown_flags(args: list[str], parser) -> list[str]:
+    """The arguments that look like flags and are not flags of ``parser``."""
+    options = parser._option_string_actions
+    return [a for a in args if a.startswith("-") and a != "-" and a.split("=")[0] not in options]
+
+
+def test_every_main_py_command_in_the_docs_parses():
+    commands = [(name, args) for name, program, args in doc_commands() if program == "main.py"]
+    # The extraction still finds the examples, in the README and in the pages.
+    assert len(commands) >= 40, commands
+    assert {"README.md", "distributed.md", "shards.md", "fsdp.md", "debugging.md"} <= {
+        name for name, _ in commands}
+    for name, args in commands:
+        unknown = unknown_flags(args, get_args_parser())
+        assert not unknown, f"{name} shows main.py {' '.join(args)}: no flag {unknown}"
         if not {"--env-check", "--help"} & set(args):
             parse_config([PLACEHOLDERS.get(a, a) for a in args])
+
+
+def tool_parser(module: str):
+    """The argument parser of ``python -m MODULE``; envcheck takes main.py's flags."""
+    tool = importlib.import_module(module)
+    return tool.get_args_parser() if hasattr(tool, "get_args_parser") else get_args_parser()
+
+
+def test_every_tool_command_in_the_docs_parses():
+    commands = [c for c in doc_commands() if c[1] != "main.py"]
+    assert {"imagenet.tools.prepare", "imagenet.tools.unshard"} <= {c[1] for c in commands}
+    for name, module, args in commands:
+        parser = tool_parser(module)
+        unknown = unknown_flags(args, parser)
+        assert not unknown, f"{name} shows python -m {module} {' '.join(args)}: no flag {unknown}"
+        if args and "--help" not in args:
+            try:
+                parser.parse_args([PLACEHOLDERS.get(a, a) for a in args])
+            except SystemExit:
+                pytest.fail(f"{name} shows python -m {module} {' '.join(args)}: it does not parse")
+
+
+BENCHMARKS = sorted((ROOT / "benchmarks").glob("bench_*.py"))
+
+
+def parsers_of(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """``parser`` and its subcommands' parsers."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [parser, *[p for sub in subs for p in sub.choices.values()]]
+
+
+@pytest.mark.parametrize("script", BENCHMARKS, ids=lambda p: p.name)
+def test_benchmark_help_speaks_to_a_user(script, monkeypatch, capsys):
+    """``python benchmarks/X.py --help`` (run in this process: the modules are imported already)
+    exits 0, says what it measures without internal references, and explains every flag."""
+    seen: list[argparse.ArgumentParser] = []
+    parse = argparse.ArgumentParser.parse_known_args
+
+    def recording(self, *args, **kwargs):
+        seen.append(self)
+        return parse(self, *args, **kwargs)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", recording)
+    monkeypatch.setattr(sys, "argv", [str(script), "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(script), run_name="__main__")
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage:") and len(text.split("\n\n", 2)[1]) > 40, text
+    assert not re.search(r"\bissue\s*#?\d|#\d+\b", text, flags=re.I), text
+    for parser in parsers_of(seen[0]):
+        for action in parser._actions:
+            name = action.option_strings or action.dest
+            assert action.help, f"{script.name} {parser.prog}: {name} has no help text"

@@ -326,6 +326,7 @@ def http_base(shard_dir):
     proc.wait()
 
 
+@pytest.mark.slow
 def test_http_and_pipe_read_the_same_batches_as_local_files(shard_dir, http_base):
     local = resolve(str(shard_dir), None, None)
     reference = batches(local.train, world=2, rank=0, batch=4, epoch=1, first=2, workers=2)

@@ -81,6 +81,7 @@ def test_main_py_configurations_use_real_flags(launch):
         _check_main_args(_args(config, launch))
 
 
+@pytest.mark.slow
 def test_torchrun_configurations_use_real_torchrun_flags(launch, torchrun_flags):
     for config in launch["configurations"]:
         if "module" not in config:

@@ -48,8 +48,12 @@ def _show(value: Any) -> str:
 def changed_flags(saved: dict[str, Any], cfg: Config) -> Iterator[tuple[str, Any, Any]]:
     """(flag, old, new) for each run-defining flag that differs from the saved config."""
     now = cfg.to_dict()
+    # With --global-batch-size on either side, -b decided nothing: the layout line shows the batch.
+    by_global = now["global_batch_size"] is not None or saved.get("global_batch_size") is not None
     for name, new in now.items():
         if name in OPERATIONAL or name not in saved or saved[name] == new:
+            continue
+        if name == "batch_size" and by_global:
             continue
         yield flag_name(name), saved[name], new
 

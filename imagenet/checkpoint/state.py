@@ -231,7 +231,8 @@ def resume(run: Run) -> Path | None:
     global_step = int(ckpt.get("global_step", point.epoch * steps_per_epoch))
     run.step = Step(point.epoch, point.step_in_epoch, global_step)
     run.epoch_start = EpochStart(point.epoch, point.images, point.step_in_epoch)
-    place_schedule(run, point.epoch, point.step_in_epoch)
+    if not run.cfg.evaluate:  # -e has no schedule to continue
+        place_schedule(run, point.epoch, point.step_in_epoch)
     run.aug_seed = int(ckpt.get("aug_seed", run.aug_seed))
     # The data order of the epoch being continued, and its augmentation.
     order_seed = int(ckpt["sampler"]["seed"]) if ckpt.get("sampler") else run.data.train.order_seed

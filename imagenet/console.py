@@ -1,0 +1,156 @@
+"""What the console tells a person around the training loop: the demo's settings and where
+outputs go (start), start-up stages that take a while, what -e evaluates, and where a finished
+run's results are. Every line goes through logging: rank 0 prints it, other ranks drop it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from imagenet.config import DEMO_DEFAULTS, Config
+
+if TYPE_CHECKING:
+    from imagenet.build import Run
+
+log = logging.getLogger(__name__)
+
+# A start-up stage that lasts longer than this says what it is doing (seconds). 0 shows every
+# stage: useful to see where a start-up hangs.
+NOTICE_AFTER_ENV = "IMAGENET_NOTICE_AFTER"
+NOTICE_AFTER_DEFAULT = 5.0
+
+
+def _flag(name: str) -> str:
+    """The flag of a Config field as a user types it: '-b', '--lr'."""
+    field = next(f for f in dataclasses.fields(Config) if f.name == name)
+    return field.metadata["names"][0]
+
+
+def startup_notes(cfg: Config) -> list[str]:
+    """Lines for the start of a run: the demo's own settings, and outputs in the current folder."""
+    notes = []
+    if cfg.demo:
+        settings = " ".join(f"{_flag(k)} {getattr(cfg, k)}" for k, v in DEMO_DEFAULTS.items()
+                            if getattr(cfg, k) == v)
+        notes.append(f"=> --demo: training on the built-in demo data in {cfg.data} (drawn "
+                     "once, no download)")
+        if settings:
+            notes.append(f"=> --demo settings in place of the ImageNet defaults (flags you give "
+                         f"win): {settings}")
+    if not cfg.evaluate and Path(cfg.output_dir).resolve() == Path.cwd().resolve():
+        notes.append(f"=> outputs (checkpoints, metrics.jsonl, config.json, tb/) go to the "
+                     f"current folder {Path.cwd()} (--output-dir {cfg.output_dir}); give "
+                     "--output-dir DIR to keep runs apart")
+    return notes
+
+
+def notice_after() -> float:
+    """Seconds a start-up stage may take before it says what it does."""
+    value = os.environ.get(NOTICE_AFTER_ENV, "")
+    try:
+        return float(value) if value else NOTICE_AFTER_DEFAULT
+    except ValueError:
+        return NOTICE_AFTER_DEFAULT
+
+
+@dataclasses.dataclass
+class Stage:
+    """A start-up stage: ``done`` is printed at its end if its start was (the slow case)."""
+
+    what: str
+    done: str = ""
+    announced: bool = False
+
+
+@contextlib.contextmanager
+def slow_stage(what: str) -> Iterator[Stage]:
+    """Say '=> WHAT ...' once the body has run for ``notice_after()`` seconds, and then
+    ``stage.done`` with the time when it ends; a fast body prints nothing."""
+    stage, start, after = Stage(what), time.perf_counter(), notice_after()
+
+    def announce() -> None:
+        stage.announced = True
+        log.info("=> %s ...", stage.what)
+
+    timer = threading.Timer(after, announce)
+    timer.daemon = True
+    if after <= 0:
+        announce()
+    else:
+        timer.start()
+    try:
+        yield stage
+    finally:
+        timer.cancel()
+        if timer.is_alive():
+            timer.join()  # an announcement under way is printed before the end line
+    if stage.announced and stage.done:
+        log.info("=> %s (%.1f s)", stage.done, time.perf_counter() - start)
+
+
+class FirstBatch:
+    """``loader``'s batches; starting its workers and waiting for its first batch are stages."""
+
+    def __init__(self, loader: Iterable, workers: int, name: str) -> None:
+        self.loader, self.workers, self.name = loader, workers, name
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator:
+        with slow_stage(f"starting the {self.name} loader ({self.workers} worker process(es))"
+                        if self.workers else f"starting the {self.name} loader") as stage:
+            batches = iter(self.loader)
+            stage.done = f"{self.name} loader started"
+        with slow_stage(f"waiting for the first {self.name} batch (reading and decoding its "
+                        "images)") as stage:
+            first = next(batches, None)
+            stage.done = f"first {self.name} batch ready"
+        if first is not None:
+            yield first
+            yield from batches
+
+
+def weights_source(run: Run, resumed: Path | None) -> str:
+    """Where the evaluated weights come from."""
+    cfg = run.cfg
+    if resumed is not None:
+        return f"checkpoint '{resumed}' (after {run.step.epoch} epoch(s))"
+    if cfg.weights or cfg.pretrained:
+        return f"torchvision weights {cfg.weights or 'DEFAULT'}"
+    return "random initial weights"
+
+
+def describe_evaluation(run: Run, resumed: Path | None) -> None:
+    """What -e evaluates: the weights, the data, its images and classes, and how it runs."""
+    cfg, d = run.cfg, run.dist
+    data = "synthetic --dummy data" if cfg.dummy else f"the validation split of {cfg.data}"
+    log.info("=> evaluating %s with %s on %s: %d images, %d classes; batches of %d per process "
+             "x %d process(es) on %s", cfg.arch, weights_source(run, resumed), data,
+             run.data.val_size, run.data.num_classes, run.layout.batch_size, d.world_size,
+             d.device)
+    if resumed is None and not (cfg.weights or cfg.pretrained):
+        log.warning("=> -e without --resume, --pretrained or --weights evaluates an untrained "
+                    "model: expect chance accuracy")
+
+
+def finished(run: Run) -> None:
+    """Where a finished run's results are: the folder, the best checkpoint, the curves."""
+    from imagenet.checkpoint import files
+
+    out = run.output_dir.resolve()
+    last = files.dcp_name(files.CHECKPOINT) if run.cfg.sharded_checkpoint else files.CHECKPOINT
+    best = [f"{run.best.path.name} (best Acc@1 {run.best.acc1:.3f})"]
+    if run.best_ema is not None:
+        best.append(f"{run.best_ema.path.name} (EMA, best Acc@1 {run.best_ema.acc1:.3f})")
+    log.info("=> outputs in %s: %s, %s (the last epoch; --resume auto continues it), "
+             "metrics.jsonl, config.json", out, ", ".join(best), last)
+    log.info("=> curves: tensorboard --logdir %s", out / "tb")
