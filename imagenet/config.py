@@ -14,15 +14,18 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from imagenet.errors import UsageError
+from imagenet.trackers import check_trackers_installed, parse_log_to
 
-GROUPS = ("data", "model", "optimisation", "distributed", "checkpointing", "logging")
+GROUPS = ("recipe", "data", "model", "optimisation", "distributed", "checkpointing", "logging")
 AUTO_AUGMENT = ("ra", "ta_wide", "augmix", "imagenet")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 DATA_FORMATS = ("auto", "folder", "shards")
+TIMM_PREFIX = "timm/"  # -a timm/NAME: a timm model
 
 
 def _flag(*names: str, group: str, help: str, **kwargs: Any) -> Any:
@@ -36,6 +39,11 @@ def _flag(*names: str, group: str, help: str, **kwargs: Any) -> Any:
 class Config:
     """The resolved command line; never mutated after parsing."""
 
+    # ---- recipe
+    config: str | None = _flag("--config", group="recipe", default=None, metavar="FILE.toml",
+                               help="recipe file: TOML whose keys are long flag names, e.g. "
+                                    "epochs = 90, lr-scheduler = 'cosine' (recipes/ has some); "
+                                    "flags on the command line override it (default: none)")
     # ---- data
     data: str = _flag("data", group="data", default="imagenet", nargs="?", metavar="DIR",
                       help="dataset root holding train/ and val/ in ImageFolder layout, or tar "
@@ -113,7 +121,8 @@ class Config:
     # ---- model
     arch: str = _flag("-a", "--arch", group="model", default="resnet18", metavar="ARCH",
                       help="torchvision architecture, one of "
-                           "torchvision.models.list_models() (default: %(default)s)")
+                           "torchvision.models.list_models(), or timm/NAME for a timm model "
+                           "(timm.list_models(), with timm installed) (default: %(default)s)")
     pretrained: bool = _flag("--pretrained", group="model", default=False, action="store_true",
                              help="start from the architecture's default torchvision weights")
     weights: str | None = _flag("--weights", group="model", default=None, metavar="NAME",
@@ -303,6 +312,10 @@ class Config:
                                               "(default: %(default)s)")
     debug: bool = _flag("--debug", group="logging", default=False, action="store_true",
                         help="show full tracebacks and debug logs")
+    log_to: str = _flag("--log-to", group="logging", default="tensorboard", type=parse_log_to,
+                        metavar="LIST",
+                        help="experiment trackers, comma-separated: tensorboard, mlflow, wandb, "
+                             "or none (metrics.jsonl is always written) (default: %(default)s)")
     env_check: bool = _flag("--env-check", group="logging", default=False, action="store_true",
                             help="check the installation and local devices, then exit")
 
@@ -342,10 +355,18 @@ def get_args_parser() -> argparse.ArgumentParser:
 def parse_config(argv: Sequence[str] | None = None) -> Config:
     """Parse ``argv`` (None = sys.argv) into a validated ``Config``."""
     parser = get_args_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     ns = parser.parse_args(argv)
+    from_file = {}
+    if ns.config:  # the file's values become defaults: flags on the command line win
+        from imagenet.configfile import file_values
+
+        from_file = file_values(parser, Path(ns.config))
+        parser.set_defaults(**from_file)
+        ns = parser.parse_args(argv)
     values = vars(ns)
-    if values["demo"]:
-        given = _given_dests(parser, argv)
+    if values["demo"]:  # a value from the file counts as given
+        given = _given_dests(parser, argv) | set(from_file)
         values.update({k: v for k, v in DEMO_DEFAULTS.items() if k not in given})
     values["lr_milestones"] = tuple(values["lr_milestones"])
     cfg = Config(**values)
@@ -409,7 +430,8 @@ def validate(cfg: Config) -> None:
     check_numbers_and_ranks(cfg)
     check_dist_url(cfg.dist_url)
     check_fsdp(cfg)
-    check_arch(cfg.arch)
+    check_arch(cfg.arch, cfg.weights, cfg.pretrained)
+    check_trackers_installed(cfg.log_to)
 
 
 def check_numbers_and_ranks(cfg: Config) -> None:
@@ -466,8 +488,13 @@ def available_archs() -> list[str]:
     return torchvision.models.list_models(module=torchvision.models)
 
 
-def check_arch(arch: str) -> None:
+def check_arch(arch: str, weights: str | None = None, pretrained: bool = False) -> None:
     """Raise UsageError for an unknown architecture, suggesting close names."""
+    if arch.startswith(TIMM_PREFIX):
+        from imagenet.timm_models import check_timm_arch
+
+        check_timm_arch(arch, weights, pretrained)
+        return
     names = available_archs()
     if arch not in names:
         close = difflib.get_close_matches(arch, names, n=3)
