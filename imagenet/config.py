@@ -176,8 +176,9 @@ class Config:
                      choices=("sgd", "sgd_nesterov", "adamw", "rmsprop"),
                      help="optimizer (default: %(default)s)")
     lr_scheduler: str = _flag("--lr-scheduler", group="optimisation", default="step",
-                              choices=("step", "multistep", "cosine"),
-                              help="schedule after warm-up, stepped per iteration "
+                              choices=("step", "multistep", "cosine", "linear"),
+                              help="schedule after warm-up, stepped per iteration; linear "
+                                   "falls straight to --lr-min at the last step (FFCV's) "
                                    "(default: %(default)s = x0.1 every 30 epochs)")
     lr_step_size: int = _flag("--lr-step-size", group="optimisation", default=30, type=int,
                               metavar="EPOCHS", help="step schedule period, epochs after "
@@ -189,7 +190,8 @@ class Config:
                             metavar="G", help="step/multistep decay factor "
                                               "(default: %(default)s)")
     lr_min: float = _flag("--lr-min", group="optimisation", default=0.0, type=float,
-                          metavar="LR", help="cosine schedule floor (default: %(default)s)")
+                          metavar="LR", help="cosine and linear schedules' floor "
+                                              "(default: %(default)s)")
     lr_warmup_epochs: int = _flag("--lr-warmup-epochs", group="optimisation", default=0,
                                   type=int, metavar="N",
                                   help="warm-up epochs, stepped per iteration "
@@ -419,6 +421,9 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--lr-milestones are epochs of the whole run and must come after the "
                          f"--lr-warmup-epochs {cfg.lr_warmup_epochs}, got "
                          f"{' '.join(map(str, cfg.lr_milestones))}")
+    if cfg.lr_scheduler == "linear" and cfg.lr_min > cfg.lr:
+        raise UsageError(f"--lr-scheduler linear falls from --lr to --lr-min: --lr-min "
+                         f"({cfg.lr_min}) must not exceed --lr ({cfg.lr})")
     if cfg.pretrained and cfg.weights:
         raise UsageError("give either --pretrained or --weights NAME, not both")
     if cfg.dummy and cfg.demo:

@@ -18,6 +18,7 @@ from torch import nn
 
 from imagenet.config import TIMM_PREFIX
 from imagenet.errors import RunError, UsageError
+from imagenet.failures import first_line
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,12 @@ def check_timm_arch(arch: str, weights: str | None, pretrained: bool = False) ->
         raise UsageError(f"-a/--arch: timm has no model '{base}'{hint} (choose from "
                          "timm.list_models())")
     tags = timm.list_pretrained(f"{base}.*")
-    if (tag and name not in tags) or (pretrained and not tags):
-        known = f"; it has {', '.join(tags[:6])}" if tags else ": it has no pretrained weights"
-        what = f"no weights tagged '{tag}'" if tag else "no pretrained weights"
-        raise UsageError(f"-a {arch}: timm has {what} for {base}{known}")
+    if pretrained and not tags:
+        raise UsageError(f"-a {arch} --pretrained: timm has no pretrained weights for {base} "
+                         "(drop --pretrained to train it from scratch)")
+    if tag and name not in tags:
+        known = f"; it has {', '.join(tags[:6])}" if tags else " (it has no pretrained weights)"
+        raise UsageError(f"-a {arch}: timm has no weights tagged '{tag}' for {base}{known}")
 
 
 def build_timm_model(arch: str, num_classes: int, pretrained: bool) -> nn.Module:
@@ -72,9 +75,9 @@ def build_timm_model(arch: str, num_classes: int, pretrained: bool) -> nn.Module
     try:
         model = timm.create_model(name, pretrained=True, num_classes=num_classes)
     except Exception as exc:  # hub/HTTP/OSError/hash errors: all mean "could not get the file"
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RunError(f"cannot load pretrained weights {weights.architecture}.{weights.tag} "
-                       f"for {arch}: {first}. Offline? {offline_advice(weights)}") from None
+                       f"for {arch} ({first_line(exc)}). Offline? {offline_advice(weights)}"
+                       ) from None
     if (tuple(weights.mean), tuple(weights.std)) != (IMAGENET_MEAN, IMAGENET_STD):
         log.warning("timm's %s.%s weights were trained on inputs normalised with mean %s, std "
                     "%s; this trainer normalises with ImageNet's %s, %s (fine-tuning adapts, "

@@ -196,9 +196,8 @@ class Trackers:
             try:
                 getattr(tracker, method)(*args)
             except Exception as exc:
-                log.warning("--log-to %s stopped working (%s: %s); training goes on without it "
-                            "(metrics.jsonl has every epoch)", name, type(exc).__name__,
-                            str(exc).splitlines()[0] if str(exc) else "")
+                log.warning("--log-to %s stopped working (%s); training goes on without it "
+                            "(metrics.jsonl has every epoch)", name, _first_line(exc))
                 del self._open[name]
 
 
@@ -228,5 +227,9 @@ def start_tracker(name: str, run_id: str | None, run_name: str, output_dir: Path
     except ImportError as exc:
         raise RunError(f"{install_hint(name)} ({exc})") from None
     except Exception as exc:  # a server that cannot be reached, a bad URI, no credentials
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RunError(f"--log-to {name}: cannot start the run ({first})") from None
+        raise RunError(f"--log-to {name}: cannot start the run ({_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
