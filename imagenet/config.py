@@ -355,7 +355,8 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: Sequence[str] | None = None) -> Config:
-    """Parse ``argv`` (None = sys.argv) into a validated ``Config``."""
+    """Parse ``argv`` (None = sys.argv) into a validated ``Config``; a --config file's values
+    stand in for the defaults."""
     parser = get_args_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = parser.parse_args(argv)
