@@ -4,6 +4,7 @@ Starting
   cli          main(): parse the flags, plan the launch, start the processes, turn errors into one
                line and an exit code. The only place that exits.
   config       the flags -> a frozen Config; every field declares its classic flag.
+  configfile   --config FILE.toml: a recipe file's keys -> flag values, checked like the flags.
   errors       the exceptions cli turns into exit codes (2 usage, 1 runtime, 143 preempted).
   launch       pure decisions: launch mode, each process's rank and device, the backend, and the
                per-process batch and loader workers (Layout). Reads the launchers' variables.
@@ -22,6 +23,7 @@ One training process (trainer.run_training: build -> claim the folder -> resume 
                epoch plan (a pure function of seed, epoch and layout), the loaders.
   transforms   JPEG decoding and augmentation to uint8 tensors; normalisation on the device.
   models       a torchvision model by name, its weights; wrapped for DDP or FSDP (and unwrapped).
+  timm_models  -a timm/NAME: timm.create_model, its names and weight tags checked (timm extra).
   fsdp         --fsdp: which blocks become FSDP units (one rule for every model), sharding with
                mixed precision and offload, and the sharded states gathered for checkpoints.
   comm_hooks   DDP gradient compression for slow links (fp16/bf16/PowerSGD) and its state.
@@ -43,6 +45,8 @@ One training process (trainer.run_training: build -> claim the folder -> resume 
   logger       console and progress lines, TensorBoard, metrics.jsonl, config.json (rank 0).
   console      what a person reads around the loop: --demo's settings, slow start-up stages,
                what -e evaluates, where a finished run's outputs are.
+  trackers     --log-to mlflow,wandb: the same scalars, flags and final metrics; the same runs
+               continued across resumes (OUTPUT_DIR/trackers.json).
 
 Side tools (not imported by a training run unless asked for)
   tools.prepare     python -m imagenet.tools.prepare: ILSVRC2012 archives -> ImageFolder,

@@ -19,11 +19,13 @@ from typing import Any
 from urllib.parse import urlparse
 
 from imagenet.errors import UsageError
+from imagenet.trackers import check_trackers_installed, parse_log_to
 
-GROUPS = ("data", "model", "optimisation", "distributed", "checkpointing", "logging")
+GROUPS = ("recipe", "data", "model", "optimisation", "distributed", "checkpointing", "logging")
 AUTO_AUGMENT = ("ra", "ta_wide", "augmix", "imagenet")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 DATA_FORMATS = ("auto", "folder", "shards")
+TIMM_PREFIX = "timm/"  # -a timm/NAME: a timm model
 
 
 def _flag(*names: str, group: str, help: str, **kwargs: Any) -> Any:
@@ -37,6 +39,11 @@ def _flag(*names: str, group: str, help: str, **kwargs: Any) -> Any:
 class Config:
     """The resolved command line; never mutated after parsing."""
 
+    # ---- recipe
+    config: str | None = _flag("--config", group="recipe", default=None, metavar="FILE.toml",
+                               help="recipe file: TOML whose keys are long flag names, e.g. "
+                                    "epochs = 90, lr-scheduler = 'cosine' (recipes/ has some); "
+                                    "flags on the command line override it (default: none)")
     # ---- data
     data: str = _flag("data", group="data", default="imagenet", nargs="?", metavar="DIR",
                       help="dataset root holding train/ and val/ in ImageFolder layout, or tar "
@@ -114,7 +121,8 @@ class Config:
     # ---- model
     arch: str = _flag("-a", "--arch", group="model", default="resnet18", metavar="ARCH",
                       help="torchvision architecture, one of "
-                           "torchvision.models.list_models() (default: %(default)s)")
+                           "torchvision.models.list_models(), or timm/NAME for a timm model "
+                           "(timm.list_models(), with timm installed) (default: %(default)s)")
     pretrained: bool = _flag("--pretrained", group="model", default=False, action="store_true",
                              help="start from the architecture's default torchvision weights")
     weights: str | None = _flag("--weights", group="model", default=None, metavar="NAME",
@@ -173,8 +181,9 @@ class Config:
                      choices=("sgd", "sgd_nesterov", "adamw", "rmsprop"),
                      help="optimizer (default: %(default)s)")
     lr_scheduler: str = _flag("--lr-scheduler", group="optimisation", default="step",
-                              choices=("step", "multistep", "cosine"),
-                              help="schedule after warm-up, stepped per iteration "
+                              choices=("step", "multistep", "cosine", "linear"),
+                              help="schedule after warm-up, stepped per iteration; linear "
+                                   "falls straight to --lr-min at the last step (FFCV's) "
                                    "(default: %(default)s = x0.1 every 30 epochs)")
     lr_step_size: int = _flag("--lr-step-size", group="optimisation", default=30, type=int,
                               metavar="EPOCHS", help="step schedule period, epochs after "
@@ -186,7 +195,8 @@ class Config:
                             metavar="G", help="step/multistep decay factor "
                                               "(default: %(default)s)")
     lr_min: float = _flag("--lr-min", group="optimisation", default=0.0, type=float,
-                          metavar="LR", help="cosine schedule floor (default: %(default)s)")
+                          metavar="LR", help="cosine and linear schedules' floor "
+                                              "(default: %(default)s)")
     lr_warmup_epochs: int = _flag("--lr-warmup-epochs", group="optimisation", default=0,
                                   type=int, metavar="N",
                                   help="warm-up epochs, stepped per iteration "
@@ -309,6 +319,10 @@ class Config:
                                               "(default: %(default)s)")
     debug: bool = _flag("--debug", group="logging", default=False, action="store_true",
                         help="show full tracebacks and debug logs")
+    log_to: str = _flag("--log-to", group="logging", default="tensorboard", type=parse_log_to,
+                        metavar="LIST",
+                        help="experiment trackers, comma-separated: tensorboard, mlflow, wandb, "
+                             "or none (metrics.jsonl is always written) (default: %(default)s)")
     env_check: bool = _flag("--env-check", group="logging", default=False, action="store_true",
                             help="check the installation and local devices, then exit")
 
@@ -346,18 +360,27 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: Sequence[str] | None = None) -> Config:
-    """Parse ``argv`` (None = sys.argv) into a validated ``Config``."""
+    """Parse ``argv`` (None = sys.argv) into a validated ``Config``; a --config file's values
+    stand in for the defaults."""
     parser = get_args_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     ns = parser.parse_args(argv)
+    from_file = {}
+    if ns.config:  # the file's values become defaults: flags on the command line win
+        from imagenet.configfile import file_values
+
+        from_file = file_values(parser, Path(ns.config))
+        parser.set_defaults(**from_file)
+        ns = parser.parse_args(argv)
     values = vars(ns)
-    given = _given_dests(parser, argv)
+    given = _given_dests(parser, argv) | set(from_file)  # a value from the file counts as given
     if values["global_batch_size"] is not None and "batch_size" in given:
         raise UsageError("give either -b/--batch-size (per process or per node, by launcher) "
                          "or --global-batch-size (all processes together), not both")
     if values["global_batch_size"] is not None:
         given.add("batch_size")  # --demo's -b would be unused
     if values["demo"]:
-        if values["data"] != parser.get_default("data"):
+        if values["data"] != Config.data:
             raise UsageError(f"--demo trains on the built-in data it writes to "
                              f"OUTPUT_DIR/demo-data: drop DIR '{values['data']}' or --demo")
         values.update({k: v for k, v in DEMO_DEFAULTS.items() if k not in given})
@@ -415,6 +438,9 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--lr-milestones are epochs of the whole run and must come after the "
                          f"--lr-warmup-epochs {cfg.lr_warmup_epochs}, got "
                          f"{' '.join(map(str, cfg.lr_milestones))}")
+    if cfg.lr_scheduler == "linear" and cfg.lr_min > cfg.lr:
+        raise UsageError(f"--lr-scheduler linear falls from --lr to --lr-min: --lr-min "
+                         f"({cfg.lr_min}) must not exceed --lr ({cfg.lr})")
     if cfg.pretrained and cfg.weights:
         raise UsageError("give either --pretrained or --weights NAME, not both")
     if cfg.dummy and cfg.demo:
@@ -426,7 +452,8 @@ def validate(cfg: Config) -> None:
     check_numbers_and_ranks(cfg)
     check_dist_url(cfg.dist_url)
     check_fsdp(cfg)
-    check_arch(cfg.arch)
+    check_arch(cfg.arch, cfg.weights, cfg.pretrained)
+    check_trackers_installed(cfg.log_to)
 
 
 def check_numbers_and_ranks(cfg: Config) -> None:
@@ -483,8 +510,13 @@ def available_archs() -> list[str]:
     return torchvision.models.list_models(module=torchvision.models)
 
 
-def check_arch(arch: str) -> None:
+def check_arch(arch: str, weights: str | None = None, pretrained: bool = False) -> None:
     """Raise UsageError for an unknown architecture, suggesting close names."""
+    if arch.startswith(TIMM_PREFIX):
+        from imagenet.timm_models import check_timm_arch
+
+        check_timm_arch(arch, weights, pretrained)
+        return
     names = available_archs()
     if arch not in names:
         close = difflib.get_close_matches(arch, names, n=3)

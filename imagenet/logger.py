@@ -18,6 +18,9 @@ from typing import Any
 
 import torch
 
+from imagenet.errors import Preempted
+from imagenet.trackers import Trackers, open_trackers, tracker_names
+
 log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
@@ -91,13 +94,18 @@ def _epoch_of(line: str) -> float:
 
 
 class RunLogger:
-    """Writes metrics on rank 0; a no-op on the others."""
+    """Writes metrics on rank 0 (and to the --log-to trackers); a no-op on the others.
 
-    def __init__(self, output_dir: Path, enabled: bool, purge_step: int | None = None) -> None:
+    As a context manager it tells the trackers how the run ended (finished, stopped, failed).
+    """
+
+    def __init__(self, output_dir: Path, enabled: bool, purge_step: int | None = None,
+                 log_to: str = "tensorboard") -> None:
         self.enabled = enabled
         self.output_dir = output_dir
         self._tb = None
-        if enabled:
+        self._trackers = open_trackers(log_to, output_dir) if enabled else Trackers({})
+        if enabled and "tensorboard" in tracker_names(log_to):
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step drops events a killed run wrote after its checkpoint, so a resumed
@@ -109,12 +117,15 @@ class RunLogger:
         if self.enabled:
             payload = {"config": dict(config), **extra, "environment": environment()}
             (self.output_dir / "config.json").write_text(json.dumps(payload, indent=2) + "\n")
+            simple = {k: v for k, v in extra.items() if isinstance(v, (int, float, str, bool))}
+            self._trackers.config({**config, **simple})
 
     def scalars(self, prefix: str, values: Mapping[str, float], step: int) -> None:
         """TensorBoard scalars ``prefix/name`` at ``step``."""
         if self._tb is not None:
             for name, value in values.items():
                 self._tb.add_scalar(f"{prefix}/{name}", value, step)
+        self._trackers.scalars({f"{prefix}/{name}": v for name, v in values.items()}, step)
 
     def epoch(self, record: Mapping[str, Any]) -> None:
         """One line in metrics.jsonl per epoch (cheap to grep and plot)."""
@@ -146,6 +157,7 @@ class RunLogger:
             clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
                      for k, v in hparams.items()}
             self._tb.add_hparams(clean, dict(metrics), run_name=".", global_step=step)
+        self._trackers.final({k.split("/")[-1]: v for k, v in metrics.items()}, step)
 
     def progress_hook(self) -> Callable[[dict], None] | None:
         """The engine's ``on_progress``: the progress line (with the images/s of all ranks since
@@ -169,8 +181,16 @@ class RunLogger:
         if self._tb is not None:
             self._tb.flush()
 
-    def close(self) -> None:
-        """Flush and close the TensorBoard writer."""
+    def close(self, status: str = "finished") -> None:
+        """Flush and close the TensorBoard writer; end the trackers' runs with ``status``."""
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        self._trackers.close(status)
+
+    def __enter__(self) -> RunLogger:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        stopped = kind is not None and issubclass(kind, (Preempted, KeyboardInterrupt))
+        self.close("finished" if kind is None else "stopped" if stopped else "failed")

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel
 
 from imagenet import comm_hooks, fsdp
-from imagenet.config import Config
+from imagenet.config import TIMM_PREFIX, Config
 from imagenet.distributed import DistInfo
 from imagenet.errors import RunError, UsageError
 
@@ -45,7 +45,12 @@ def weights_file(weights) -> Path:
 
 def build_model(arch: str, num_classes: int, pretrained: bool = False,
                 weights: str | None = None) -> nn.Module:
-    """torchvision model ``arch``; pretrained weights through torchvision's own loader."""
+    """torchvision model ``arch``; pretrained weights through torchvision's own loader. A
+    timm/NAME arch is timm's (``imagenet.timm_models``)."""
+    if arch.startswith(TIMM_PREFIX):
+        from imagenet.timm_models import build_timm_model
+
+        return build_timm_model(arch, num_classes, pretrained)
     chosen = resolve_weights(arch, pretrained, weights)
     if chosen is None:
         return torchvision.models.get_model(arch, weights=None, num_classes=num_classes,

@@ -60,6 +60,11 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config,
     elif cfg.lr_scheduler == "multistep":
         milestones = [m * iters_per_epoch - warmup for m in cfg.lr_milestones]
         main = lr_scheduler.MultiStepLR(optimizer, milestones, cfg.lr_gamma)
+    elif cfg.lr_scheduler == "linear":
+        main = lr_scheduler.LinearLR(optimizer, start_factor=1.0,
+                                     end_factor=cfg.lr_min / cfg.lr if cfg.lr > 0 else 1.0,
+                                     total_iters=max(1, (cfg.epochs - cfg.lr_warmup_epochs)
+                                                     * iters_per_epoch))
     else:
         main = lr_scheduler.CosineAnnealingLR(
             optimizer, max(1, (cfg.epochs - cfg.lr_warmup_epochs) * iters_per_epoch),

@@ -7,9 +7,9 @@ stale; it is not inherited by forked DataLoader workers; and NFS (v3 via lockd, 
 Lustre mounted with ``-o flock``, GPFS and CephFS share it between hosts. Where the filesystem
 refuses locks, or is mounted so that they stay local to one host, the run says so and goes on.
 
-A fresh run never erases an earlier run's record: checkpoints, metrics.jsonl, config.json and
-tb/ are moved to OUTPUT_DIR/previous/<start time of that run>/ first. Only a resume from a
-checkpoint of this folder continues its record.
+A fresh run never erases an earlier run's record: checkpoints, metrics.jsonl, config.json, tb/
+and trackers.json (its MLflow/W&B run ids) are moved to OUTPUT_DIR/previous/<start time of that
+run>/ first. Only a resume from a checkpoint of this folder continues its record.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pathlib import Path
 from imagenet.checkpoint import files
 from imagenet.errors import RunError, UsageError
 from imagenet.logger import METRICS
+from imagenet.trackers import RUN_IDS
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ LOCK = ".run.lock"
 PREVIOUS = "previous"
 CONFIG, TENSORBOARD = "config.json", "tb"
 # What one run writes; moved aside together when a fresh run starts in a used folder.
-RECORD = (files.CHECKPOINT, files.BEST, files.BEST_EMA, METRICS, CONFIG, TENSORBOARD,
+RECORD = (files.CHECKPOINT, files.BEST, files.BEST_EMA, METRICS, CONFIG, TENSORBOARD, RUN_IDS,
           *(files.dcp_name(n) for n in (files.CHECKPOINT, files.BEST, files.BEST_EMA)))
 # lockf's answers on filesystems without (working) locks: NFS without lockd, some FUSE, Lustre
 # mounted without -o flock.

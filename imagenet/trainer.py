@@ -14,7 +14,7 @@ from typing import Any
 import torchvision
 from torch import nn
 
-from imagenet import disk
+from imagenet import configfile, disk
 from imagenet.build import Best, Run, build_run
 from imagenet.checkpoint.guard import last_good
 from imagenet.checkpoint.state import resume, save
@@ -62,16 +62,15 @@ def resume_and_train(run: Run) -> dict[str, float]:
     # last one that counts; later ones came from a killed run and are purged, as are their
     # metrics.jsonl lines. (A fresh run finds no earlier record: it was moved aside.)
     step = run.step.global_step
-    logger = RunLogger(run.output_dir, run.dist.is_main, purge_step=step + 1 if step else 0)
-    try:
+    with RunLogger(run.output_dir, run.dist.is_main, purge_step=step + 1 if step else 0,
+                   log_to=run.cfg.log_to) as logger:
         logger.drop_epochs_from(run.step.epoch)
         started = datetime.datetime.now().isoformat(timespec="seconds")
         logger.write_config(run.cfg.to_dict(), {**derived, "started": started,
-                                                "torchvision_models": torchvision.__version__})
+                                                "torchvision_models": torchvision.__version__,
+                                                **configfile.record(run.cfg.config)})
         log_augmented_samples(run, logger)
         return train(run, logger)
-    finally:
-        logger.close()
 
 
 def train(run: Run, logger: RunLogger) -> dict[str, float]:

@@ -27,6 +27,7 @@ from imagenet.build import Run, build_run
 from imagenet.config import parse_config
 from imagenet.distributed import DistInfo
 from imagenet.engine import Step, evaluate, train_one_epoch
+from imagenet.errors import UsageError
 from imagenet.launch import Layout
 from imagenet.models import unwrap, wrap
 from imagenet.optim import build_criterion, build_optimizer, build_scheduler
@@ -88,6 +89,19 @@ def test_multistep_and_cosine_values():
                iters=10, steps=41)
     assert lrs[0] == pytest.approx(1) and lrs[20] == pytest.approx(0.55)
     assert lrs[40] == pytest.approx(0.1)
+
+
+def test_linear_schedule_falls_to_lr_min_at_the_last_step_after_warmup():
+    """FFCV's schedule: up from ~0 over 2 epochs, then straight down to --lr-min."""
+    argv = ["--lr-scheduler", "linear", "--epochs", "6", "--lr", "1", "--lr-min", "0.2",
+            "--lr-warmup-epochs", "2", "--lr-warmup-decay", "0.0001"]
+    lrs = _lrs(argv, iters=10, steps=61)
+    assert lrs[0] == pytest.approx(0.0001) and lrs[20] == pytest.approx(1.0)
+    assert lrs[40] == pytest.approx(0.6) and lrs[60] == pytest.approx(0.2)
+    steps = [b - a for a, b in zip(lrs[20:60], lrs[21:61])]
+    assert steps == pytest.approx([-0.02] * 40)  # a straight line
+    with pytest.raises(UsageError, match="--lr-min .0.2. must not exceed --lr .0.1."):
+        parse_config(["--lr-scheduler", "linear", "--lr", "0.1", "--lr-min", "0.2"])
 
 
 @pytest.mark.parametrize("method", ["linear", "constant"])

@@ -27,7 +27,7 @@ OPERATIONAL = frozenset({
     "data", "workers", "print_freq", "debug", "env_check", "output_dir", "resume", "evaluate",
     "save_every", "start_epoch", "pretrained", "weights", "compile", "channels_last",
     "world_size", "rank", "dist_url", "dist_backend", "dist_timeout", "multiprocessing_distributed",
-    "nproc_per_node", "local_rank", "gpu", "no_accel", "bucket_cap_mb",
+    "nproc_per_node", "local_rank", "gpu", "no_accel", "bucket_cap_mb", "log_to",
 })
 
 
@@ -81,7 +81,7 @@ def _layout(world: int, batch: int, accum: int, steps: int) -> str:
 PER_RANK = frozenset({
     "data", "workers", "output_dir", "resume", "debug", "env_check", "world_size", "rank",
     "dist_url", "dist_timeout", "multiprocessing_distributed", "nproc_per_node", "local_rank",
-    "gpu", "pretrained", "weights",
+    "gpu", "pretrained", "weights", "config", "log_to",
 })
 
 
