@@ -44,7 +44,8 @@ One training process (trainer.run_training: build -> claim the folder -> resume 
 
 Side tools (not imported by a training run unless asked for)
   tools.prepare     python -m imagenet.tools.prepare: ILSVRC2012 archives -> ImageFolder,
-                    or -> tar shards (tools.shardwrite), also from an ImageFolder.
+                    or -> tar shards (tools.shardwrite), also from an ImageFolder; both
+                    writers share tools.prepfiles (imports run prepare -> shardwrite -> prepfiles).
   tools.envcheck    main.py --env-check: installation, devices and a real all-reduce.
   tools.demo        the built-in demo data set (--demo, run_single.sh).
   tools.unshard     python -m imagenet.tools.unshard: a --sharded-checkpoint directory -> the

@@ -374,3 +374,17 @@ def shard_samples_of(files: dict[str, bytes], tmp_path: Path) -> dict:
     for name, data in files.items():
         (copy / name).write_bytes(data)
     return shard_samples(copy)
+
+
+def test_the_writers_import_their_shared_helpers_one_way():
+    """prepare -> shardwrite -> prepfiles: neither writer imports the command line module."""
+    import ast
+
+    tools = ROOT / "imagenet" / "tools"
+    for name, forbidden in (("shardwrite", {"imagenet.tools.prepare"}),
+                            ("prepfiles", {"imagenet.tools.prepare", "imagenet.tools.shardwrite"})):
+        tree = ast.parse((tools / f"{name}.py").read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                     for a in node.names}
+        assert not imported & forbidden, f"{name} imports {imported & forbidden}"

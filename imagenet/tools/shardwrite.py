@@ -31,7 +31,14 @@ from pathlib import Path
 import numpy as np
 
 from imagenet.errors import UsageError
-from imagenet.tools.prepare import PART_SUFFIX, Progress, claim_folder, is_image, val_label
+from imagenet.tools.prepfiles import (
+    PART_SUFFIX,
+    Progress,
+    atomic_write,
+    claim_folder,
+    is_image,
+    val_label,
+)
 
 log = logging.getLogger(__name__)
 
@@ -269,13 +276,6 @@ def update_info(out: Path, split: str, entry: dict, classes: list[str]) -> None:
     text = json.dumps(info, indent=1) + "\n"
     if not path.is_file() or path.read_text() != text:
         atomic_write(path, text)
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` through a temporary name."""
-    tmp = path.with_name(path.name + PART_SUFFIX)
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # ---- the two ways in from the command line
