@@ -435,3 +435,44 @@ def test_a_validation_loader_error_ends_the_process(shard_dir, tmp_path):
     (result,) = run_parallel([cmd], [child_env()], tmp_path / "logs", timeout=90)
     assert result.returncode == 1, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: shard {victim} is truncated")
+
+
+def process_gone(pid: int, within: float = 10.0) -> bool:
+    """Whether process ``pid`` ended (a zombie counts: it runs no more) within ``within`` s."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_failing_or_stalled_info_command_is_reported_with_its_stderr(tmp_path, monkeypatch):
+    from imagenet.errors import DataError
+
+    monkeypatch.setattr(streams, "SMALL_TIMEOUT", 1.0)
+    denied = tmp_path / "denied.sh"  # what an expired credential looks like, at once
+    denied.write_text("#!/bin/sh\necho 'download failed:' >&2\necho 'An error occurred "
+                      "(ExpiredToken) when calling the GetObject operation' >&2\nexit 1\n")
+    stall = tmp_path / "stall.sh"  # a child that would outlive its shell, then no output
+    stall.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {tmp_path}/child\n"
+                     "echo 'connecting to s3' >&2\nwait\n")
+    for script in (denied, stall):
+        script.chmod(0o755)
+    start = time.monotonic()
+    with pytest.raises(DataError) as error:
+        resolve(f"pipe:{denied} s3://b/train-{{0..1}}.tar", None, 3)
+    assert str(error.value) == (
+        f"cannot fetch the _info.json beside 'pipe:{denied} s3://b/train-{{0..1}}.tar': "
+        f"'{denied} s3://b/_info.json' exited with code 1: download failed: / An error occurred "
+        "(ExpiredToken) when calling the GetObject operation; fix the command (path, "
+        "credentials) or put the file there (the sample counts are needed before training)")
+    with pytest.raises(DataError) as error:
+        resolve(f"pipe:{stall} /d/train-{{0..1}}.tar", None, 3)
+    assert f"'{stall} /d/_info.json' gave no output for 1 s: connecting to s3;" in \
+        str(error.value)
+    assert time.monotonic() - start < 20  # one try, not 3 x 60 s for each of two names
+    assert process_gone(int((tmp_path / "child").read_text()))  # its whole group was killed
