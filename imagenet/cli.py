@@ -20,6 +20,7 @@ from imagenet.launch import (
     check_gpu_flag,
     check_sync_bn,
     choose_backend,
+    overridden_flags,
     plan_launch,
     plan_layout,
     rendezvous,
@@ -40,6 +41,9 @@ def _worker(local_index: int, cfg: Config, launch: Launch, master: dict[str, str
     os.environ.update(master)  # the parent's rendezvous choice (spawn mode only)
     rank = resolve_ranks(launch, local_index, cfg, os.environ)[0]
     setup_logging(rank, cfg.debug)
+    overridden = overridden_flags(cfg, launch, os.environ)
+    if overridden and rank == 0:
+        log.warning("%s", overridden)
     from imagenet.trainer import run_training  # heavy imports only where training happens
 
     try:
