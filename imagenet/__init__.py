@@ -12,6 +12,7 @@ Starting
   failures     one rank's failure stops every rank within seconds, with its message (through the
                rendezvous store, for launchers that do not stop the other ranks themselves).
   cpu_features whether the CPU has bf16 instructions (--amp bf16 without them is slow).
+  inputsize    the crop sizes -a accepts (its model run on the meta device), checked first.
 
 One training process (trainer.run_training: build -> claim the folder -> resume -> check -> train)
   build        Run: everything a process holds, built from the flags; build_engine makes the

@@ -15,6 +15,7 @@ from imagenet.config import Config, parse_config
 from imagenet.distributed import cleanup, init_distributed
 from imagenet.errors import INTERRUPTED_EXIT_CODE, TrainerError, report
 from imagenet.failures import stop_together
+from imagenet.inputsize import check_crop_sizes
 from imagenet.launch import (
     Launch,
     check_gpu_flag,
@@ -163,6 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             device_type = "cuda" if cuda_count and not cfg.no_accel else "cpu"
             choose_backend(cfg.dist_backend, device_type)
             check_sync_bn(cfg.sync_bn, device_type)
+        check_crop_sizes(cfg)  # before any data is read or process started
         if launch.mode != "spawn":
             _worker(0, cfg, launch, {})
             return 0
