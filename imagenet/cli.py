@@ -42,9 +42,6 @@ def _worker(local_index: int, cfg: Config, launch: Launch, master: dict[str, str
     os.environ.update(master)  # the parent's rendezvous choice (spawn mode only)
     rank = resolve_ranks(launch, local_index, cfg, os.environ)[0]
     setup_logging(rank, cfg.debug)
-    overridden = overridden_flags(cfg, launch, os.environ)
-    if overridden and rank == 0:
-        log.warning("%s", overridden)
     from imagenet.trainer import run_training  # heavy imports only where training happens
 
     try:
@@ -153,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from imagenet.tools.envcheck import run_env_check
 
             return run_env_check(cfg)
+        check_crop_sizes(cfg)  # before any data is read or process started
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         check_gpu_flag(cfg.gpu, cfg.no_accel, cuda_count)
         launch = plan_launch(cfg, os.environ, cuda_count)
@@ -160,11 +158,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if note:
             setup_logging(0, cfg.debug)
             log.warning("%s", note)
+        overridden = overridden_flags(cfg, launch, os.environ)  # torchrun's or srun's numbers
+        if overridden and resolve_ranks(launch, 0, cfg, os.environ)[0] == 0:
+            setup_logging(0, cfg.debug)
+            log.warning("%s", overridden)
         if launch.mode != "single":  # impossible requests fail here, not in every rank
             device_type = "cuda" if cuda_count and not cfg.no_accel else "cpu"
             choose_backend(cfg.dist_backend, device_type)
             check_sync_bn(cfg.sync_bn, device_type)
-        check_crop_sizes(cfg)  # before any data is read or process started
         if launch.mode != "spawn":
             _worker(0, cfg, launch, {})
             return 0
