@@ -150,7 +150,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             from imagenet.tools.envcheck import run_env_check
 
             return run_env_check(cfg)
-        check_crop_sizes(cfg)  # before any data is read or process started
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         check_gpu_flag(cfg.gpu, cfg.no_accel, cuda_count)
         launch = plan_launch(cfg, os.environ, cuda_count)
@@ -162,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if overridden and resolve_ranks(launch, 0, cfg, os.environ)[0] == 0:
             setup_logging(0, cfg.debug)
             log.warning("%s", overridden)
+        check_crop_sizes(cfg)  # before any data is read or process started
         if launch.mode != "single":  # impossible requests fail here, not in every rank
             device_type = "cuda" if cuda_count and not cfg.no_accel else "cpu"
             choose_backend(cfg.dist_backend, device_type)

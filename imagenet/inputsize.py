@@ -18,7 +18,6 @@ from torch import nn
 
 from imagenet.config import Config
 from imagenet.errors import UsageError
-from imagenet.models import build_model
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +61,8 @@ def crop_flags(cfg: Config) -> dict[str, int]:
 
 def check_crop_sizes(cfg: Config) -> None:
     """UsageError naming the size ``-a`` needs when the crop flags give it one it cannot take."""
+    from imagenet.models import build_model  # torchvision: imported only when a run starts
+
     try:
         with torch.device("meta"):
             model = build_model(cfg.arch, num_classes=10).eval()
