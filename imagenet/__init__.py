@@ -13,6 +13,7 @@ Starting
   failures     one rank's failure stops every rank within seconds, with its message (through the
                rendezvous store, for launchers that do not stop the other ranks themselves).
   cpu_features whether the CPU has bf16 instructions (--amp bf16 without them is slow).
+  inputsize    the crop sizes -a accepts (its model run on the meta device), checked first.
 
 One training process (trainer.run_training: build -> claim the folder -> resume -> check -> train)
   build        Run: everything a process holds, built from the flags; build_engine makes the
@@ -50,7 +51,8 @@ One training process (trainer.run_training: build -> claim the folder -> resume 
 
 Side tools (not imported by a training run unless asked for)
   tools.prepare     python -m imagenet.tools.prepare: ILSVRC2012 archives -> ImageFolder,
-                    or -> tar shards (tools.shardwrite), also from an ImageFolder.
+                    or -> tar shards (tools.shardwrite), also from an ImageFolder; both
+                    writers share tools.prepfiles (imports run prepare -> shardwrite -> prepfiles).
   tools.envcheck    main.py --env-check: installation, devices and a real all-reduce.
   tools.demo        the built-in demo data set (--demo, run_single.sh).
   tools.unshard     python -m imagenet.tools.unshard: a --sharded-checkpoint directory -> the

@@ -16,11 +16,13 @@ from imagenet.console import startup_notes
 from imagenet.distributed import cleanup, init_distributed
 from imagenet.errors import INTERRUPTED_EXIT_CODE, TrainerError, report
 from imagenet.failures import stop_together
+from imagenet.inputsize import check_crop_sizes
 from imagenet.launch import (
     Launch,
     check_gpu_flag,
     check_sync_bn,
     choose_backend,
+    overridden_flags,
     plan_launch,
     plan_layout,
     rendezvous,
@@ -159,6 +161,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if note:
             setup_logging(0, cfg.debug)
             log.warning("%s", note)
+        overridden = overridden_flags(cfg, launch, os.environ)  # torchrun's or srun's numbers
+        if overridden and resolve_ranks(launch, 0, cfg, os.environ)[0] == 0:
+            setup_logging(0, cfg.debug)
+            log.warning("%s", overridden)
+        check_crop_sizes(cfg)  # before any data is read or process started
         if launch.mode != "single":  # impossible requests fail here, not in every rank
             device_type = "cuda" if cuda_count and not cfg.no_accel else "cpu"
             choose_backend(cfg.dist_backend, device_type)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -357,12 +358,30 @@ def check_one_batch(per_process: int, batch_size: int, world_size: int) -> None:
 
 
 def shutdown_workers(*loaders: DataLoader) -> None:
-    """Stop the persistent workers of ``loaders`` now (torch has no public call for it)."""
+    """Stop the persistent workers of ``loaders`` now (torch has no public call for it), then
+    any loader worker of this process that no loader holds."""
     for loader in loaders:
         iterator = getattr(loader, "_iterator", None)
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
         loader._iterator = None
+    kill_stray_workers()
+
+
+def kill_stray_workers() -> None:
+    """Kill this process's DataLoader workers that are still alive (its daemonic children: a
+    training process starts no others).
+
+    A loader whose first batches fail while its iterator is being built (its batch sampler
+    raised: a truncated validation shard) is left without an iterator, and its started workers
+    with nobody to stop them. They ignore SIGTERM (``loader_options``), so multiprocessing's
+    exit handler, which terminates its daemonic children and then joins them, would wait for
+    them forever: the process printed its error and never exited.
+    """
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+            child.join()
 
 
 def build_data(cfg: Config, data_root: str | Path, rank: int, world_size: int, layout: Layout,

@@ -81,6 +81,7 @@ def plan_launch(cfg: Config, env: Mapping[str, str], cuda_count: int) -> Launch:
     if cfg.multiprocessing_distributed:
         return _plan_spawn(cfg, env, gpus)
     if "RANK" in env and "WORLD_SIZE" in env:
+        check_env_ranks(env)
         return Launch("env", reason="launched by torchrun / torch.distributed.launch")
     if is_slurm_job_step(env):
         return Launch("env", reason="launched by SLURM srun")
@@ -100,6 +101,47 @@ def plan_launch(cfg: Config, env: Mapping[str, str], cuda_count: int) -> Launch:
         return Launch("spawn", gpus, reason=f"{gpus} GPUs visible and no --gpu: "
                       "one DDP process per GPU (not DataParallel)")
     return Launch("single", reason="one process")
+
+
+def check_env_ranks(env: Mapping[str, str]) -> None:
+    """RANK and WORLD_SIZE from the environment: whole numbers, RANK in 0..WORLD_SIZE-1 (a rank
+    outside would wait --dist-timeout for peers that never come)."""
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    except ValueError:
+        raise UsageError(f"RANK={env['RANK']!r} and WORLD_SIZE={env['WORLD_SIZE']!r} from the "
+                         "environment must be whole numbers: fix the variables your launcher "
+                         "or script sets (or unset both for one process)") from None
+    if world < 1:
+        raise UsageError(f"WORLD_SIZE={world} from the environment must be at least 1: fix the "
+                         "variables your launcher or script sets (or unset RANK and WORLD_SIZE "
+                         "for one process)")
+    if not 0 <= rank < world:
+        raise UsageError(f"RANK={rank} from the environment is outside WORLD_SIZE={world} "
+                         f"(ranks 0..{world - 1}): fix the variables your launcher or script "
+                         "sets (or unset both for one process)")
+
+
+def overridden_flags(cfg: Config, launch: Launch, env: Mapping[str, str]) -> str | None:
+    """One warning when a launcher that started the processes (torchrun, srun) disagrees with
+    --world-size, --rank or --nproc-per-node: the launcher's numbers win (the processes it
+    started are the ones that run); None when nothing disagrees."""
+    if launch.mode != "env":
+        return None
+    rank, _, world, local_world = resolve_ranks(launch, 0, cfg, env)
+    who = "torchrun" if "RANK" in env else "srun"
+    ignored = []
+    if cfg.world_size > 0 and cfg.world_size != world:
+        ignored.append(f"--world-size {cfg.world_size} is ignored ({who} started {world} "
+                       "processes)")
+    if cfg.rank >= 0 and (cfg.rank != rank or world > 1):
+        ignored.append(f"--rank {cfg.rank} is ignored ({who} gives each process its rank)")
+    if cfg.nproc_per_node is not None and cfg.nproc_per_node != local_world:
+        ignored.append(f"--nproc-per-node {cfg.nproc_per_node} is ignored ({who} started "
+                       f"{local_world} on this node)")
+    if not ignored:
+        return None
+    return f"{who}'s numbers win: {'; '.join(ignored)}; drop them from main.py's command line"
 
 
 def _plan_spawn(cfg: Config, env: Mapping[str, str], gpus: int) -> Launch:

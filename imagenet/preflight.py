@@ -23,6 +23,8 @@ from imagenet.checkpoint import files
 from imagenet.config import Config
 from imagenet.distributed import DistInfo, raise_agreed
 from imagenet.errors import DataError, RunError, TrainerError
+from imagenet.shards.check import first_bad_shard
+from imagenet.shards.reader import ShardBatchSampler
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +66,10 @@ def claim_output_dir(cfg: Config, info: DistInfo) -> rundir.FolderLock:
 
 
 def check_before_training(run: Run, resumed: Path | None) -> None:
-    """Room for the checkpoints (rank 0), every validation image readable (all ranks, each its
-    shard); then rank 0 moves an earlier run's record aside. Collective."""
+    """Room for the checkpoints (rank 0), every validation image or shard readable (all ranks,
+    each its share); then rank 0 moves an earlier run's record aside. Collective."""
     on_rank0(run.dist, lambda: check_room(run, resumed))
-    raise_agreed(first_bad_val_image(run))
+    raise_agreed(first_bad_val_shard(run) or first_bad_val_image(run))
     on_rank0(run.dist, lambda: keep_history(run.output_dir, resumed))
 
 
@@ -133,6 +135,19 @@ def check_room(run: Run, resumed: Path | None) -> None:
                        f"{disk.human(need)} for its checkpoints (one is about "
                        f"{disk.human(size + ema)}, and a save writes the new file before it "
                        "replaces the old); free some space or give another --output-dir")
+
+
+def first_bad_val_shard(run: Run) -> DataError | None:
+    """The first missing, truncated or miscounted validation shard of this rank's share."""
+    sampler = run.data.val_loader.batch_sampler
+    if not isinstance(sampler, ShardBatchSampler):
+        return None
+    start = time.perf_counter()
+    bad = first_bad_shard(sampler.shards, run.dist.rank, run.dist.world_size)
+    log.debug("checked the validation shards in %.2f s", time.perf_counter() - start)
+    if bad is None:
+        return None
+    return DataError(f"{bad}; found by the check of the validation shards before training")
 
 
 def first_bad_val_image(run: Run) -> DataError | None:

@@ -9,7 +9,9 @@ refuses locks, or is mounted so that they stay local to one host, the run says s
 
 A fresh run never erases an earlier run's record: checkpoints, metrics.jsonl, config.json, tb/
 and trackers.json (its MLflow/W&B run ids) are moved to OUTPUT_DIR/previous/<start time of that
-run>/ first. Only a resume from a checkpoint of this folder continues its record.
+run>/ first (a sharded checkpoint that a kill left aside as .checkpoint.dcp.old too, under its
+own name when it is the only one). Only a resume from a checkpoint of this folder continues its
+record.
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ log = logging.getLogger(__name__)
 LOCK = ".run.lock"
 PREVIOUS = "previous"
 CONFIG, TENSORBOARD = "config.json", "tb"
+# --sharded-checkpoint directories (a kill while one was replaced leaves the old one aside).
+DIRECTORIES = tuple(files.dcp_name(n) for n in (files.CHECKPOINT, files.BEST, files.BEST_EMA))
 # What one run writes; moved aside together when a fresh run starts in a used folder.
 RECORD = (files.CHECKPOINT, files.BEST, files.BEST_EMA, METRICS, CONFIG, TENSORBOARD, RUN_IDS,
-          *(files.dcp_name(n) for n in (files.CHECKPOINT, files.BEST, files.BEST_EMA)))
+          *DIRECTORIES, *(files.aside(Path(n)).name for n in DIRECTORIES))
 # lockf's answers on filesystems without (working) locks: NFS without lockd, some FUSE, Lustre
 # mounted without -o flock.
 NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
@@ -189,9 +193,18 @@ def move_previous_run(folder: Path) -> Path | None:
             break
         dest = folder / PREVIOUS / f"{stamp}-{n}"
     dest.mkdir(parents=True)
-    for path in present:
-        os.replace(path, dest / path.name)
+    for path, name in [(path, kept_name(path, folder)) for path in present]:  # names first
+        os.replace(path, dest / name)
     return dest
+
+
+def kept_name(path: Path, folder: Path) -> str:
+    """The name ``path`` keeps in previous/: its own, except for a directory a kill left aside
+    (.checkpoint.dcp.old) with no directory of its own name: that is the run's checkpoint."""
+    for name in DIRECTORIES:
+        if path.name == files.aside(Path(name)).name and not (folder / name).exists():
+            return name
+    return path.name
 
 
 def started_at(folder: Path, present: list[Path]) -> datetime.datetime:

@@ -139,3 +139,44 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(image_folder, 
 def test_debug_shows_the_traceback(image_folder, tmp_path):
     proc = run_main(str(tmp_path / "missing"), *TINY, "--debug")
     assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+# ---------------------------------------------------------------- crops too small for -a
+
+CROPS_32 = ["--train-crop-size", "32", "--val-resize-size", "36", "--val-crop-size", "32"]
+
+
+def test_crops_too_small_for_the_architecture_name_its_size(capsys, tmp_path):
+    """Found from the model on the meta device before the data folder is even looked at (it
+    does not exist here) and before --multiprocessing-distributed starts any process."""
+    spawn = ["--multiprocessing-distributed", "--nproc-per-node", "2"]
+    rc, err = _main(capsys, str(tmp_path / "no-data"), "-a", "alexnet", *CROPS_32, *spawn)
+    assert rc == 2 and _one_error_line(err) == (
+        "error: --train-crop-size 32 and --val-crop-size 32: too small for -a alexnet, which "
+        "needs crops of at least 63 px; give --train-crop-size 63 and --val-crop-size 63 or "
+        "more")
+    rc, err = _main(capsys, str(tmp_path / "no-data"), "-a", "inception_v3", "-e", *CROPS_32)
+    assert rc == 2 and "--val-crop-size 32: too small for -a inception_v3, which needs crops " \
+        "of at least 75 px" in _one_error_line(err)
+    for size in ("32", "256"):
+        rc, err = _main(capsys, str(tmp_path / "no-data"), "-a", "vit_b_16",
+                        "--train-crop-size", size, "--val-crop-size", "224")
+        assert rc == 2 and _one_error_line(err) == (
+            f"error: --train-crop-size {size}: -a vit_b_16 takes crops of exactly 224 px (the "
+            "size it is built for); give --train-crop-size 224 and --val-crop-size 224")
+
+
+def test_the_minimum_found_on_the_meta_device_is_the_real_one():
+    import torchvision
+
+    from imagenet.config import parse_config
+    from imagenet.inputsize import check_crop_sizes
+
+    model = torchvision.models.alexnet(num_classes=3).eval()
+    with torch.no_grad():
+        model(torch.zeros(1, 3, 63, 63))  # the minimum named above runs for real
+        with pytest.raises(RuntimeError, match="too small"):
+            model(torch.zeros(1, 3, 62, 62))
+    for arch, size in (("alexnet", "63"), ("resnet18", "32"), ("vit_b_16", "224")):
+        check_crop_sizes(parse_config(["data", "-a", arch, "--train-crop-size", size,
+                                       "--val-crop-size", size]))  # accepted: no error

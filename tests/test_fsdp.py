@@ -225,12 +225,12 @@ def test_refused_combinations(argv, words):
 
 
 def test_sharded_checkpoint_directory_is_found_even_when_killed_while_it_was_replaced(tmp_path):
-    from imagenet.checkpoint import files
+    from test_sharded_dirs import tiny_dcp
+
+    from imagenet.checkpoint import files, sharded
 
     def finished(name: str) -> Path:
-        (tmp_path / name).mkdir()
-        (tmp_path / name / files.SHARDED_META).write_text(name)
-        return tmp_path / name
+        return tiny_dcp(tmp_path / name, mark=name)
 
     assert files.resolve_resume("auto", tmp_path, False, sharded=True) is None
     files.replace_dir(finished(".checkpoint.dcp.tmp"), tmp_path / "checkpoint.dcp")
@@ -243,8 +243,7 @@ def test_sharded_checkpoint_directory_is_found_even_when_killed_while_it_was_rep
     # The next save keeps it until the new one is in place, then cleans up.
     files.replace_dir(finished(".checkpoint.dcp.tmp"), tmp_path / "checkpoint.dcp")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.dcp"]
-    meta = tmp_path / "checkpoint.dcp" / files.SHARDED_META
-    assert meta.read_text() == ".checkpoint.dcp.tmp"
+    assert sharded.load_meta(tmp_path / "checkpoint.dcp")["mark"] == ".checkpoint.dcp.tmp"
     # An explicit --resume accepts a directory; the classic file name is not looked for.
     assert files.resolve_resume(str(tmp_path / "checkpoint.dcp"), tmp_path, False) == \
         tmp_path / "checkpoint.dcp"

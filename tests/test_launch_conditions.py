@@ -193,3 +193,46 @@ def test_help_and_readme_say_where_b_is_per_node_and_where_per_process():
         for row, meaning in rows:
             line = next(ln for ln in lines if row in ln)
             assert line.rstrip(" |").endswith(meaning) or f"| {meaning}" in line, (page, line)
+
+
+# ---------------------------------------------------------------- RANK / WORLD_SIZE from outside
+
+
+def test_launcher_variables_are_checked_and_its_numbers_win_over_the_flags():
+    from imagenet.launch import overridden_flags
+
+    cfg = parse_config(["data"])
+    for env, words in (({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 from the environment is "
+                        "outside WORLD_SIZE=2 (ranks 0..1)"),
+                       ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE=0 from the environment "
+                        "must be at least 1"),
+                       ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK='one' and WORLD_SIZE='2' from "
+                        "the environment must be whole numbers")):
+        with pytest.raises(UsageError, match=words.replace("(", ".").replace(")", ".")):
+            plan_launch(cfg, env, cuda_count=0)
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+    launch = plan_launch(cfg, torchrun, cuda_count=0)
+    assert overridden_flags(parse_config(["data", "--world-size", "2", "--nproc-per-node",
+                                          "2"]), launch, torchrun) is None  # they agree
+    assert overridden_flags(parse_config(["data", "--rank", "0"]), launch, torchrun) == (
+        "torchrun's numbers win: --rank 0 is ignored (torchrun gives each process its rank); "
+        "drop them from main.py's command line")
+    srun = srun_env(rank=1, tasks=4, per_node=2)
+    assert overridden_flags(parse_config(["data", "--world-size", "2"]),
+                            plan_launch(cfg, srun, cuda_count=0), srun) == (
+        "srun's numbers win: --world-size 2 is ignored (srun started 4 processes); drop them "
+        "from main.py's command line")
+
+
+def test_a_rank_outside_the_world_size_is_one_line_at_once(tmp_path, monkeypatch, capsys):
+    from imagenet.cli import main
+
+    for name, value in (("RANK", "3"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", str(free_port()))):
+        monkeypatch.setenv(name, value)
+    start = time.monotonic()
+    code = main(["--dummy", *TINY, "--dist-timeout", "600", "--output-dir", str(tmp_path)])
+    assert code == 2 and time.monotonic() - start < 60  # not the --dist-timeout wait for peers
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: RANK=3 from the environment is outside WORLD_SIZE=2 (ranks 0..1): fix the "
+        "variables your launcher or script sets (or unset both for one process)"]

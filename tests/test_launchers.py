@@ -97,11 +97,17 @@ def test_multiprocessing_distributed_splits_the_node_batch(data, tmp_path):
 @pytest.mark.slow
 def test_torchrun(data, tmp_path):
     out = tmp_path / "out"
+    # Flags that disagree with torchrun's own numbers: torchrun's win, said once.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), MAIN, str(data),
-           *RUN, "-b", "4", "--output-dir", str(out)]
+           *RUN, "-b", "4", "--output-dir", str(out), "--world-size", "4", "--nproc-per-node",
+           "3"]
     results = run_parallel([cmd], [child_env()], tmp_path / "logs")
     check_artifacts(out, world=2, per_process=4, steps=3, results=results)
+    warning = ("torchrun's numbers win: --world-size 4 is ignored (torchrun started 2 "
+               "processes); --nproc-per-node 3 is ignored (torchrun started 2 on this node); "
+               "drop them from main.py's command line")
+    assert (results[0].stdout + results[0].stderr).count(warning) == 1, results[0]
 
 
 @pytest.mark.slow

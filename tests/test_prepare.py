@@ -376,3 +376,56 @@ def shard_samples_of(files: dict[str, bytes], tmp_path: Path) -> dict:
     for name, data in files.items():
         (copy / name).write_bytes(data)
     return shard_samples(copy)
+
+
+def test_the_writers_import_their_shared_helpers_one_way():
+    """prepare -> shardwrite -> prepfiles: neither writer imports the command line module."""
+    import ast
+
+    tools = ROOT / "imagenet" / "tools"
+    for name, forbidden in (("shardwrite", {"imagenet.tools.prepare"}),
+                            ("prepfiles", {"imagenet.tools.prepare", "imagenet.tools.shardwrite"})):
+        tree = ast.parse((tools / f"{name}.py").read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                     for a in node.names}
+        assert not imported & forbidden, f"{name} imports {imported & forbidden}"
+
+
+def test_shards_refuse_the_train_archive_as_val_and_an_out_inside_the_input(archives, tmp_path):
+    out = tmp_path / "shards"
+    swapped = prepare("--val-tar", archives["train"], "--val-csv", archives["csv"], "--out", out,
+                      *SHARDS)
+    assert swapped.returncode == 2 and "looks like the train archive" in swapped.stderr
+    assert not (out / "_info.json").exists()  # no empty validation split written
+    folder = tmp_path / "imagenet"
+    assert prepare(*full_args(archives, folder)).returncode == 0
+    before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+    inside = [prepare("--from-folder", folder, "--out", out)
+              for out in (folder / "train" / "shards", folder / "shards")]
+    assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before  # input untouched
+    for result in (swapped, *inside):
+        assert "Traceback" not in result.stdout + result.stderr
+    for result in inside:
+        assert result.returncode == 2 and f"is inside --from-folder {folder}" in result.stderr
+
+
+def test_a_damaged_info_json_is_named_with_what_to_do(archives, tmp_path):
+    out = tmp_path / "shards"
+    args = ["--val-tar", archives["val"], "--devkit", archives["devkit"], "--out", out,
+            "--expect-val", len(VAL_IDS), *SHARDS]
+    assert prepare(*args).returncode == 0
+    shards = shard_files(out)
+    (out / "_info.json").write_text('{"name": "shards", "splits": {"validation": {"filen')
+    damaged = prepare(*args)
+    assert damaged.returncode == 2 and "Traceback" not in damaged.stdout + damaged.stderr
+    [line] = damaged.stderr.strip().splitlines()
+    assert line.startswith(f"error: {out / '_info.json'} is damaged (Unterminated string")
+    assert line.endswith("; delete it and run this command again with every split it should "
+                         "list (finished shards are kept, not written again)")
+    (out / "_info.json").unlink()  # what the message says
+    (out / ".imagenet-prepare-shards").write_text("{not json")  # our own record: rewritten
+    again = prepare(*args)
+    assert again.returncode == 0 and "is damaged: writing the validation shards again" in \
+        again.stdout
+    assert shard_files(out) == shards

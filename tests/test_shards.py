@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, write_image_folder
+from helpers import ROOT, TINY, child_env, main_cmd, run_main, run_parallel, write_image_folder
 from torch.utils.data import DataLoader
 
 from imagenet import transforms as T
@@ -373,3 +373,107 @@ def test_a_download_that_drops_continues_where_it_stopped(shard_dir, tmp_path, m
                      f"touch {tmp_path}/ran; head -c 3000 {source}; exit 7; fi\n")
     flaky.chmod(0o755)
     assert streams.open_shard(f"pipe:{flaky}").read() == source.read_bytes()
+
+
+# ---------------------------------------------------------------- before training; every error ends
+
+
+def test_each_rank_checks_its_share_of_the_validation_shards(shard_dir, tmp_path, monkeypatch):
+    from imagenet.shards.check import first_bad_shard
+
+    monkeypatch.setattr(streams, "BACKOFF", 0.05)
+    names = ["train-000000.tar", "train-000001.tar", "val-000000.tar", "val-000001.tar"]
+    for name in names:
+        shutil.copy(shard_dir / name, tmp_path)
+    urls, counts = tuple(str(tmp_path / n) for n in names), (10, 10, 10, 5)
+
+    def found(shards: ShardList) -> list[str | None]:
+        return [str(e) if e else None for e in (first_bad_shard(shards, r, 2) for r in (0, 1))]
+
+    assert found(ShardList(urls, counts)) == [None, None]
+    piped = tuple(f"pipe:head -c 15000 {u}" for u in urls)  # cut, but its start is read
+    assert found(ShardList(piped, counts)) == [None, None]
+    assert found(ShardList(urls, (10, 10, 11, 5))) == [
+        f"shard {urls[2]} ends after 10 samples but its _info.json lists 11: copy it again or "
+        "fix _info.json", None]
+    assert found(ShardList(urls, (10, 10, 10, 4)))[1].startswith(f"shard {urls[3]} holds more")
+    cut = tmp_path / names[1]
+    cut.write_bytes(cut.read_bytes()[:15000])
+    assert found(ShardList(urls, counts))[1].startswith(f"shard {cut} is truncated")
+    cut.unlink()
+    assert found(ShardList(urls, counts)) == [None, f"shard {cut} is missing"]
+    cut.mkdir()
+    assert found(ShardList(urls, counts))[1].startswith(f"shard {cut} cannot be read")
+    failing = (f"pipe:cat {tmp_path}/gone.tar",)
+    assert "exited with code 1: cat:" in found(ShardList(failing, (10,)))[0]
+
+
+@pytest.mark.slow
+def test_a_truncated_validation_shard_stops_the_run_before_its_first_step(shard_dir, tmp_path):
+    broken = tmp_path / "shards"
+    shutil.copytree(shard_dir, broken)
+    victim = broken / "val-000001.tar"
+    victim.write_bytes(victim.read_bytes()[:9000])
+    out = tmp_path / "out"
+    proc = run_main(str(broken), *TINY, "--epochs", "1", "--output-dir", str(out), timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: shard {victim} is truncated")
+    assert line.endswith("; found by the check of the validation shards before training")
+    assert "Epoch: [" not in proc.stdout and not (out / "checkpoint.pth.tar").exists()
+
+
+@pytest.mark.slow
+def test_a_validation_loader_error_ends_the_process(shard_dir, tmp_path):
+    """-j 1: the loader's first batches fail while its iterator is built (the truncated shard
+    is read in the training process), leaving a worker no loader holds; the process used to
+    print its error and wait for that worker forever."""
+    broken = tmp_path / "shards"
+    shutil.copytree(shard_dir, broken)
+    victim = broken / "val-000000.tar"
+    victim.write_bytes(victim.read_bytes()[:15000])
+    cmd = main_cmd(str(broken), *TINY, "-j", "1", "-e", "--output-dir", str(tmp_path / "out"))
+    (result,) = run_parallel([cmd], [child_env()], tmp_path / "logs", timeout=90)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: shard {victim} is truncated")
+
+
+def process_gone(pid: int, within: float = 10.0) -> bool:
+    """Whether process ``pid`` ended (a zombie counts: it runs no more) within ``within`` s."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_failing_or_stalled_info_command_is_reported_with_its_stderr(tmp_path, monkeypatch):
+    from imagenet.errors import DataError
+
+    monkeypatch.setattr(streams, "SMALL_TIMEOUT", 1.0)
+    denied = tmp_path / "denied.sh"  # what an expired credential looks like, at once
+    denied.write_text("#!/bin/sh\necho 'download failed:' >&2\necho 'An error occurred "
+                      "(ExpiredToken) when calling the GetObject operation' >&2\nexit 1\n")
+    stall = tmp_path / "stall.sh"  # a child that would outlive its shell, then no output
+    stall.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {tmp_path}/child\n"
+                     "echo 'connecting to s3' >&2\nwait\n")
+    for script in (denied, stall):
+        script.chmod(0o755)
+    start = time.monotonic()
+    with pytest.raises(DataError) as error:
+        resolve(f"pipe:{denied} s3://b/train-{{0..1}}.tar", None, 3)
+    assert str(error.value) == (
+        f"cannot fetch the _info.json beside 'pipe:{denied} s3://b/train-{{0..1}}.tar': "
+        f"'{denied} s3://b/_info.json' exited with code 1: download failed: / An error occurred "
+        "(ExpiredToken) when calling the GetObject operation; fix the command (path, "
+        "credentials) or put the file there (the sample counts are needed before training)")
+    with pytest.raises(DataError) as error:
+        resolve(f"pipe:{stall} /d/train-{{0..1}}.tar", None, 3)
+    assert f"'{stall} /d/_info.json' gave no output for 1 s: connecting to s3;" in \
+        str(error.value)
+    assert time.monotonic() - start < 20  # one try, not 3 x 60 s for each of two names
+    assert process_gone(int((tmp_path / "child").read_text()))  # its whole group was killed

@@ -14,6 +14,7 @@ from typing import Any, BinaryIO
 import torch
 
 from imagenet import disk, fsdp
+from imagenet.checkpoint import whole
 from imagenet.errors import CheckpointError, UsageError
 
 log = logging.getLogger(__name__)
@@ -125,20 +126,42 @@ def dcp_name(name: str) -> str:
 
 
 def is_checkpoint_dir(path: Path) -> bool:
-    """True for a complete sharded checkpoint directory (its trainer state is in place)."""
+    """True for a directory written as a sharded checkpoint (its trainer state is in place;
+    ``incomplete`` says whether the rest is)."""
     return (path / SHARDED_META).is_file()
 
 
-def _aside(path: Path) -> Path:
+def incomplete(path: Path) -> str | None:
+    """What keeps sharded checkpoint directory ``path`` from loading; None when it is whole."""
+    return whole.missing_part(path, SHARDED_META)
+
+
+def aside(path: Path) -> Path:
+    """Where ``replace_dir`` keeps the old directory ``path`` while the new one moves in."""
     return path.with_name(f".{path.name}.old")
 
 
-def existing_dir(path: Path) -> Path | None:
-    """Checkpoint directory ``path``, or the old one that a kill during ``replace_dir`` left
-    aside; None when there is neither."""
-    for candidate in (path, _aside(path)):
-        if is_checkpoint_dir(candidate):
-            return candidate
+RESUME_FIX = ("use another checkpoint (an earlier run's are in previous/), or move it away and "
+              "start without --resume")
+
+
+def existing_dir(path: Path, fix: str = RESUME_FIX) -> Path | None:
+    """Checkpoint directory ``path`` when it is whole, else the previous one that a kill during
+    ``replace_dir`` left aside, when that one is (said); None when neither is there.
+
+    A ``path`` that is there but not whole, with no whole one aside, is a CheckpointError that
+    says ``fix``: a fresh start would go on without the checkpoint the user has.
+    """
+    problem = incomplete(path)
+    if problem is None:
+        return path
+    old = aside(path)
+    if old.exists() and incomplete(old) is None:
+        log.warning("=> %s: %s; using %s, the checkpoint it was replacing when a save was "
+                    "interrupted", path, problem, old)
+        return old
+    if path.exists():
+        raise CheckpointError(f"{path} is incomplete: {problem}; {fix}")
     return None
 
 
@@ -146,13 +169,13 @@ def replace_dir(tmp: Path, path: Path) -> None:
     """Put the finished directory ``tmp`` at ``path``. A directory cannot replace another in
     one step: the old one is renamed aside first, where ``existing_dir`` finds it after a kill
     between the two renames."""
-    aside = _aside(path)
+    old = aside(path)
     if path.exists():  # else an aside left by a kill is the newest whole one: keep it for now
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(path, aside)
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
-    shutil.rmtree(aside, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def remove_stale_temp_files(folder: Path) -> None:
@@ -292,12 +315,16 @@ def resolve_resume(resume: str | None, output_dir: Path, restarted: bool,
     'auto' means OUTPUT_DIR/checkpoint.pth.tar if it exists (checkpoint.dcp/ with ``sharded``).
     A torchrun restart always prefers that file (it holds the progress of the attempt that
     failed) and falls back to --resume. An explicit path that does not exist is an error: a
-    fresh start would overwrite the checkpoint the user meant to continue.
+    fresh start would overwrite the checkpoint the user meant to continue. A directory that a
+    kill left aside while a save replaced it is used when the directory itself is missing or
+    incomplete (``existing_dir``).
     """
+    own = None
     if sharded:
-        own = existing_dir(output_dir / dcp_name(CHECKPOINT))
-    else:
-        own = output_dir / CHECKPOINT if (output_dir / CHECKPOINT).is_file() else None
+        if restarted or resume == "auto":  # a fresh run does not care whether it is whole
+            own = existing_dir(output_dir / dcp_name(CHECKPOINT))
+    elif (output_dir / CHECKPOINT).is_file():
+        own = output_dir / CHECKPOINT
     if restarted and own is not None:
         return own
     if resume == "auto" or (resume is None and restarted):
@@ -305,7 +332,8 @@ def resolve_resume(resume: str | None, output_dir: Path, restarted: bool,
     if resume is None:
         return None
     path = Path(resume)
-    if not (path.is_file() or is_checkpoint_dir(path)):
+    found = path if path.is_file() else existing_dir(path)  # a directory: maybe aside
+    if found is None:
         raise UsageError(f"--resume: no checkpoint at {path}; check the path, or use "
                          "--resume auto to continue OUTPUT_DIR/checkpoint.pth.tar when present")
-    return path
+    return found

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -31,7 +32,7 @@ from imagenet import fsdp
 from imagenet.build import Run
 from imagenet.checkpoint import files, guard
 from imagenet.distributed import barrier, raise_agreed
-from imagenet.errors import CheckpointError
+from imagenet.errors import CheckpointError, on_every_rank
 
 SHARDED = ("state_dict", "optimizer", "ema")  # the keys whose tensors DCP holds
 
@@ -124,13 +125,20 @@ def load(run: Run, path: Path, optimizer: bool = True) -> dict[str, Any]:
         raise CheckpointError(f"{path} was saved for -a {meta['arch']}, but this run uses "
                               f"-a {run.cfg.arch}; pass -a {meta['arch']} or another checkpoint")
     guard.check_resumable(meta, path, run.data.classes)  # the class names (no weights here)
+    problem = files.incomplete(path)  # each rank sees the directory it reads its shards from
+    raise_agreed(CheckpointError(f"{path} is incomplete: {problem}; {files.RESUME_FIX}")
+                 if problem else None)
     parts = run.engine.parts
     saved = {key.split(".")[0] for key in  # model_best_ema.dcp holds the weights only
              dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
     state = {k: v for k, v in sharded_state(run).items()
              if k in saved and (optimizer or k != "optimizer")}
     with single_process_is_meant():
-        dcp.load(state, checkpoint_id=path)
+        try:
+            dcp.load(state, checkpoint_id=path)
+        except CheckpointException as exc:  # raised on every rank: damage inside a shard
+            raise on_every_rank(CheckpointError(
+                f"{path} is damaged ({first_failure(exc)}); {files.RESUME_FIX}")) from None
     bad = guard.non_finite(local_tensors(state))
     raise_agreed(CheckpointError(f"{path} holds NaN/infinite values ({bad[0]} and maybe more): "
                                  "it was saved by a run that diverged; use an earlier "
@@ -144,6 +152,16 @@ def load(run: Run, path: Path, optimizer: bool = True) -> dict[str, Any]:
     return meta
 
 
+def first_failure(exc: CheckpointException) -> str:
+    """The lowest rank's reason in a CheckpointException, on one line."""
+    if not exc.failures:
+        return "no reason given"
+    rank = min(exc.failures)
+    error = exc.failures[rank][0]
+    text = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
+    return f"rank {rank}: {type(error).__name__}" + (f": {text}" if text else "")
+
+
 def to_single_file(src: Path, dst: Path) -> dict[str, Any]:
     """The classic checkpoint of directory ``src`` written to ``dst``: plain keys, optimizer
     state keyed by index, as ``--fsdp`` without --sharded-checkpoint would have saved it."""
@@ -152,7 +170,13 @@ def to_single_file(src: Path, dst: Path) -> dict[str, Any]:
     try:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-        dcp_to_torch_save(src, tmp)
+        try:
+            dcp_to_torch_save(src, tmp)
+        except (CheckpointException, RuntimeError, ValueError, EOFError) as exc:
+            reason = first_failure(exc) if isinstance(exc, CheckpointException) else \
+                str(exc).strip().splitlines()[0][:160]
+            raise CheckpointError(f"{src} is damaged ({reason}); give another checkpoint "
+                                  "directory") from None
         tensors = torch.load(tmp, map_location="cpu", weights_only=True, mmap=True)
         optimizer = tensors.get("optimizer")
         if optimizer:

@@ -5,6 +5,7 @@
   tarreader  the samples of one shard, strict about truncation, skipping without reading
   plan       which samples each batch of a rank holds in an epoch: a pure function
   reader     ``ShardBatches`` (the DataLoader dataset) and ``ShardTrain`` (the trainer's view)
+  check      before training: each rank's share of the validation shards is there and whole
 
 Our own small reader of the format rather than the ``webdataset`` package, whose iteration model
 cannot give what the trainer promises: batches independent of the number of loader workers,

@@ -28,7 +28,7 @@ from functools import partial
 from pathlib import Path
 
 from imagenet.errors import DataError, UsageError
-from imagenet.shards.streams import is_remote, open_shard, read_small_file
+from imagenet.shards.streams import CommandFailed, is_remote, open_shard, read_small_file
 from imagenet.shards.tarreader import SampleReader
 
 log = logging.getLogger(__name__)
@@ -156,12 +156,27 @@ def shard_names(pattern: str) -> list[tuple[str, str]]:
 
 
 def find_info(pattern: str) -> tuple[dict | None, str]:
-    """The ``_info.json`` beside the shards of ``pattern`` (None if there is none) and its URL."""
+    """The ``_info.json`` beside the shards of ``pattern`` (None if there is none) and its URL.
+
+    A ``pipe:`` command that fails for every name is reported with its stderr (an expired
+    credential is not a missing file); one that stalls, at once.
+    """
+    failed: list[CommandFailed] = []
     for name in INFO_NAMES:
         url = beside(pattern, name)
-        info = load_info(url)
+        try:
+            info = load_info(url)
+        except CommandFailed as exc:
+            failed.append(exc)
+            if exc.stalled:
+                break
+            continue
         if info is not None:
             return info, url
+    if failed:
+        raise DataError(f"cannot fetch the {INFO_NAMES[0]} beside '{pattern}': {failed[0]}; "
+                        "fix the command (path, credentials) or put the file there (the sample "
+                        "counts are needed before training)")
     return None, beside(pattern, INFO_NAMES[0])
 
 

@@ -6,14 +6,19 @@ bounded retry: ``ATTEMPTS`` tries in all, each continuing where the last one sto
 Range request, or the bytes already delivered read again and dropped). Reads that wait longer
 than ``TIMEOUT`` seconds count as a failed attempt, so a stalled server or command cannot hang
 training. Local files are not retried: a missing or cut file does not heal by waiting.
-No dependency beyond the standard library.
+A ``pipe:`` command runs in a process group of its own, killed whole when a try ends. A small
+file (``_info.json``) fetched by a command gets one try: its failure is reported with the
+command's stderr, not taken for a missing file. No dependency beyond the standard library.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import io
+import os
 import select
+import signal
 import subprocess
 import tempfile
 import time
@@ -27,6 +32,7 @@ from imagenet.shards.tarreader import ShardError
 ATTEMPTS = 3  # tries per download
 BACKOFF = 1.0  # seconds before the second try, doubled for each further one
 TIMEOUT = 60.0  # seconds without a byte before a try fails
+SMALL_TIMEOUT = 20.0  # seconds without a byte before a pipe: command fetching _info.json fails
 BUFFER = 1 << 20  # bytes read from a shard at once
 
 
@@ -36,6 +42,15 @@ class ShardMissing(ShardError):
 
 class _Incomplete(Exception):
     """A try that ended before the whole shard arrived (retried)."""
+
+
+class CommandFailed(ShardError):
+    """A ``pipe:`` command fetching a small file failed or stalled; the message has the tail of
+    its stderr."""
+
+    def __init__(self, message: str, stalled: bool) -> None:
+        super().__init__(message)
+        self.stalled = stalled
 
 
 def is_remote(url: str) -> bool:
@@ -59,16 +74,38 @@ def open_shard(url: str) -> BinaryIO:
 
 
 def read_small_file(url: str) -> bytes | None:
-    """The whole of a small file such as ``_info.json``; None if it does not exist."""
+    """The whole of a small file such as ``_info.json``; None if it does not exist.
+
+    A ``pipe:`` command gets one try of at most ``SMALL_TIMEOUT`` seconds without output: a
+    command that fails cannot say whether the file is missing or its credentials are, so it is
+    a CommandFailed with its stderr, at once, for the caller to judge.
+    """
+    if url.startswith("pipe:"):
+        return _fetch_with_command(url)
     try:
         with open_shard(url) as f:
             return f.read()
     except ShardMissing:
         return None
-    except ShardError:
-        if url.startswith("pipe:"):
-            return None  # a failing command cannot say why: taken as "not there"
-        raise
+
+
+def _fetch_with_command(url: str) -> bytes:
+    """The whole output of ``pipe:`` command ``url`` (one try), or CommandFailed."""
+    attempt = _PipeTry(url, 0, SMALL_TIMEOUT)
+    chunks, buffer = [], bytearray(BUFFER)
+    try:
+        while n := attempt.readinto(buffer):
+            chunks.append(bytes(buffer[:n]))
+        attempt.check_complete()
+    except _Incomplete as exc:  # its message names the command, its exit code, its stderr
+        raise CommandFailed(str(exc), stalled=False) from None
+    except OSError as exc:  # a stall (TimeoutError) or a failed read
+        tail = attempt.stderr_tail()
+        raise CommandFailed(f"'{attempt.command}' {exc}{f': {tail}' if tail else ''}",
+                            stalled=isinstance(exc, TimeoutError)) from None
+    finally:
+        attempt.close()
+    return b"".join(chunks)
 
 
 class Download(io.RawIOBase):
@@ -155,14 +192,20 @@ class _HttpTry:
 
 
 class _PipeTry:
-    """One run of a ``pipe:`` command, its output from byte ``start`` on."""
+    """One run of a ``pipe:`` command, its output from byte ``start`` on.
 
-    def __init__(self, url: str, start: int) -> None:
+    The command runs in a process group of its own: ending a try kills the whole group, so the
+    programs a shell command starts (``aws``, ``curl`` in a pipeline) end with it.
+    """
+
+    def __init__(self, url: str, start: int, timeout: float = 0.0) -> None:
         self.command = url.removeprefix("pipe:")
+        self.timeout = timeout or TIMEOUT  # seconds without output before the try fails
         self.errors = tempfile.TemporaryFile()  # never a pipe: a chatty command would block
         # Unbuffered: select() must see every byte not yet read, none may wait in a buffer.
         self.proc = subprocess.Popen(self.command, shell=True, stdout=subprocess.PIPE, bufsize=0,
-                                     stderr=self.errors, stdin=subprocess.DEVNULL)
+                                     stderr=self.errors, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
         assert self.proc.stdout is not None
         self.out = self.proc.stdout
         try:
@@ -172,22 +215,30 @@ class _PipeTry:
             raise
 
     def readinto(self, buffer) -> int:
-        ready, _, _ = select.select([self.out], [], [], TIMEOUT)
+        ready, _, _ = select.select([self.out], [], [], self.timeout)
         if not ready:
-            raise TimeoutError(f"no output for {TIMEOUT:.0f} s")
+            raise TimeoutError(f"gave no output for {self.timeout:.0f} s")
         return self.out.readinto(buffer)  # type: ignore[attr-defined]
 
     def check_complete(self) -> None:
         code = self.proc.wait()
         if code != 0:
-            self.errors.seek(0)
-            said = self.errors.read().decode(errors="replace").strip().splitlines()
+            tail = self.stderr_tail()
             raise _Incomplete(f"'{self.command}' exited with code {code}"
-                              + (f": {said[-1][:200]}" if said else ""))
+                              + (f": {tail}" if tail else ""))
+
+    def stderr_tail(self, lines: int = 3, chars: int = 300) -> str:
+        """The last lines the command wrote to stderr, on one line."""
+        self.errors.seek(0)
+        said = [line.strip() for line in
+                self.errors.read().decode(errors="replace").splitlines() if line.strip()]
+        return " / ".join(said[-lines:])[-chars:]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()  # a shard read only in part: the rest is not wanted
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            # The group outlives the shell when a child is still running: end them all (a shard
+            # read only in part: the rest is not wanted).
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self.out.close()
         self.errors.close()

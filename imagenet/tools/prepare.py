@@ -15,20 +15,25 @@ import logging
 import os
 import sys
 import tarfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
 from imagenet.errors import INTERRUPTED_EXIT_CODE, RunError, TrainerError, UsageError, report
+from imagenet.tools.prepfiles import (
+    PART_SUFFIX,
+    Progress,
+    claim_folder,
+    is_image,
+    train_archive_as_val,
+    val_label,
+)
+from imagenet.tools.shardwrite import shards_from_archives, shards_from_folder
 from imagenet.tools.vallabels import WNID, read_val_labels
 
 log = logging.getLogger(__name__)
 
-OWNER_MARKER = ".imagenet-prepare"  # in OUT/<split>: this tool created that folder
 DONE_MARKER = ".imagenet-prepare-done"  # in a class folder / in val: complete, holds the count
-PART_SUFFIX = ".part"
-IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -75,31 +80,6 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-class Progress:
-    """Logs counts and rate every ``every`` images."""
-
-    def __init__(self, split: str, every: int) -> None:
-        self.split, self.every = split, max(every, 1)
-        self.start = time.monotonic()
-        self.images = self.written = self.bytes = self.last = 0
-
-    def add(self, images: int, written: int, nbytes: int, note: str = "") -> None:
-        """Count images (``written`` of them new) and log when a step is due."""
-        self.images += images
-        self.written += written
-        self.bytes += nbytes
-        if self.images - self.last >= self.every:
-            self.last = self.images
-            self.log(note)
-
-    def log(self, note: str = "") -> None:
-        """One progress line."""
-        secs = max(time.monotonic() - self.start, 1e-9)
-        log.info("%s: %d images (%d written, %d already there)%s; %.0f images/s, %.1f MB/s",
-                 self.split, self.images, self.written, self.images - self.written, note,
-                 self.images / secs, self.bytes / secs / 1e6)
-
-
 def open_tar(path: Path, what: str) -> tarfile.TarFile:
     """Open an archive for one streaming pass, or explain what is wrong with it."""
     try:
@@ -125,11 +105,6 @@ def write_image(src: IO[bytes], size: int, dest: Path) -> bool:
             f.write(chunk)
     os.replace(tmp, dest)
     return True
-
-
-def is_image(name: str) -> bool:
-    """Whether an archive member name is an image we keep."""
-    return name.lower().endswith(IMAGE_SUFFIXES)
 
 
 def finished_count(folder: Path) -> int | None:
@@ -205,8 +180,7 @@ def prepare_val(tar_path: Path, labels: dict[str, str], out: Path, log_every: in
         for member in tar:
             name = Path(member.name).name
             if member.isfile() and name.endswith(".tar"):
-                raise UsageError(f"{tar_path}: holds tar {name!r}; this looks like the train "
-                                 f"archive, pass it with --train-tar and {what} with --val-tar")
+                raise train_archive_as_val(tar_path, name)
             if not (member.isfile() and is_image(name)):
                 continue
             wnid = val_label(labels, name, tar_path)
@@ -217,15 +191,6 @@ def prepare_val(tar_path: Path, labels: dict[str, str], out: Path, log_every: in
             progress.add(1, written, member.size)
     mark_done(out, progress.images)
     progress.log(note=f" in {len(made)} classes")
-
-
-def val_label(labels: dict[str, str], name: str, tar_path: Path) -> str:
-    """The wnid of val image ``name``, or a UsageError: labels of another release."""
-    wnid = labels.get(name.rsplit(".", 1)[0])
-    if wnid is None:
-        raise UsageError(f"{tar_path}: no label for {name}; are the labels and the val "
-                         "archive from the same release (ILSVRC2012)?")
-    return wnid
 
 
 def count_images(folder: Path) -> tuple[int, int]:
@@ -250,21 +215,6 @@ def claim_output(out: Path, splits: Sequence[str]) -> None:
         claim_folder(out / split)
 
 
-def claim_folder(folder: Path) -> None:
-    """Create ``folder`` with the owner marker, unless this tool made it; refuse any other."""
-    if (folder / OWNER_MARKER).is_file():
-        return
-    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        raise UsageError(f"{folder} exists, is not empty and was not made by this tool; "
-                         "move it away or choose another --out")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / OWNER_MARKER).write_text("made by python -m imagenet.tools.prepare\n")
-    except OSError as exc:
-        raise UsageError(f"{folder}: cannot create the output folder ({exc.strerror})"
-                         ) from None
-
-
 def counts_match(split: str, folder: Path, expected: int) -> bool:
     """Log the image count of a split against the expected one."""
     images, classes = count_images(folder)
@@ -280,8 +230,6 @@ def run(args: argparse.Namespace) -> int:
     """Prepare the requested splits; returns the exit code."""
     shards = output_format(args) == "shards"
     if args.from_folder is not None:
-        from imagenet.tools.shardwrite import shards_from_folder
-
         return shards_from_folder(args)
     if args.train_tar is None and args.val_tar is None:
         raise UsageError("nothing to do: pass --train-tar and/or --val-tar (or --from-folder)")
@@ -294,8 +242,6 @@ def run(args: argparse.Namespace) -> int:
     if args.val_tar is not None:
         labels = read_val_labels(args.devkit, args.val_csv, args.val_labels)
     if shards:
-        from imagenet.tools.shardwrite import shards_from_archives
-
         return shards_from_archives(args, labels)
     splits = [s for s, tar in (("train", args.train_tar), ("val", args.val_tar)) if tar]
     claim_output(args.out, splits)

@@ -31,7 +31,16 @@ from pathlib import Path
 import numpy as np
 
 from imagenet.errors import UsageError
-from imagenet.tools.prepare import PART_SUFFIX, Progress, claim_folder, is_image, val_label
+from imagenet.tools.prepfiles import (
+    PART_SUFFIX,
+    Progress,
+    atomic_write,
+    claim_folder,
+    is_image,
+    read_own_json,
+    train_archive_as_val,
+    val_label,
+)
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +127,14 @@ def val_archive_items(path: Path, labels: dict[str, str], classes: Sequence[str]
     with open_indexable(path, "ILSVRC2012_img_val.tar") as archive:
         for member in archive:
             name = Path(member.name).name
+            if member.isfile() and name.endswith(".tar"):
+                raise train_archive_as_val(path, name)
             if not (member.isfile() and is_image(name)):
                 continue
             found.append((val_label(labels, name, path), name, member.offset_data,
                           member.size))
+    if not found:
+        raise UsageError(f"{path} holds no images; is this ILSVRC2012_img_val.tar?")
     return archive_items(path, found, classes)
 
 
@@ -246,7 +259,13 @@ def write_split(out: Path, split: str, items: list[Item], limits: Limits,
 def adopt_plan(out: Path, split: str, digest: str) -> bool:
     """Record the plan of ``split``; False if shards of another plan must be rewritten."""
     marker = out / PLAN_MARKER
-    plans = json.loads(marker.read_text()) if marker.is_file() else {}
+    try:
+        plans = json.loads(marker.read_text()) if marker.is_file() else {}
+    except (ValueError, UnicodeDecodeError):
+        plans = None
+    if not isinstance(plans, dict):  # a record of our own: rewriting the shards is safe
+        log.warning("%s is damaged: writing the %s shards again", marker, split)
+        plans = {}
     if plans.get(split) == digest:
         return True
     if split in plans:
@@ -257,10 +276,23 @@ def adopt_plan(out: Path, split: str, digest: str) -> bool:
     return False
 
 
+def read_info(out: Path) -> dict:
+    """OUT/_info.json as an earlier run wrote it (a new one if there is none); a damaged one is
+    refused before any shard is written."""
+    path = out / INFO
+    if not path.is_file():
+        return {"name": out.name, "splits": {}}
+    fix = ("delete it and run this command again with every split it should list (finished "
+           "shards are kept, not written again)")
+    info = read_own_json(path, fix)
+    if not isinstance(info, dict) or not isinstance(info.get("splits"), dict):
+        raise UsageError(f"{path} is damaged (it holds no 'splits'); {fix}")
+    return info
+
+
 def update_info(out: Path, split: str, entry: dict, classes: list[str]) -> None:
     """Add or replace ``split`` in ``_info.json`` (untouched when nothing changed)."""
-    path = out / INFO
-    info = json.loads(path.read_text()) if path.is_file() else {"name": out.name, "splits": {}}
+    path, info = out / INFO, read_info(out)
     if info.get("classes", classes) != classes:
         raise UsageError(f"{path} lists other classes than this {split} split has; use another "
                          "--out for a different data set")
@@ -269,13 +301,6 @@ def update_info(out: Path, split: str, entry: dict, classes: list[str]) -> None:
     text = json.dumps(info, indent=1) + "\n"
     if not path.is_file() or path.read_text() != text:
         atomic_write(path, text)
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` through a temporary name."""
-    tmp = path.with_name(path.name + PART_SUFFIX)
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # ---- the two ways in from the command line
@@ -289,12 +314,17 @@ def limits_of(args: argparse.Namespace) -> Limits:
 def shards_from_folder(args: argparse.Namespace) -> int:
     """``prepare --from-folder DIR``: shards of DIR/train and DIR/val."""
     root = args.from_folder
+    if args.out.resolve().is_relative_to(root.resolve()):
+        raise UsageError(f"--out {args.out} is inside --from-folder {root}: the shards would "
+                         f"become part of the data set they are made of; give an --out outside "
+                         f"{root}")
     train, classes = folder_items(root / "train")
     val, val_classes = folder_items(root / "val")
     if val_classes != classes:
         raise UsageError(f"{root}: val/ classes differ from train/ classes; labels would be "
                          "wrong")
     claim_folder(args.out)
+    read_info(args.out)
     for split, items in (("train", train), ("validation", val)):
         entry = write_split(args.out, split, items, limits_of(args), args.log_every)
         update_info(args.out, split, entry, classes)
@@ -313,6 +343,7 @@ def shards_from_archives(args: argparse.Namespace, labels: dict[str, str] | None
                        args.expect_val))
     assert classes is not None
     claim_folder(args.out)
+    read_info(args.out)
     ok = True
     for split, items, expected in splits:
         entry = write_split(args.out, split, items, limits_of(args), args.log_every)
