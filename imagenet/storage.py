@@ -184,8 +184,15 @@ class Remote:
             dest = f"{root}/{rundir.PREVIOUS}/{stamp}-{n}"
         for name in present:  # object stores: server-side copies, then deletes
             guarded(f"move {self.output_url}/{name} aside",
-                    lambda m=name: fs.mv(f"{root}/{m}", f"{dest}/{m}", recursive=True))
+                    lambda m=name: move(fs, f"{root}/{m}", f"{dest}/{m}"))
         return f"{self.output_url}/{dest[len(root) + 1:]}"
+
+
+def move(fs: Any, src: str, dst: str) -> None:
+    """Move a file, or every file under a folder (object stores have no folders to move)."""
+    objects = fs.find(src) if fs.isdir(src) else [src]
+    for key in objects:
+        fs.mv(key, dst + key[len(src):])
 
 
 def check_writable(fs: Any, root: str, url: str) -> None:
