@@ -44,6 +44,7 @@ from imagenet.launch import (
     choose_backend,
     plan_launch,
     plan_layout,
+    resolve_ranks,
 )
 from imagenet.outputs import Outputs, Saved
 
@@ -65,7 +66,8 @@ def train(argv: Sequence[str], *, on_checkpoint: Callable[[Saved], None] | None 
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     check_gpu_flag(cfg.gpu, cfg.no_accel, cuda_count)
     launch = plan_in_process(cfg, cuda_count)
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else \
+        resolve_ranks(launch, 0, cfg, os.environ)[0]
     from imagenet.trainer import run_training  # heavy imports only where training happens
 
     with console_logging(rank, cfg.debug):

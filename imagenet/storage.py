@@ -6,8 +6,8 @@ for two checkpoints; the start-up space check covers it). Rank 0 uploads what ch
 (``objectstore.upload``: a reader never sees a partial object):
 
 - after every checkpoint save, before any rank goes on or exits: a preempted run's last
-  checkpoint is in the bucket before the job ends;
-- after each epoch's metrics.jsonl line and TensorBoard events;
+  checkpoint is in the bucket before the job ends (at the end of an epoch, once the epoch's
+  metrics.jsonl line and TensorBoard events are written: ``outputs``);
 - once more when the run ends, however it ends.
 
 Best files go up before checkpoint.pth.tar, the order they are written locally: a kill in
@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 
 # What a resume of the URL's run reads, in the order it is written (best files first).
 RESUME_RECORD = (files.BEST, files.BEST_EMA, files.CHECKPOINT, METRICS, rundir.CONFIG)
-NOT_UPLOADED = {rundir.PREVIOUS, "demo-data"}  # top-level names that stay local
+DEMO = "demo-data"  # --demo builds its data set in OUTPUT_DIR
+NOT_UPLOADED = {rundir.PREVIOUS, DEMO}  # top-level names that stay local
 
 
 def staging_dir(url: str) -> Path:
@@ -209,10 +210,10 @@ def check_writable(fs: Any, root: str, url: str) -> None:
 
 
 def clear_staging(staging: Path) -> None:
-    """An empty staging folder but for its lock (held by this run): what a previous run on this
-    node left may be older than the URL's record."""
+    """An empty staging folder but for its lock (held by this run) and the demo data (built
+    before): what a previous run on this node left may be older than the URL's record."""
     for path in staging.iterdir():
-        if path.name == rundir.LOCK:
+        if path.name in (rundir.LOCK, DEMO):
             continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
