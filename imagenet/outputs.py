@@ -81,7 +81,8 @@ class Outputs:
         raises its error), and uploads what is there at the end, however the run ends."""
         from imagenet.preflight import on_rank0  # preflight needs Run: imported late
 
-        on_rank0(run.dist, lambda: self.prepare(run))
+        if self.remote is not None or self.resume_from is not None:  # the same on every rank
+            on_rank0(run.dist, lambda: self.prepare(run))
         try:
             yield
         except BaseException:
