@@ -97,9 +97,14 @@ def report(saved) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, trainer_argv = parse(sys.argv[1:] if argv is None else argv)
-    import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    try:
+        import ray
+        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+    except ImportError:
+        print("error: this driver needs Ray Train: pip install 'imagenet-trainer[ray]'",
+              file=sys.stderr)
+        return 2
 
     if not ray.is_initialized():
         pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))

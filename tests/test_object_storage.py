@@ -175,6 +175,10 @@ def test_urls_that_cannot_work_are_one_clear_error(s3, shards_in_bucket, tmp_pat
     _, remote = storage.stage(parse_config(["d", "--output-dir", "nosuchfs://b/r"]))
     with pytest.raises(UsageError, match="nosuchfs://b/r"):
         remote.attach(continuing=False, writes=True)
+    # gcsfs is not installed here (no GCS server in CI): the line names it and the extra.
+    _, remote = storage.stage(parse_config(["d", "--output-dir", "gs://b/r"]))
+    with pytest.raises(UsageError, match=r"gs://b/r: Please install gcsfs .*\[cloud\]"):
+        remote.attach(continuing=False, writes=True)
     _, remote = storage.stage(parse_config(["d", "--resume", "s3://runs/none/checkpoint.pth.tar",
                                             "-e"]))
     with pytest.raises(UsageError, match="--resume: no checkpoint at s3://runs/none"):
