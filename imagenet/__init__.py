@@ -49,6 +49,16 @@ One training process (trainer.run_training: build -> claim the folder -> resume 
   trackers     --log-to mlflow,wandb: the same scalars, flags and final metrics; the same runs
                continued across resumes (OUTPUT_DIR/trackers.json).
 
+Called from Python, where a launcher calls a function (Ray Train)
+  api          imagenet.train(argv): main.py's run in this process, in the caller's process
+               group if there is one; the final metrics, TrainerErrors, a hook per checkpoint.
+  outputs      Run.outputs: what happens besides writing OUTPUT_DIR (uploads, the caller's
+               hook per checkpoint, a caller's checkpoint to resume).
+
+Object storage (s3://, gs://, any fsspec URL; extra "cloud")
+  objectstore  fsspec filesystems and uploads that no reader sees half-done.
+  storage      --output-dir / --resume URLs: a local staging folder, mirrored by rank 0.
+
 Side tools (not imported by a training run unless asked for)
   tools.prepare     python -m imagenet.tools.prepare: ILSVRC2012 archives -> ImageFolder,
                     or -> tar shards (tools.shardwrite), also from an ImageFolder; both
@@ -58,3 +68,12 @@ Side tools (not imported by a training run unless asked for)
   tools.unshard     python -m imagenet.tools.unshard: a --sharded-checkpoint directory -> the
                     classic single file.
 """
+
+
+def __getattr__(name: str):
+    """``imagenet.train``, imported on first use (it pulls in torch and the trainer)."""
+    if name == "train":
+        from imagenet.api import train
+
+        return train
+    raise AttributeError(f"module 'imagenet' has no attribute {name!r}")

@@ -26,6 +26,7 @@ from imagenet.errors import UsageError
 from imagenet.launch import Layout
 from imagenet.models import build_model, wrap
 from imagenet.optim import build_criterion, build_ema, build_optimizer, build_scheduler
+from imagenet.outputs import Outputs
 from imagenet.position import EpochStart, images_trained
 from imagenet.shards import build_shard_data, data_format
 
@@ -63,6 +64,7 @@ class Run:
     best_ema: Best | None  # --model-ema: the EMA weights' best top-1
     aug_seed: int  # augmentation randomness is a function of (aug_seed, epoch, sample)
     epoch_start: EpochStart = field(default_factory=EpochStart)  # a resume inside an epoch
+    outputs: Outputs = field(default_factory=Outputs)  # object storage, imagenet.train's caller
 
     def images_trained(self) -> int:
         """Images of the current epoch's order trained so far, whatever layout trained them."""

@@ -41,7 +41,12 @@ log = logging.getLogger(__name__)
 def _worker(local_index: int, cfg: Config, launch: Launch, master: dict[str, str]) -> None:
     """One training process: join the others, then train (the body of every mp.spawn child)."""
     os.environ.update(master)  # the parent's rendezvous choice (spawn mode only)
-    rank = resolve_ranks(launch, local_index, cfg, os.environ)[0]
+    rank, local_rank, world, local_world = resolve_ranks(launch, local_index, cfg, os.environ)
+    if launch.mode == "spawn":
+        # The node's RANK / WORLD_SIZE (PyTorchJob, the classic env://) would mislead any code
+        # that reads them in this process: it is one rank of its own now.
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
+                          LOCAL_WORLD_SIZE=str(local_world))
     setup_logging(rank, cfg.debug)
     for note in startup_notes(cfg):
         log.info("%s", note)

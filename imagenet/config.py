@@ -297,10 +297,12 @@ class Config:
                                                "dtype)")
     # ---- checkpointing
     output_dir: str = _flag("--output-dir", group="checkpointing", default=".", metavar="DIR",
-                            help="checkpoints, logs, TensorBoard (default: current folder)")
+                            help="checkpoints, logs, TensorBoard: a folder, or an s3:// / "
+                                 "gs:// (any fsspec) URL, staged locally and uploaded by rank "
+                                 "0 (extra 'cloud') (default: current folder)")
     resume: str | None = _flag("--resume", group="checkpointing", default=None, metavar="PATH",
-                               help="checkpoint to resume from; 'auto' = OUTPUT_DIR/"
-                                    "checkpoint.pth.tar if present (default: none)")
+                               help="checkpoint to resume from (a path or URL); 'auto' = "
+                                    "OUTPUT_DIR/checkpoint.pth.tar if present (default: none)")
     evaluate: bool = _flag("-e", "--evaluate", group="checkpointing", default=False,
                            action="store_true", help="evaluate the model on val/ and exit")
     sharded_checkpoint: bool = _flag(

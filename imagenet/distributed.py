@@ -29,6 +29,7 @@ from imagenet.launch import (
     choose_device,
     elastic_restart_count,
     env_int,
+    local_ranks,
     rendezvous,
     resolve_ranks,
 )
@@ -104,8 +105,17 @@ def set_socket_interface(host: str, env: dict[str, str]) -> str | None:
     return name
 
 
+_created_group = False  # this process called init_process_group (so cleanup may destroy it)
+
+
 def init_distributed(cfg: Config, launch: Launch, local_index: int) -> DistInfo:
-    """Join the process group (if any) and return who this process is."""
+    """Join the process group (if any) and return who this process is.
+
+    A group that already exists (Ray Train creates it before the training function runs) is
+    used as it is: never a second init, and ``cleanup`` leaves it to its creator.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return join_existing_group(cfg, launch)
     env = os.environ
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     rank, local_rank, world, local_world = resolve_ranks(launch, local_index, cfg, env)
@@ -130,6 +140,8 @@ def init_distributed(cfg: Config, launch: Launch, local_index: int) -> DistInfo:
         dist.init_process_group(backend, init_method=None if store else init_method, store=store,
                                 rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
+        global _created_group
+        _created_group = True
         # One barrier so a missing peer fails here, named, not in the first all-reduce.
         dist.barrier()
     except DistributedError:
@@ -138,6 +150,30 @@ def init_distributed(cfg: Config, launch: Launch, local_index: int) -> DistInfo:
         cleanup()
         raise DistributedError(_explain(exc, where, cfg.dist_timeout)) from exc
     return DistInfo(rank, local_rank, world, local_world, device, backend)
+
+
+def join_existing_group(cfg: Config, launch: Launch) -> DistInfo:
+    """Who this process is in the caller's process group; its device from LOCAL_RANK."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local, local_world = local_ranks(cfg, os.environ, world)
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = choose_device(cfg, launch, local, cuda_count)
+    backend = str(dist.get_backend())
+    if "nccl" in backend and device.type != "cuda":
+        raise DistributedError(f"the process group this process joined uses {backend}, which "
+                               "needs CUDA GPUs, but this process trains on the CPU; give the "
+                               "workers GPUs or create the group with gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if rank == 0:
+        log.info("=> using the caller's process group (%s, world size %d); not creating one",
+                 backend, world)
+    return DistInfo(rank, local, world, local_world, device, backend)
+
+
+def owns_group() -> bool:
+    """True when this process created the process group (``init_distributed``)."""
+    return _created_group and dist.is_available() and dist.is_initialized()
 
 
 def elastic_store(env: Mapping[str, str], host: str, port: int | None, world: int,
@@ -241,9 +277,12 @@ def raise_agreed(error: Exception | None) -> None:
 
 
 def cleanup() -> None:
-    """Destroy the process group if one exists (safe to call twice)."""
-    if dist.is_available() and dist.is_initialized():
+    """Destroy the process group if this process created it (safe to call twice); a group
+    the caller created (Ray Train) is the caller's to destroy."""
+    global _created_group
+    if owns_group():
         dist.destroy_process_group()
+    _created_group = False
 
 
 def barrier() -> None:

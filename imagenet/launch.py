@@ -1,9 +1,9 @@
 """Deciding how this invocation runs: launch mode, ranks, device, backend, per-process layout.
 
-The only reader of RANK / LOCAL_RANK / WORLD_SIZE / MASTER_* / SLURM_* / TORCHELASTIC_*. Every
-function here is pure (flags, environment and GPU count in, a decision out) except
-``rendezvous``, which fills MASTER_ADDR/PORT where the launcher did not; ``distributed`` acts on
-the decisions.
+The only reader of RANK / LOCAL_RANK / WORLD_SIZE / MASTER_* / SLURM_* / TORCHELASTIC_* and
+Kubeflow's PET_*. Every function here is pure (flags, environment and GPU count in, a decision
+out) except ``rendezvous``, which fills MASTER_ADDR/PORT where the launcher did not;
+``distributed`` acts on the decisions.
 """
 
 from __future__ import annotations
@@ -78,10 +78,15 @@ def unlaunched_slurm_tasks(env: Mapping[str, str]) -> str | None:
 def plan_launch(cfg: Config, env: Mapping[str, str], cuda_count: int) -> Launch:
     """Decide the launch mode from flags, environment and visible GPUs."""
     gpus = cuda_count if not cfg.no_accel else 0
+    check_torchrun_contract(env)
     if cfg.multiprocessing_distributed:
         return _plan_spawn(cfg, env, gpus)
     if "RANK" in env and "WORLD_SIZE" in env:
         check_env_ranks(env)
+        per_node = cfg.nproc_per_node or (gpus if cfg.gpu is None else 1)
+        if started_once_per_node(cfg, env) and per_node > 1:
+            return _plan_spawn(cfg, env, gpus, "RANK/WORLD_SIZE without LOCAL_RANK (one process "
+                               "per node, as Kubeflow's PyTorchJob starts them)")
         return Launch("env", reason="launched by torchrun / torch.distributed.launch")
     if is_slurm_job_step(env):
         return Launch("env", reason="launched by SLURM srun")
@@ -144,8 +149,40 @@ def overridden_flags(cfg: Config, launch: Launch, env: Mapping[str, str]) -> str
     return f"{who}'s numbers win: {'; '.join(ignored)}; drop them from main.py's command line"
 
 
-def _plan_spawn(cfg: Config, env: Mapping[str, str], gpus: int) -> Launch:
-    """--multiprocessing-distributed: processes per node, nodes and this node's rank."""
+def started_once_per_node(cfg: Config, env: Mapping[str, str]) -> bool:
+    """True when a launcher started this process once per node with RANK / WORLD_SIZE counting
+    nodes: Kubeflow's PyTorchJob (original contract: RANK = pod index, WORLD_SIZE = pods) and
+    the classic ``--dist-url env://`` scripts. Launchers that start one process per device
+    (torchrun, torch.distributed.launch, Ray Train) always set LOCAL_RANK (or --local-rank)."""
+    return ("RANK" in env and "WORLD_SIZE" in env and "LOCAL_RANK" not in env
+            and cfg.local_rank is None and cfg.dist_url == "env://")
+
+
+def check_torchrun_contract(env: Mapping[str, str]) -> None:
+    """Refuse a process that a job meant torchrun to start: Kubeflow's PyTorchJob with
+    nprocPerNode and Trainer's TrainJob pass the layout as PET_* variables, which only torchrun
+    reads. Started directly, WORLD_SIZE would count processes that never start (or each pod
+    would train alone), and the run would wait for them until --dist-timeout."""
+    if "LOCAL_RANK" in env or "TORCHELASTIC_RUN_ID" in env:
+        return
+    nproc = _int_or_none(env.get("PET_NPROC_PER_NODE"))
+    nnodes = _int_or_none(env.get("PET_NNODES"))
+    if (nproc or 0) > 1 or ((nnodes or 0) > 1 and "RANK" not in env):
+        raise UsageError(
+            f"this job asks torchrun for the processes (PET_NNODES={env.get('PET_NNODES')}, "
+            f"PET_NPROC_PER_NODE={env.get('PET_NPROC_PER_NODE')}: PyTorchJob nprocPerNode or "
+            "a TrainJob), but main.py was started directly: make the container command "
+            "`torchrun main.py ...` (torchrun reads the PET_* variables)")
+
+
+def _int_or_none(text: str | None) -> int | None:
+    return int(text) if text and text.strip().isdigit() else None
+
+
+def _plan_spawn(cfg: Config, env: Mapping[str, str], gpus: int,
+                why: str = "--multiprocessing-distributed") -> Launch:
+    """--multiprocessing-distributed (or ``why``): processes per node, nodes and this node's
+    rank."""
     if "LOCAL_RANK" in env or cfg.local_rank is not None:
         raise UsageError("--multiprocessing-distributed starts its own processes: do not also "
                          "start main.py with torchrun / torch.distributed.launch (drop one)")
@@ -168,8 +205,7 @@ def _plan_spawn(cfg: Config, env: Mapping[str, str], gpus: int) -> Launch:
         raise UsageError(f"--rank {node_rank} is not a node of --world-size {nnodes} (with "
                          f"--multiprocessing-distributed they count nodes: 0..{nnodes - 1})")
     return Launch("spawn", nprocs, nnodes, node_rank,
-                  f"--multiprocessing-distributed: {nprocs} process(es) on node {node_rank} "
-                  f"of {nnodes}")
+                  f"{why}: {nprocs} process(es) on node {node_rank} of {nnodes}")
 
 
 def _srun_nodes(env: Mapping[str, str]) -> tuple[int | None, int | None]:
@@ -214,6 +250,14 @@ def resolve_ranks(launch: Launch, local_index: int, cfg: Config,
         local = cfg.gpu if cfg.gpu is not None else (env_int(env, "LOCAL_RANK") or 0)
         return cfg.rank, local, cfg.world_size, 1
     return 0, 0, 1, 1
+
+
+def local_ranks(cfg: Config, env: Mapping[str, str], world: int) -> tuple[int, int]:
+    """(local_rank, local_world_size) in a process group that the caller created (Ray Train
+    sets LOCAL_RANK and LOCAL_WORLD_SIZE)."""
+    local = env_int(env, "LOCAL_RANK")
+    return (cfg.local_rank or 0) if local is None else local, \
+        env_int(env, "LOCAL_WORLD_SIZE") or world
 
 
 def _first_int(text: str | None) -> int | None:

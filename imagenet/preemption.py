@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sized
 from types import FrameType
@@ -55,9 +56,11 @@ class StopFlag:
         self._stopped = False  # the stop is over (saved); a later signal exits at once
 
     def install(self) -> None:
-        """Catch the preemption signals in this process."""
-        for sig in SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
+        """Catch the preemption signals in this process (from its main thread only: a caller
+        that runs training in another thread, such as Ray Train, handles stops itself)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # A CPU group for control messages: the flag lives on the host even with NCCL.
             self._group = dist.new_group(backend="gloo")

@@ -25,6 +25,7 @@ from imagenet.distributed import DistInfo, raise_agreed
 from imagenet.errors import DataError, RunError, TrainerError
 from imagenet.shards.check import first_bad_shard
 from imagenet.shards.reader import ShardBatchSampler
+from imagenet.storage import Remote
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def check_before_training(run: Run, resumed: Path | None) -> None:
     each its share); then rank 0 moves an earlier run's record aside. Collective."""
     on_rank0(run.dist, lambda: check_room(run, resumed))
     raise_agreed(first_bad_val_shard(run) or first_bad_val_image(run))
-    on_rank0(run.dist, lambda: keep_history(run.output_dir, resumed))
+    on_rank0(run.dist, lambda: keep_history(run.output_dir, resumed, run.outputs.remote))
 
 
 def continues_folder(folder: Path, resumed: Path | None) -> bool:
@@ -78,15 +79,18 @@ def continues_folder(folder: Path, resumed: Path | None) -> bool:
     return resumed is not None and resumed.resolve().parent == folder.resolve()
 
 
-def keep_history(folder: Path, resumed: Path | None) -> None:
-    """A fresh run in a used folder: move the earlier run's record to previous/<start time>."""
+def keep_history(folder: Path, resumed: Path | None, remote: Remote | None = None) -> None:
+    """A fresh run in a used folder: move the earlier run's record to previous/<start time>
+    (on object storage too, when OUTPUT_DIR stands for a URL)."""
     if continues_folder(folder, resumed):
         return
     moved = rundir.move_previous_run(folder)
-    if moved is not None:
-        log.info("=> %s held an earlier run: moved its checkpoints, metrics.jsonl, config.json "
-                 "and tb/ to %s (this run starts fresh; --resume auto continues a run instead)",
-                 folder, moved)
+    remote_moved = remote.move_previous_run() if remote is not None else None
+    for where, dest in ((folder, moved), (remote and remote.output_url, remote_moved)):
+        if dest is not None:
+            log.info("=> %s held an earlier run: moved its checkpoints, metrics.jsonl, "
+                     "config.json and tb/ to %s (this run starts fresh; --resume auto continues "
+                     "a run instead)", where, dest)
 
 
 def checkpoint_bytes(run: Run) -> tuple[int, int]:

@@ -8,6 +8,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -28,19 +29,27 @@ from imagenet.errors import NonFiniteLossError, Preempted, on_every_rank
 from imagenet.launch import Layout
 from imagenet.logger import RunLogger, print_val_progress
 from imagenet.models import for_evaluation
+from imagenet.outputs import Outputs
 from imagenet.preemption import StopBetweenBatches, StopFlag, StopRequested
 from imagenet.preflight import check_before_training, claim_output_dir
+from imagenet.storage import stage
 
 log = logging.getLogger(__name__)
 
 
-def run_training(cfg: Config, dist: DistInfo, layout: Layout) -> dict[str, float]:
-    """Train (or evaluate with -e) in this process; the entry point of every rank."""
+def run_training(cfg: Config, dist: DistInfo, layout: Layout,
+                 outputs: Outputs | None = None) -> dict[str, float]:
+    """Train (or evaluate with -e) in this process; the entry point of every rank.
+
+    ``outputs``: imagenet.train's caller's hooks (``imagenet.outputs``).
+    """
+    cfg, remote = stage(cfg)  # an object-storage --output-dir: a local folder, mirrored
     run = build_run(cfg, dist, layout)
+    run.outputs = replace(outputs or Outputs(), remote=remote)
     try:
         # Rank 0 of a training run holds OUTPUT_DIR's lock until the run ends; -e only reads.
         with (contextlib.nullcontext() if cfg.evaluate else claim_output_dir(cfg, dist)), \
-                disk.full_disk_is_an_error(run.output_dir):
+                disk.full_disk_is_an_error(run.output_dir), run.outputs.attached(run):
             return resume_and_train(run)
     finally:
         # Loader workers ignore SIGTERM (preemption.ignore_stop_signals): stop them here, or
@@ -104,6 +113,7 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
             save(run, is_best, epoch_done=True, is_best_ema=is_best_ema)
             run.step.step_in_epoch = 0
             log_epoch(logger, run.step, record)
+            run.outputs.logged(run)
             if stop.settle():  # signalled during the save: the epoch is saved, stop now
                 raise stopped(run, stop, "after")
         stop.drain()
@@ -222,6 +232,8 @@ def describe(run: Run) -> dict[str, Any]:
             "train_images": run.data.train.images,
             "val_images": run.data.val_size,
             "steps_per_epoch": run.engine.opts.steps_per_epoch}
+    if run.outputs.remote is not None and run.outputs.remote.output_url:
+        info["output_url"] = run.outputs.remote.output_url  # output_dir: its staging folder
     if not run.cfg.evaluate:  # -e says what it evaluates once the weights are loaded
         log.info("=> %s on %s: global batch %d = %d process(es) x %d images x %d accumulation "
                  "step(s); %d loader worker(s) per process; %d classes, %d val images",

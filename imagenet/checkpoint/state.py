@@ -147,6 +147,7 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
     """
     if run.cfg.sharded_checkpoint:
         save_sharded(run, is_best, epoch_done, is_best_ema)
+        run.outputs.saved(run, epoch_done)
         return
     payload = checkpoint_state(run, epoch_done)
     guard.refuse_non_finite(payload, run.dist.is_main, run.output_dir, run.step.epoch,
@@ -157,6 +158,7 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
                               run.output_dir / files.BEST_EMA)
         best = [run.output_dir / files.BEST] if is_best else []
         files.atomic_save(payload, run.output_dir / files.CHECKPOINT, copies=best)
+    run.outputs.saved(run, epoch_done)  # uploaded (object storage), reported (imagenet.train)
     # No rank moves on (or exits after a signal) before the file is in place: under mp.spawn the
     # first rank to exit makes the parent terminate the others, rank 0 included.
     barrier()

@@ -3,7 +3,8 @@
 The data argument chooses the source (``--data-format`` overrides the choice):
 
 - a folder holding ``train/`` and ``val/``: the classic ImageFolder;
-- a folder or an ``http(s)://`` base URL holding ``_info.json``: the shards it lists (split
+- a folder, an ``http(s)://`` base URL or an object-storage prefix (``s3://``, ``gs://``, any
+  fsspec URL) holding ``_info.json``: the shards it lists (split
   ``train`` for training, ``validation`` or ``val`` for validation);
 - a shard pattern: ``/data/train-{000000..000146}.tar``, ``https://host/train-{0000..1023}.tar``
   or ``pipe:aws s3 cp s3://bucket/train-{0000..1023}.tar -`` (a command whose output is the

@@ -1,4 +1,5 @@
-"""Open a shard for one sequential read: a local file, an ``http(s)://`` URL or a ``pipe:`` command.
+"""Open a shard for one sequential read: a local file, an ``http(s)://`` URL, a ``pipe:`` command
+or an object-storage URL (``s3://``, ``gs://``, any fsspec URL: ``objectstore``).
 
 A download (http or pipe) is checked to be complete - urllib's read() returns b"" on a dropped
 connection without raising, and a command can fail after writing part of a shard - and gets a
@@ -8,7 +9,8 @@ than ``TIMEOUT`` seconds count as a failed attempt, so a stalled server or comma
 training. Local files are not retried: a missing or cut file does not heal by waiting.
 A ``pipe:`` command runs in a process group of its own, killed whole when a try ends. A small
 file (``_info.json``) fetched by a command gets one try: its failure is reported with the
-command's stderr, not taken for a missing file. No dependency beyond the standard library.
+command's stderr, not taken for a missing file. No dependency beyond the standard library,
+except fsspec (and its backend) for object storage.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import BinaryIO
 
+from imagenet import objectstore
 from imagenet.shards.tarreader import ShardError
 
 ATTEMPTS = 3  # tries per download
@@ -53,9 +56,12 @@ class CommandFailed(ShardError):
         self.stalled = stalled
 
 
+OBJECT_BLOCK = 16 << 20  # bytes per ranged GET from object storage (a stream reads ahead)
+
+
 def is_remote(url: str) -> bool:
-    """Whether ``url`` is read by downloading (http(s) or a pipe: command)."""
-    return url.startswith(("http://", "https://", "pipe:"))
+    """Whether ``url`` is read by downloading (http(s), a pipe: command, object storage)."""
+    return url.startswith(("http://", "https://", "pipe:")) or objectstore.is_url(url)
 
 
 def open_shard(url: str) -> BinaryIO:
@@ -64,6 +70,8 @@ def open_shard(url: str) -> BinaryIO:
         return io.BufferedReader(Download(url, _PipeTry), BUFFER)
     if url.startswith(("http://", "https://")):
         return io.BufferedReader(Download(url, _HttpTry), BUFFER)
+    if objectstore.is_url(url):
+        return io.BufferedReader(Download(url, _ObjectTry), BUFFER)
     path = url.removeprefix("file://")
     try:
         return open(path, "rb", buffering=BUFFER)
@@ -111,7 +119,8 @@ def _fetch_with_command(url: str) -> bytes:
 class Download(io.RawIOBase):
     """Bytes of a remote shard from start to end, over as many tries as ``ATTEMPTS`` allows."""
 
-    def __init__(self, url: str, kind: type[_HttpTry] | type[_PipeTry]) -> None:
+    def __init__(self, url: str, kind: type[_HttpTry] | type[_PipeTry] | type[_ObjectTry]
+                 ) -> None:
         super().__init__()
         self.url, self.kind = url, kind
         self.pos, self.tries = 0, 0
@@ -139,7 +148,7 @@ class Download(io.RawIOBase):
             self.current.close()
         super().close()
 
-    def _connect(self) -> _HttpTry | _PipeTry:
+    def _connect(self) -> _HttpTry | _PipeTry | _ObjectTry:
         """A new try from byte ``pos``; transient failures are retried here too."""
         while True:
             self.tries += 1
@@ -242,6 +251,39 @@ class _PipeTry:
         self.proc.wait()
         self.out.close()
         self.errors.close()
+
+
+class _ObjectTry:
+    """One read of a shard in object storage (fsspec) from byte ``start`` on: ranged GETs of
+    ``OBJECT_BLOCK`` bytes. The backend retries its own transient errors; what it gives up on
+    is retried here from the byte reached, like a broken http download."""
+
+    def __init__(self, url: str, start: int) -> None:
+        fs, path = objectstore.filesystem(url)
+        try:
+            self.f = fs.open(path, "rb", block_size=OBJECT_BLOCK, cache_type="readahead")
+        except FileNotFoundError:
+            raise ShardMissing(f"shard {url} is missing") from None
+        except PermissionError as exc:
+            raise ShardError(f"shard {url}: access denied ({objectstore.first_line(exc)}); "
+                             "check the credentials") from None
+        self.size = self.f.size
+        self.f.seek(start)
+
+    def readinto(self, buffer) -> int:
+        try:
+            return self.f.readinto(buffer)
+        except OSError:
+            raise
+        except Exception as exc:  # the backends raise their own types for network failures
+            raise OSError(objectstore.first_line(exc)) from None
+
+    def check_complete(self) -> None:
+        if self.size is not None and self.f.tell() < self.size:
+            raise _Incomplete(f"ended {self.size - self.f.tell()} bytes before the end")
+
+    def close(self) -> None:
+        self.f.close()
 
 
 def _drop(readinto: Callable[[memoryview], int], n: int) -> None:

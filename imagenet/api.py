@@ -1,0 +1,142 @@
+"""``imagenet.train(argv)``: main.py's training run as a function, for launchers that call Python.
+
+Ray Train's ``TorchTrainer`` creates the process group, sets RANK / LOCAL_RANK / WORLD_SIZE and
+then calls a function in every worker (in a thread of the worker process): that function calls
+``train`` with main.py's flags (``examples/ray_train.py``). ``train``
+
+- uses a process group that already exists (never a second init) and leaves it to its creator;
+  without one it joins as main.py would (torchrun's variables, ``--dist-url``), or trains alone;
+- trains in this process: it never spawns (``--multiprocessing-distributed`` and
+  ``--nproc-per-node`` are main.py's); several visible GPUs without a launcher mean GPU 0 (or
+  ``--gpu``);
+- returns the final metrics (main.py prints them) and raises ``TrainerError`` subclasses
+  (``imagenet.errors``) where main.py prints one line and exits;
+- tells ``on_checkpoint`` of every checkpoint, on every rank, the same number of times
+  (``imagenet.outputs.Saved``); ``resume_from`` is a checkpoint of this run to continue (Ray's
+  ``get_checkpoint()`` after a restart).
+
+Stopping on SIGTERM is main.py's: signal handlers belong to the main thread, and a caller that
+runs ``train`` in another thread (Ray) stops its workers itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from imagenet.config import Config, parse_config
+from imagenet.distributed import cleanup, init_distributed, owns_group
+from imagenet.errors import UsageError
+from imagenet.failures import stop_together
+from imagenet.launch import (
+    Launch,
+    check_gpu_flag,
+    check_sync_bn,
+    choose_backend,
+    plan_launch,
+    plan_layout,
+    resolve_ranks,
+)
+from imagenet.outputs import Outputs, Saved
+
+__all__ = ["Saved", "train"]
+
+log = logging.getLogger(__name__)
+
+
+def train(argv: Sequence[str], *, on_checkpoint: Callable[[Saved], None] | None = None,
+          resume_from: str | os.PathLike | None = None) -> dict[str, float]:
+    """Train (or evaluate with -e) with main.py's flags in this process; the final metrics.
+
+    ``on_checkpoint(saved)`` runs on every rank after every checkpoint save; ``resume_from``
+    (a checkpoint file of this run) becomes OUTPUT_DIR/checkpoint.pth.tar and is resumed.
+    """
+    cfg = parse_flags(argv)
+    if resume_from is not None:
+        cfg = replace(cfg, resume=str(resume_from) if cfg.evaluate else "auto")
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    check_gpu_flag(cfg.gpu, cfg.no_accel, cuda_count)
+    launch = plan_in_process(cfg, cuda_count)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else \
+        resolve_ranks(launch, 0, cfg, os.environ)[0]
+    from imagenet.trainer import run_training  # heavy imports only where training happens
+
+    with console_logging(rank, cfg.debug):
+        info = init_distributed(cfg, launch, 0)
+        try:
+            check_sync_bn(cfg.sync_bn, info.device.type)
+            outputs = Outputs(on_checkpoint=on_checkpoint,
+                              resume_from=None if resume_from is None or cfg.evaluate
+                              else Path(resume_from))
+            layout = plan_layout(cfg, launch, info.world_size, info.local_world_size)
+            # A group of this process's own has no launcher to stop the others when one
+            # fails; a caller's group (Ray) has.
+            together = stop_together(cfg, info) if owns_group() else contextlib.nullcontext()
+            with together:
+                return run_training(cfg, info, layout, outputs)
+        finally:
+            cleanup()  # destroys only a group that init_distributed created
+
+
+def parse_flags(argv: Sequence[str]) -> Config:
+    """main.py's flags as a Config; argparse's message as a UsageError instead of an exit."""
+    if isinstance(argv, str):
+        raise UsageError("imagenet.train takes a list of flags, as main.py's argv: "
+                         "['/data/imagenet', '-a', 'resnet50', ...]")
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+            cfg = parse_config(list(argv))
+    except SystemExit:
+        lines = [ln for ln in said.getvalue().splitlines() if ln.strip()]
+        raise UsageError(lines[-1].split("error: ", 1)[-1] if lines else
+                         "invalid flags") from None
+    if cfg.env_check:
+        raise UsageError("--env-check is main.py's (python main.py --env-check)")
+    return cfg
+
+
+def plan_in_process(cfg: Config, cuda_count: int) -> Launch:
+    """How this process trains: in the caller's group, under a launcher, or alone."""
+    if dist.is_available() and dist.is_initialized():
+        return Launch("env", reason="the caller's process group")
+    if cfg.multiprocessing_distributed or (cfg.nproc_per_node or 0) > 1:
+        raise UsageError("imagenet.train trains in this process and starts no others: drop "
+                         "--multiprocessing-distributed / --nproc-per-node and start one "
+                         "process per device with a launcher (Ray Train, torchrun), or run "
+                         "main.py")
+    launch = plan_launch(cfg, os.environ, cuda_count)
+    if launch.mode == "spawn":  # several GPUs and no launcher: main.py would spawn
+        return Launch("single", reason="one process (imagenet.train does not spawn)")
+    if launch.mode != "single":
+        choose_backend(cfg.dist_backend, "cuda" if cuda_count and not cfg.no_accel else "cpu")
+    return launch
+
+
+@contextlib.contextmanager
+def console_logging(rank: int, debug: bool) -> Iterator[None]:
+    """The trainer's log lines on the console (rank 0: progress; others: warnings), through
+    the ``imagenet`` logger only: the caller's logging stays as it was."""
+    logger = logging.getLogger("imagenet")
+    handler = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        "%(message)s" if rank == 0 else f"[rank {rank}] %(levelname)s: %(message)s"))
+    saved = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if debug else logging.INFO if rank == 0 else logging.WARNING)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]

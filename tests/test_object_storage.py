@@ -1,0 +1,240 @@
+"""Tar shards and --output-dir in object storage, against a real S3-compatible server (moto's
+server mode on loopback; s3fs talks to it through AWS_ENDPOINT_URL as to AWS)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+from helpers import ROOT, child_env, main_cmd, write_image_folder
+from moto.server import ThreadedMotoServer
+from test_fault_tolerance import Live
+from test_shards import prepare_shards
+
+from imagenet import objectstore, storage
+from imagenet.checkpoint import files
+from imagenet.config import parse_config
+from imagenet.errors import RunError, UsageError
+from imagenet.shards.streams import ShardMissing, open_shard
+
+# A small model: every save is uploaded, and a 3 MB checkpoint keeps that quick.
+FLAGS = ["-a", "shufflenet_v2_x0_5", "--train-crop-size", "32", "--val-resize-size", "36",
+         "--val-crop-size", "32", "-b", "8", "-j", "0", "-p", "1", "--lr", "0.01", "--seed", "0"]
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A moto S3 server on a free loopback port, buckets "data" and "runs"; yields the
+    environment that points the AWS SDK (and s3fs) at it."""
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        for bucket in ("data", "runs"):
+            fs.mkdir(bucket)
+        yield env
+        fsspec.filesystem("s3").clear_instance_cache()
+    server.stop()
+
+
+def bucket() -> fsspec.AbstractFileSystem:
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    return fs
+
+
+@pytest.fixture(scope="module")
+def shards_in_bucket(s3, tmp_path_factory) -> str:
+    """Shards of a 3-class JPEG folder (24 train, 9 val images) uploaded to s3://data/wds."""
+    root = tmp_path_factory.mktemp("s3data")
+    folder = write_image_folder(root / "folder")
+    proc = prepare_shards(folder, root / "shards", "--shard-max-images", "10")
+    assert proc.returncode == 0, proc.stderr
+    bucket().put(f"{root / 'shards'}/", "data/wds/", recursive=True)
+    return "s3://data/wds"
+
+
+def on_node(tmp: Path, name: str) -> dict[str, str]:
+    """A node of its own: an empty temp dir, where the staging folder goes."""
+    (tmp / name).mkdir(exist_ok=True)
+    return {"TMPDIR": str(tmp / name)}
+
+
+@pytest.mark.slow
+def test_shards_and_checkpoints_in_a_bucket_survive_a_kill_and_resume_on_another_node(
+        s3, shards_in_bucket, tmp_path):
+    out = "s3://runs/r1"
+    cmd = main_cmd(shards_in_bucket, *FLAGS, "--epochs", "2", "--output-dir", out,
+                   "--resume", "auto", "--save-every", "2")
+    live = Live(cmd, **s3, **on_node(tmp_path, "node1"))
+    live.wait_for("Epoch: [1][2/3]")
+    live.signal_group(signal.SIGKILL)
+    code, output = live.finish(), live.output
+    assert code == -signal.SIGKILL, output
+    assert "=> shards: 24 training images in 3 shards" in output
+    assert "object storage, which has no lock" in output
+    fs = bucket()
+    with fs.open("runs/r1/checkpoint.pth.tar", "rb") as f:
+        killed = torch.load(f, map_location="cpu", weights_only=True)
+    assert (killed["epoch"], killed["step_in_epoch"]) in ((1, 0), (1, 2)), output
+    assert [json.loads(ln)["epoch"] for ln in fs.cat_file("runs/r1/metrics.jsonl").split(
+        b"\n") if ln] == [0]
+    # Another node, nothing staged: --resume auto finds the run in the bucket.
+    live = Live(cmd, **s3, **on_node(tmp_path, "node2"))
+    code, output = live.finish(), live.output
+    assert code == 0, output
+    assert f"(epoch 1, step {killed['step_in_epoch']}," in output, output
+    fs = bucket()
+    names = {Path(p).name for p in fs.find("runs/r1")}
+    assert {"checkpoint.pth.tar", "model_best.pth.tar", "metrics.jsonl",
+            "config.json"} <= names, names
+    assert not [n for n in names if ".tmp" in n or n.startswith(".write-test")], names
+    assert any(n.startswith("events.out.tfevents") for n in names)
+    with fs.open("runs/r1/checkpoint.pth.tar", "rb") as f:
+        final = torch.load(f, map_location="cpu", weights_only=True)
+    assert final["epoch"] == 2 and final["global_step"] == 6
+    epochs = [json.loads(ln)["epoch"] for ln in fs.cat_file("runs/r1/metrics.jsonl").split(b"\n")
+              if ln]
+    assert epochs == [0, 1]  # one record across the two nodes
+    config = json.loads(fs.cat_file("runs/r1/config.json"))
+    assert config["output_url"] == out
+
+
+def test_fresh_run_moves_the_urls_record_aside_and_push_uploads_in_order(s3, tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the staging folder's place
+    fs = bucket()
+    fs.pipe({"runs/old/checkpoint.pth.tar": b"old", "runs/old/metrics.jsonl": b"{}\n",
+             "runs/old/config.json": json.dumps({"started": "2026-01-02T03:04:05"}).encode(),
+             "runs/old/tb/events.out.tfevents.1": b"ev"})
+    cfg, remote = storage.stage(parse_config(["data", "--output-dir", "s3://runs/old/"]))
+    staging = Path(cfg.output_dir)
+    assert remote.output_url == "s3://runs/old" and staging == storage.staging_dir(
+        "s3://runs/old")
+    staging.mkdir(parents=True, exist_ok=True)
+    remote.attach(continuing=False, writes=True)
+    assert remote.move_previous_run() == "s3://runs/old/previous/2026-01-02_03-04-05"
+    fs = bucket()
+    assert sorted(p.split("/", 2)[2] for p in fs.find("runs/old")) == [
+        "previous/2026-01-02_03-04-05/checkpoint.pth.tar",
+        "previous/2026-01-02_03-04-05/config.json",
+        "previous/2026-01-02_03-04-05/metrics.jsonl",
+        "previous/2026-01-02_03-04-05/tb/events.out.tfevents.1"]
+    # The staging folder: what belongs in the URL, and what stays local.
+    for name, data in {files.CHECKPOINT: b"c1", files.BEST: b"b1", "metrics.jsonl": b"m\n",
+                       "tb/events.out.tfevents.2": b"e", ".checkpoint.pth.tar.tmp-1": b"x",
+                       "previous/x/config.json": b"{}", "demo-data/a.jpg": b"j"}.items():
+        (staging / name).parent.mkdir(parents=True, exist_ok=True)
+        (staging / name).write_bytes(data)
+    sent = []
+    real = objectstore.upload
+    monkeypatch.setattr(objectstore, "upload",
+                        lambda fs_, local, key: (sent.append(key.split("/", 2)[2]),
+                                                 real(fs_, local, key)))
+    remote.push()
+    assert sent == [files.BEST, "metrics.jsonl", "tb/events.out.tfevents.2", files.CHECKPOINT]
+    remote.push()  # nothing changed: nothing sent
+    assert len(sent) == 4
+    (staging / files.BEST).unlink()  # removed by the run: its copy goes too
+    (staging / files.CHECKPOINT).write_bytes(b"c2")
+    remote.push()
+    fs = bucket()
+    assert sent[4:] == [files.CHECKPOINT]
+    assert fs.cat_file(f"runs/old/{files.CHECKPOINT}") == b"c2"
+    assert not fs.exists(f"runs/old/{files.BEST}")
+    # A run that continues the URL's run gets its record back on a node with nothing staged.
+    storage.clear_staging(staging)
+    remote.sent.clear()
+    remote.attach(continuing=True, writes=True)
+    assert (staging / files.CHECKPOINT).read_bytes() == b"c2"
+    assert (staging / "metrics.jsonl").read_bytes() == b"m\n"
+    assert not (staging / "tb").exists()  # events stay in the bucket
+
+
+def test_urls_that_cannot_work_are_one_clear_error(s3, shards_in_bucket, tmp_path):
+    with pytest.raises(UsageError, match="--sharded-checkpoint"):
+        storage.stage(parse_config(["d", "--fsdp", "--sharded-checkpoint", "--output-dir",
+                                    "s3://runs/x"]))
+    _, remote = storage.stage(parse_config(["d", "--output-dir", "s3://no-such-bucket/r"]))
+    with pytest.raises(UsageError, match="s3://no-such-bucket/r: cannot write there"):
+        remote.attach(continuing=False, writes=True)
+    _, remote = storage.stage(parse_config(["d", "--output-dir", "nosuchfs://b/r"]))
+    with pytest.raises(UsageError, match="nosuchfs://b/r"):
+        remote.attach(continuing=False, writes=True)
+    # gcsfs is not installed here (no GCS server in CI): the line names it and the extra.
+    _, remote = storage.stage(parse_config(["d", "--output-dir", "gs://b/r"]))
+    with pytest.raises(UsageError, match=r"gs://b/r: Please install gcsfs .*\[cloud\]"):
+        remote.attach(continuing=False, writes=True)
+    _, remote = storage.stage(parse_config(["d", "--resume", "s3://runs/none/checkpoint.pth.tar",
+                                            "-e"]))
+    with pytest.raises(UsageError, match="--resume: no checkpoint at s3://runs/none"):
+        remote.attach(continuing=False, writes=False)
+    with pytest.raises(ShardMissing, match="s3://data/wds/train-999999.tar is missing"):
+        open_shard("s3://data/wds/train-999999.tar")
+    with open_shard(f"{shards_in_bucket}/_info.json") as f:
+        assert json.loads(f.read())["splits"]["train"]["shard_lengths"] == [10, 10, 4]
+
+
+def test_transfer_failures_name_the_file(s3, tmp_path):
+    with pytest.raises(RunError, match="cannot upload x to s3://runs"):
+        storage.guarded("upload x to s3://runs", lambda: bucket().put_file(
+            str(tmp_path / "absent"), "runs/x"))
+
+
+UPLOADER = """
+import sys, fsspec
+from pathlib import Path
+from imagenet import objectstore
+print("uploading", flush=True)
+objectstore.upload(fsspec.filesystem("s3"), Path(sys.argv[1]), "runs/big/checkpoint.pth.tar")
+print("uploaded", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_an_upload_killed_midway_leaves_the_old_object_whole(s3, tmp_path):
+    fs = bucket()
+    old = os.urandom(1 << 20)
+    fs.pipe_file("runs/big/checkpoint.pth.tar", old)
+    new = tmp_path / "new.pth.tar"
+    new.write_bytes(os.urandom(120 << 20))  # a multipart upload (s3fs: 50 MB parts)
+    proc = subprocess.Popen([sys.executable, "-c", UPLOADER, str(new)], stdout=subprocess.PIPE,
+                            text=True, env=child_env(**s3), cwd=ROOT)
+    try:
+        assert proc.stdout.readline().strip() == "uploading"
+        deadline = time.monotonic() + 60
+        while not fs.list_multipart_uploads("runs") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert fs.list_multipart_uploads("runs"), "the upload never started"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        rest = proc.communicate()[0]
+    assert "uploaded" not in rest  # killed mid-upload
+    assert bucket().cat_file("runs/big/checkpoint.pth.tar") == old  # nothing partial, ever
+
+
+def test_other_filesystems_get_a_temporary_name_then_a_rename(tmp_path):
+    fs = fsspec.filesystem("file")
+    assert not objectstore.whole_objects(fs)
+    local = tmp_path / "c.pth.tar"
+    local.write_bytes(b"new")
+    target = tmp_path / "remote" / "checkpoint.pth.tar"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    objectstore.upload(fs, local, str(target))
+    assert target.read_bytes() == b"new"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["checkpoint.pth.tar"]
