@@ -125,7 +125,9 @@ class Config:
                                 action="store_true",
                                 help="NHWC memory format for model and input (faster convs)")
     compile: bool = _flag("--compile", group="model", default=False, action="store_true",
-                          help="torch.compile the model (before DDP wrapping)")
+                          help="torch.compile the model (the DDP-wrapped one: graphs split at "
+                               "DDP's buckets); static shapes, every batch shape compiled once, "
+                               "in the first epoch")
     model_ema: bool = _flag("--model-ema", group="model", default=False, action="store_true",
                             help="keep, evaluate and checkpoint an exponential moving average "
                                  "of the weights")
@@ -406,6 +408,11 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--num-classes must be at least 1, got {cfg.num_classes}")
     if cfg.nproc_per_node is not None and cfg.nproc_per_node < 1:
         raise UsageError(f"--nproc-per-node must be at least 1, got {cfg.nproc_per_node}")
+    if cfg.compile and not cfg.fsdp and cfg.bucket_cap_mb < 1:
+        # torch's DDPOptimizer requires buckets no smaller than DDP's first one (1 MB).
+        raise UsageError(f"--bucket-cap-mb {cfg.bucket_cap_mb:g} with --compile: a compiled DDP "
+                         "model needs buckets of at least 1 MB (torch's DDPOptimizer); give "
+                         "--bucket-cap-mb 1 or more")
     check_numbers_and_ranks(cfg)
     check_dist_url(cfg.dist_url)
     check_fsdp(cfg)

@@ -17,6 +17,7 @@ from imagenet import disk
 from imagenet.build import Best, Run, build_run
 from imagenet.checkpoint.guard import last_good
 from imagenet.checkpoint.state import resume, save
+from imagenet.compiling import graphs_compiled, new_graphs
 from imagenet.config import Config
 from imagenet.cpu_features import native_bf16, slow_bf16_warning
 from imagenet.data import shutdown_workers
@@ -76,8 +77,10 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
     hooks = Hooks(on_progress=logger.progress_hook(), after_step=saver(run, stop))
     start, record = time.perf_counter(), {}
     try:
+        first_epoch = run.step.epoch
         for epoch in range(run.step.epoch, run.cfg.epochs):
             run.step.epoch = epoch
+            graphs = graphs_compiled() if run.cfg.compile else 0
             # Train the rest of the epoch (all of it, unless resumed mid-epoch).
             trained = train_rest_of_epoch(run, hooks)
             record = {"epoch": epoch, "lr": run.engine.parts.optimizer.param_groups[0]["lr"],
@@ -96,6 +99,8 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
                 stop.drain()
                 save(run, is_best=False)
                 raise stopped(run, stop, "during the validation of") from None
+            if run.cfg.compile:  # in the first epoch only (compiling); a warning otherwise
+                record["compiled_graphs"] = new_graphs(graphs, epoch, epoch == first_epoch)
             # Save (best files first), then log the epoch.
             save(run, is_best, epoch_done=True, is_best_ema=is_best_ema)
             run.step.step_in_epoch = 0
@@ -192,6 +197,11 @@ def log_epoch(logger: RunLogger, step: Step, record: dict[str, Any]) -> None:
         logger.scalars(f"epoch/{prefix[:-1]}", values, step.global_step)
     logger.scalars("epoch", {k: record[k] for k in ("epoch", "lr", "best_acc1", "best_ema_acc1")
                              if k in record}, step.global_step)
+    if "train_images_per_sec" in record:
+        compiled = record.get("compiled_graphs")
+        log.info("=> epoch %d trained at %.1f img/s, waiting for data %.0f%% of the time%s",
+                 step.epoch, record["train_images_per_sec"], 100 * record["train_data_wait"],
+                 "" if compiled is None else f"; {compiled} graph(s) compiled")
     logger.epoch(record)
     logger.flush()
 

@@ -1,0 +1,133 @@
+"""What GPU nodes need, checked on the CPU: loader workers under every launcher (pure
+functions of the environment), the master's address and interfaces, the order of the master
+probe and the CUDA context, how a failing rank leaves its process group."""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from imagenet import distributed
+from imagenet.config import parse_config
+from imagenet.errors import DistributedError
+from imagenet.launch import Launch, free_port, plan_launch, plan_layout, rendezvous, resolve_ranks
+
+NODE = 96  # cores of the simulated 8-GPU node
+
+
+def workers(argv: list[str], env: dict[str, str], affinity: int, machine: int = NODE,
+            gpus: int = 8) -> int:
+    """Loader workers per process that main.py would choose in ``env``."""
+    cfg = parse_config(["data", *argv])
+    launch = plan_launch(cfg, env, gpus)
+    _, _, world, local_world = resolve_ranks(launch, 0, cfg, env)
+    return plan_layout(cfg, launch, world, local_world, env, (affinity, machine)).workers
+
+
+def srun_env(**extra: str) -> dict[str, str]:
+    """A task of `srun --ntasks-per-node=8` on two nodes."""
+    return {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "3",
+            "SLURM_NTASKS": "16", "SLURM_TASKS_PER_NODE": "8(x2)",
+            "SLURM_JOB_NODELIST": "gpu[01-02]", **extra}
+
+
+def torchrun_env(**extra: str) -> dict[str, str]:
+    """A worker of `torchrun --nproc-per-node 8` (two nodes)."""
+    return {"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", **extra}
+
+
+def test_an_srun_task_keeps_its_own_cores():
+    # --cpus-per-task=12, bound by srun: the task's 12 cores are its own (was 12 // 8 = 1).
+    assert workers([], srun_env(SLURM_CPUS_PER_TASK="12"), affinity=12) == 11
+    # --cpus-per-task=12 without binding (--cpu-bind=none): the node is visible, 12 are its share
+    assert workers([], srun_env(SLURM_CPUS_PER_TASK="12"), affinity=NODE) == 11
+    # neither: the node's cores divided among its 8 tasks
+    assert workers([], srun_env(), affinity=NODE) == 11
+    # bound without --cpus-per-task (e.g. SLURM_CPU_BIND=cores): its set is its own
+    assert workers([], srun_env(), affinity=6) == 5
+
+
+def test_processes_that_share_one_cpu_set_divide_it():
+    assert workers([], torchrun_env(), affinity=NODE) == 11
+    # torchrun as the one srun task of each node: its workers share the task's 96 cores
+    assert workers([], {**srun_env(SLURM_CPUS_PER_TASK="96", SLURM_NTASKS="2",
+                                   SLURM_TASKS_PER_NODE="1(x2)"), **torchrun_env()},
+                   affinity=NODE) == 11
+    # --multiprocessing-distributed, one srun task per node: 8 spawned processes share it
+    spawn_env = srun_env(SLURM_CPUS_PER_TASK="96", SLURM_NTASKS="2", SLURM_PROCID="1",
+                         SLURM_TASKS_PER_NODE="1(x2)")
+    assert workers(["--multiprocessing-distributed"], spawn_env, affinity=NODE) == 11
+    # mp.spawn on one node (8 GPUs, no launcher)
+    assert workers([], {}, affinity=NODE) == 11
+
+
+def test_worker_cap_and_small_machines():
+    assert workers([], {}, affinity=64, machine=64, gpus=1) == 16  # one GPU, many cores: cap
+    assert workers([], {}, affinity=2, machine=2, gpus=0) == 1
+    assert workers([], torchrun_env(), affinity=8, machine=8) == 1  # 8 processes on 8 cores
+
+
+def test_given_workers_are_per_process_except_with_spawn():
+    assert workers(["-j", "6"], torchrun_env(), affinity=NODE) == 6
+    assert workers(["-j", "6"], srun_env(SLURM_CPUS_PER_TASK="12"), affinity=12) == 6
+    assert workers(["-j", "32", "--multiprocessing-distributed"], {}, affinity=NODE) == 4
+
+
+def test_master_is_the_first_node_of_the_step():
+    # An srun step on nodes 7-8 of a 6-node allocation: rank 0 runs on gpu07, not gpu03.
+    env = srun_env(SLURM_JOB_NODELIST="gpu[03-08]", SLURM_STEP_NODELIST="gpu[07-08]")
+    rendezvous(parse_config(["data"]), Launch("env"), env)
+    assert env["MASTER_ADDR"] == "gpu07"
+    env = srun_env(SLURM_JOB_NODELIST="gpu[03-08]")  # older SLURM: the job's list
+    rendezvous(parse_config(["data"]), Launch("env"), env)
+    assert env["MASTER_ADDR"] == "gpu03"
+
+
+def test_only_gloo_is_pointed_at_the_masters_interface():
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True,
+                         timeout=10).stdout
+    found = [(f[1], f[3].split("/")[0]) for f in (ln.split() for ln in out.splitlines())
+             if len(f) > 3 and f[2] == "inet" and not f[3].startswith("127.")]
+    assert found, "this test needs a non-loopback IPv4 address"
+    iface, ip = found[0]
+    env: dict[str, str] = {}
+    assert distributed.set_socket_interface(ip, env) == iface.split("@")[0]
+    assert env == {"GLOO_SOCKET_IFNAME": iface.split("@")[0]}  # NCCL chooses its own
+
+
+def test_the_master_probe_forks_before_any_cuda_context(monkeypatch):
+    """A rank on a GPU probes the master store (a fork) before set_device creates its CUDA
+    context. Recorded on the CPU by standing in for the two CUDA calls."""
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append("set_device"))
+
+    def probe(*args) -> None:
+        calls.append("probe")
+        raise DistributedError("stop here")
+
+    monkeypatch.setattr(distributed, "probe_master_store", probe)
+    cfg = parse_config(["data", "--dist-url", f"tcp://127.0.0.1:{free_port()}",
+                        "--world-size", "2", "--rank", "1", "--gpu", "1"])
+    with pytest.raises(DistributedError, match="stop here"):
+        distributed.init_distributed(cfg, plan_launch(cfg, {}, 2), 0)
+    assert calls == ["probe"]
+
+
+def test_a_failing_rank_aborts_nccl_and_destroys_gloo():
+    assert distributed.teardown("nccl", failed=True) == "abort"
+    assert distributed.teardown("nccl", failed=False) == "destroy"
+    assert distributed.teardown("gloo", failed=True) == "destroy"
+    # The gloo path on a real group: left at once, and a new group can be formed after it.
+    for _ in range(2):
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True,
+                              timeout=datetime.timedelta(seconds=30))
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        dist.all_reduce(torch.ones(1))
+        distributed.cleanup(failed=True)
+        assert not dist.is_initialized()
