@@ -6,6 +6,7 @@ the tests and the benchmarks all build their engines with it.
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,11 +23,14 @@ from imagenet.data import Data, build_data
 from imagenet.distributed import DistInfo
 from imagenet.engine import Engine, Options, Parts, Step
 from imagenet.errors import UsageError
+from imagenet.gpu_data import use_device_decoding
 from imagenet.launch import Layout
 from imagenet.models import build_model, wrap
 from imagenet.optim import build_criterion, build_ema, build_optimizer, build_scheduler
 from imagenet.position import EpochStart, images_trained
 from imagenet.shards import build_shard_data, data_format
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -98,9 +102,15 @@ def load_data(cfg: Config, dist: DistInfo, layout: Layout, root: str, aug_seed: 
     if not uses_shards and (cfg.val_data or cfg.num_classes):
         raise UsageError("--val-data and --num-classes apply to tar shards only; "
                          f"'{root}' is read as an ImageFolder")
-    build = build_shard_data if uses_shards else build_data
-    return build(cfg, root, dist.rank, dist.world_size, layout, aug_seed,
-                 pin_memory=dist.device.type == "cuda")
+    on_device = use_device_decoding(cfg, dist.device.type, uses_shards)
+    if on_device and dist.is_main:
+        log.info("=> JPEGs decoded and cropped on %s (--decode-on-device %s); loader workers "
+                 "read files", dist.device, cfg.decode_on_device)
+    if uses_shards:
+        return build_shard_data(cfg, root, dist.rank, dist.world_size, layout, aug_seed,
+                                pin_memory=dist.device.type == "cuda")
+    return build_data(cfg, root, dist.rank, dist.world_size, layout, aug_seed,
+                      pin_memory=dist.device.type == "cuda", decode_on_device=on_device)
 
 
 def amp_dtype(amp: str | None) -> torch.dtype | None:

@@ -94,6 +94,13 @@ class Config:
                                help="'tensor': libjpeg-turbo decode + v2 transforms on uint8 "
                                     "(fast); 'pil': the classic PIL pipeline "
                                     "(default: %(default)s)")
+    decode_on_device: str = _flag("--decode-on-device", group="data", default="auto",
+                                  choices=("auto", "on", "off"),
+                                  help="decode JPEGs (nvJPEG, batched) and crop, resize and flip "
+                                       "them on the training device, the loader workers only "
+                                       "reading files; auto = on with CUDA for ImageFolder data "
+                                       "without --image-backend pil, --auto-augment or "
+                                       "--random-erase (default: %(default)s)")
     auto_augment: str | None = _flag("--auto-augment", group="data", default=None,
                                      choices=AUTO_AUGMENT,
                                      help="automatic augmentation policy (default: off)")

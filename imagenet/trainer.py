@@ -24,6 +24,7 @@ from imagenet.data import shutdown_workers
 from imagenet.distributed import DistInfo
 from imagenet.engine import Hooks, Step, evaluate, train_one_epoch
 from imagenet.errors import NonFiniteLossError, Preempted, on_every_rank
+from imagenet.gpu_data import device_batches
 from imagenet.launch import Layout
 from imagenet.logger import RunLogger, print_val_progress
 from imagenet.models import for_evaluation
@@ -125,7 +126,8 @@ def train_rest_of_epoch(run: Run, hooks: Hooks) -> dict[str, float]:
     if run.step.step_in_epoch >= run.engine.opts.steps_per_epoch:
         return {}  # resumed after the last step: only the validation is left
     run.data.train.continue_after(run.step.epoch, run.images_trained())
-    return train_one_epoch(run.engine, run.data.train_loader, run.step, hooks)
+    loader = device_batches(run.data.train_loader, run.dist.device, run.data.train_finish)
+    return train_one_epoch(run.engine, loader, run.step, hooks)
 
 
 def saver(run: Run, stop: StopFlag) -> Callable[[Step, Callable[[], None]], bool]:
@@ -157,7 +159,7 @@ def validate(run: Run, model: nn.Module, name: str = "",
 
     With ``stop``, a signal ends it within a batch (StopRequested) on every rank.
     """
-    loader = run.data.val_loader
+    loader = device_batches(run.data.val_loader, run.dist.device, run.data.val_finish)
     if stop is not None:
         # should_stop is collective: every rank asks as often as the largest shard has batches.
         largest_shard = math.ceil(run.data.val_size / run.dist.world_size)

@@ -86,15 +86,17 @@ STEPS = 2
 
 
 def ddp_steps(info: DistInfo) -> dict:
-    """Two DDP steps of a 1.36 MB model (two 1 MB buckets) compiled or not; what they made."""
+    """Two DDP steps of 2 micro-batches (no_sync, then all-reduce into the gradient views) of a
+    1.36 MB model (two 1 MB buckets), compiled or not; what they made."""
     out = {}
     for compiled in (False, True):
         graphs = Graphs()
         raw = Net((8, 96, 384))  # the 96 -> 384 conv alone is 1.3 MB of fp32 weights
-        flags = ["--bucket-cap-mb", "1", "--lr", "0.1", *(["--compile"] if compiled else [])]
+        flags = ["--bucket-cap-mb", "1", "--lr", "0.1", "--grad-accum-steps", "2",
+                 *(["--compile"] if compiled else [])]
         model = wrap(raw, parse_config(["data", *flags]), info, compile_backend=graphs)
         engine = tiny_engine(model, *flags, steps=STEPS, world=2, batch=4)
-        batches = uint8_batches(STEPS, 4, size=8, seed=info.rank)
+        batches = uint8_batches(2 * STEPS, 4, size=8, seed=info.rank)  # 2 micro-batches a step
         train_one_epoch(engine, batches, Step())
         ddp = model._orig_mod if compiled else model
         out[compiled] = {"weights": [p.detach().clone() for p in raw.parameters()],
