@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
+from imagenet import shm
 from imagenet import transforms as T
 from imagenet.checkpoint import files
 from imagenet.config import Config
@@ -152,6 +153,11 @@ def build_run(cfg: Config, dist: DistInfo, layout: Layout) -> Run:
     if cfg.fsdp and data.val_size < dist.world_size:  # every rank joins every sharded forward
         raise UsageError(f"--fsdp: the validation set has {data.val_size} image(s), fewer than "
                          f"the {dist.world_size} processes; it needs at least one per process")
+    no_room = shm.check_room([(data.train_loader, cfg.train_crop_size),
+                              (data.val_loader, cfg.val_crop_size)], layout.batch_size,
+                             dist.local_world_size)
+    if no_room:
+        raise UsageError(no_room)
     raw = build_model(cfg.arch, data.num_classes, cfg.pretrained, cfg.weights).to(dist.device)
     if cfg.channels_last and not (cfg.fsdp and dist.distributed):
         # FSDP shards contiguous weights only; the activations still run channels_last (the

@@ -5,13 +5,17 @@ probe and the CUDA context, how a failing rank leaves its process group."""
 from __future__ import annotations
 
 import datetime
+import os
+import shlex
+import shutil
 import subprocess
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import TINY, child_env, main_cmd
 
-from imagenet import distributed
+from imagenet import distributed, shm
 from imagenet.config import parse_config
 from imagenet.errors import DistributedError
 from imagenet.launch import Launch, free_port, plan_launch, plan_layout, rendezvous, resolve_ranks
@@ -131,3 +135,38 @@ def test_a_failing_rank_aborts_nccl_and_destroys_gloo():
         dist.all_reduce(torch.ones(1))
         distributed.cleanup(failed=True)
         assert not dist.is_initialized()
+
+
+# ---------------------------------------------------------------- /dev/shm
+
+
+def test_shared_memory_need_against_free_space():
+    mb = 2**20
+    # Docker's 64 MB, 8 GPUs x 11 workers, one pinned batch of 256 x 224 px each in flight
+    error = shm.shared_memory_error(64 * mb, 8, 11, 1, 256 * 3 * 224 * 224)
+    assert error is not None
+    assert "/dev/shm has 64.0 MB free" in error and "8 process(es) x 11 loader" in error
+    assert "--shm-size=7g" in error and "-j 0" in error
+    assert shm.shared_memory_error(16 * 2**30, 8, 11, 1, 256 * 3 * 224 * 224) is None
+    assert shm.shared_memory_error(64 * mb, 1, 2, 4, 8 * mb) is None  # 64 MB: just fits
+    assert shm.shared_memory_error(64 * mb - 1, 1, 2, 4, 8 * mb) is not None
+    assert shm.shared_memory_error(0, 8, 0, 4, mb) is None  # -j 0: no shared memory used
+
+
+@pytest.mark.slow
+def test_a_small_dev_shm_is_one_clear_line(image_folder, tmp_path):
+    """main.py in a mount namespace whose /dev/shm is a real 128 KB tmpfs: 2 workers x 4
+    prefetched batches of 8 x 32 x 32 x 3 bytes need 192 KB. (Without the check this run
+    hangs: its workers fail to allocate shared memory, measured with torch 2.14.)"""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("mounting a tmpfs on /dev/shm needs root and unshare")
+    command = " ".join(shlex.quote(a) for a in main_cmd(
+        str(image_folder), *TINY, "-j", "2", "--epochs", "1", "--output-dir", str(tmp_path)))
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=128k tmpfs "
+                           f"/dev/shm && exec {command}"], capture_output=True, text=True,
+                          env=child_env(), timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: /dev/shm has 0.1 MB free"), lines[-3:]
+    assert "x up to 4 batch(es) of 0.0 MB" in lines[-1] and "--shm-size" in lines[-1]
+    assert "Traceback" not in proc.stderr
