@@ -160,8 +160,10 @@ def build_run(cfg: Config, dist: DistInfo, layout: Layout) -> Run:
         raise UsageError(no_room)
     raw = build_model(cfg.arch, data.num_classes, cfg.pretrained, cfg.weights).to(dist.device)
     if cfg.channels_last and not (cfg.fsdp and dist.distributed):
-        # FSDP shards contiguous weights only; the activations still run channels_last (the
-        # input is), which is where the speed comes from.
+        # Not under --fsdp: torch 2.14's fully_shard refuses non-contiguous parameters
+        # (NotImplementedError in FSDPParam), and gathers every weight into a view with
+        # contiguous strides anyway. The activations still run channels_last (the input is),
+        # where most of the speed comes from; cuDNN converts the small weights per conv.
         raw = raw.to(memory_format=torch.channels_last)
     ema = build_ema(raw, cfg, layout)  # a copy of the whole model: before --fsdp shards it
     model = wrap(raw, cfg, dist, ema)

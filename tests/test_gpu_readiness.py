@@ -9,11 +9,12 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import TINY, child_env, main_cmd
+from helpers import ROOT, TINY, child_env, main_cmd
 
 from imagenet import distributed, shm
 from imagenet.config import parse_config
@@ -170,3 +171,12 @@ def test_a_small_dev_shm_is_one_clear_line(image_folder, tmp_path):
     assert lines[-1].startswith("error: /dev/shm has 0.1 MB free"), lines[-3:]
     assert "x up to 4 batch(es) of 0.0 MB" in lines[-1] and "--shm-size" in lines[-1]
     assert "Traceback" not in proc.stderr
+
+
+def test_gpu_smoke_without_a_gpu_says_so_in_one_line():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_smoke.py")],
+                          capture_output=True, text=True, timeout=120,
+                          env=child_env(CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [
+        "gpu_smoke: no CUDA device here (torch.cuda.is_available() is False); nothing to check"]
