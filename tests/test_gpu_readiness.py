@@ -1,6 +1,7 @@
 """What GPU nodes need, checked on the CPU: loader workers under every launcher (pure
 functions of the environment), the master's address and interfaces, the order of the master
-probe and the CUDA context, how a failing rank leaves its process group."""
+probe and the CUDA context, how a failing rank leaves its process group, room in /dev/shm, and
+gpu_smoke.py without a GPU."""
 
 from __future__ import annotations
 
