@@ -174,6 +174,7 @@ def test_a_small_dev_shm_is_one_clear_line(image_folder, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_gpu_smoke_without_a_gpu_says_so_in_one_line():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_smoke.py")],
                           capture_output=True, text=True, timeout=120,
