@@ -374,7 +374,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="work folder (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
-    parser.add_argument("--only", nargs="+", choices=tuple(CHECKS), default=list(CHECKS))
+    parser.add_argument("--only", nargs="+", choices=tuple(CHECKS), default=list(CHECKS),
+                        help="run only these checks (default: all of them, in this order)")
     parser.add_argument("--cpu-dry-run", type=int, metavar="N",
                         help="run the checks on the CPU with N processes, at a small scale "
                              "(checks this script, not the GPUs)")
