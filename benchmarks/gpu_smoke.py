@@ -1,4 +1,4 @@
-"""Does the trainer work on this node's GPUs, and is it fast? About ten minutes, by hand::
+"""Does the trainer work on this node's GPUs, and is it fast? About ten minutes; run by hand.
 
     python benchmarks/gpu_smoke.py                 # all local GPUs; work files in a temp folder
     python benchmarks/gpu_smoke.py --out /scratch/smoke --keep
