@@ -23,8 +23,12 @@ One training process (trainer.run_training: build -> claim the folder -> resume 
   shards       tar shards (WebDataset format): sources, downloads, a strict tar reader, the
                epoch plan (a pure function of seed, epoch and layout), the loaders.
   transforms   JPEG decoding and augmentation to uint8 tensors; normalisation on the device.
+  gpu_data     --decode-on-device: workers ship JPEG bytes and crop boxes, the device decodes
+               and crops; every batch reaches the device on a side stream, one batch ahead.
+  shm          room in /dev/shm for the loader workers' batches, checked at start-up.
   models       a torchvision model by name, its weights; wrapped for DDP or FSDP (and unwrapped).
   timm_models  -a timm/NAME: timm.create_model, its names and weight tags checked (timm extra).
+  compiling    --compile: static shapes, compiled DDP, the recompile limit, graph counts.
   fsdp         --fsdp: which blocks become FSDP units (one rule for every model), sharding with
                mixed precision and offload, and the sharded states gathered for checkpoints.
   comm_hooks   DDP gradient compression for slow links (fp16/bf16/PowerSGD) and its state.

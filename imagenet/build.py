@@ -6,6 +6,7 @@ the tests and the benchmarks all build their engines with it.
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
+from imagenet import shm
 from imagenet import transforms as T
 from imagenet.checkpoint import files
 from imagenet.config import Config
@@ -23,12 +25,15 @@ from imagenet.data import Data, build_data
 from imagenet.distributed import DistInfo
 from imagenet.engine import Engine, Options, Parts, Step
 from imagenet.errors import UsageError
+from imagenet.gpu_data import use_device_decoding
 from imagenet.launch import Layout
 from imagenet.models import build_model, wrap
 from imagenet.optim import build_criterion, build_ema, build_optimizer, build_scheduler
 from imagenet.outputs import Outputs
 from imagenet.position import EpochStart, images_trained
 from imagenet.shards import build_shard_data, data_format
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -101,9 +106,15 @@ def load_data(cfg: Config, dist: DistInfo, layout: Layout, root: str, aug_seed: 
     if not uses_shards and (cfg.val_data or cfg.num_classes):
         raise UsageError("--val-data and --num-classes apply to tar shards only; "
                          f"'{root}' is read as an ImageFolder")
-    build = build_shard_data if uses_shards else build_data
-    return build(cfg, root, dist.rank, dist.world_size, layout, aug_seed,
-                 pin_memory=dist.device.type == "cuda")
+    on_device = use_device_decoding(cfg, dist.device.type, uses_shards)
+    if on_device and dist.is_main:
+        log.info("=> JPEGs decoded and cropped on %s (--decode-on-device %s); loader workers "
+                 "read files", dist.device, cfg.decode_on_device)
+    if uses_shards:
+        return build_shard_data(cfg, root, dist.rank, dist.world_size, layout, aug_seed,
+                                pin_memory=dist.device.type == "cuda")
+    return build_data(cfg, root, dist.rank, dist.world_size, layout, aug_seed,
+                      pin_memory=dist.device.type == "cuda", decode_on_device=on_device)
 
 
 def amp_dtype(amp: str | None) -> torch.dtype | None:
@@ -149,10 +160,17 @@ def build_run(cfg: Config, dist: DistInfo, layout: Layout) -> Run:
     if cfg.fsdp and data.val_size < dist.world_size:  # every rank joins every sharded forward
         raise UsageError(f"--fsdp: the validation set has {data.val_size} image(s), fewer than "
                          f"the {dist.world_size} processes; it needs at least one per process")
+    no_room = shm.check_room([(data.train_loader, cfg.train_crop_size),
+                              (data.val_loader, cfg.val_crop_size)], layout.batch_size,
+                             dist.local_world_size)
+    if no_room:
+        raise UsageError(no_room)
     raw = build_model(cfg.arch, data.num_classes, cfg.pretrained, cfg.weights).to(dist.device)
     if cfg.channels_last and not (cfg.fsdp and dist.distributed):
-        # FSDP shards contiguous weights only; the activations still run channels_last (the
-        # input is), which is where the speed comes from.
+        # Not under --fsdp: torch 2.14's fully_shard refuses non-contiguous parameters
+        # (NotImplementedError in FSDPParam), and gathers every weight into a view with
+        # contiguous strides anyway. The activations still run channels_last (the input is),
+        # where most of the speed comes from; cuDNN converts the small weights per conv.
         raw = raw.to(memory_format=torch.channels_last)
     ema = build_ema(raw, cfg, layout)  # a copy of the whole model: before --fsdp shards it
     model = wrap(raw, cfg, dist, ema)

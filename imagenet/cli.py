@@ -61,8 +61,10 @@ def _worker(local_index: int, cfg: Config, launch: Launch, master: dict[str, str
             with stop_together(cfg, info):  # a failure on any rank ends every rank
                 run_training(cfg, info, plan_layout(cfg, launch, info.world_size,
                                                     info.local_world_size))
-        finally:
-            cleanup()
+        except BaseException:
+            cleanup(failed=True)  # NCCL: abort, not wait for peers that may be gone
+            raise
+        cleanup()
     except TrainerError as exc:
         if launch.mode != "spawn":
             raise  # main() reports it

@@ -66,8 +66,9 @@ class Config:
     workers: int | None = _flag("-j", "--workers", group="data", default=None, type=int,
                                 metavar="N",
                                 help="data loading processes per node, split across its ranks "
-                                     "like -b (default: auto = the usable CPU cores divided "
-                                     "among the node's processes, at most 8 each; the classic "
+                                     "like -b (default: auto = each process's own CPU cores "
+                                     "less one, at most 16: an srun task's are its own, "
+                                     "processes that share cores divide them; the classic "
                                      "used 4 per node)")
     dummy: bool = _flag("--dummy", group="data", default=False, action="store_true",
                         help="train on synthetic random tensors (speed tests; no DIR needed)")
@@ -102,6 +103,13 @@ class Config:
                                help="'tensor': libjpeg-turbo decode + v2 transforms on uint8 "
                                     "(fast); 'pil': the classic PIL pipeline "
                                     "(default: %(default)s)")
+    decode_on_device: str = _flag("--decode-on-device", group="data", default="auto",
+                                  choices=("auto", "on", "off"),
+                                  help="decode JPEGs (nvJPEG, batched) and crop, resize and flip "
+                                       "them on the training device, the loader workers only "
+                                       "reading files; auto = on with CUDA for ImageFolder data "
+                                       "without --image-backend pil, --auto-augment or "
+                                       "--random-erase (default: %(default)s)")
     auto_augment: str | None = _flag("--auto-augment", group="data", default=None,
                                      choices=AUTO_AUGMENT,
                                      help="automatic augmentation policy (default: off)")
@@ -134,7 +142,9 @@ class Config:
                                 action="store_true",
                                 help="NHWC memory format for model and input (faster convs)")
     compile: bool = _flag("--compile", group="model", default=False, action="store_true",
-                          help="torch.compile the model (before DDP wrapping)")
+                          help="torch.compile the model (the DDP-wrapped one: graphs split at "
+                               "DDP's buckets); static shapes, every batch shape compiled once, "
+                               "in the first epoch")
     model_ema: bool = _flag("--model-ema", group="model", default=False, action="store_true",
                             help="keep, evaluate and checkpoint an exponential moving average "
                                  "of the weights")
@@ -451,6 +461,11 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--num-classes must be at least 1, got {cfg.num_classes}")
     if cfg.nproc_per_node is not None and cfg.nproc_per_node < 1:
         raise UsageError(f"--nproc-per-node must be at least 1, got {cfg.nproc_per_node}")
+    if cfg.compile and not cfg.fsdp and cfg.bucket_cap_mb < 1:
+        # torch's DDPOptimizer requires buckets no smaller than DDP's first one (1 MB).
+        raise UsageError(f"--bucket-cap-mb {cfg.bucket_cap_mb:g} with --compile: a compiled DDP "
+                         "model needs buckets of at least 1 MB (torch's DDPOptimizer); give "
+                         "--bucket-cap-mb 1 or more")
     check_numbers_and_ranks(cfg)
     check_dist_url(cfg.dist_url)
     check_fsdp(cfg)

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, get_worker_info
 from torchvision import datasets
 
+from imagenet import gpu_data
 from imagenet import transforms as T
 from imagenet.config import Config
 from imagenet.errors import DataError, UsageError
@@ -221,8 +222,9 @@ class FolderTrain:
     """``TrainData`` of a map-style dataset: ``ResumableDistributedSampler`` + ``SeededDataset``."""
 
     def __init__(self, loader: DataLoader, sampler: ResumableDistributedSampler,
-                 dataset: SeededDataset) -> None:
+                 dataset: SeededDataset, finish: Callable | None = None) -> None:
         self.loader, self.sampler, self.dataset = loader, sampler, dataset
+        self.finish = finish  # a loader batch -> device tensors (--decode-on-device)
 
     @property
     def order_seed(self) -> int:
@@ -262,7 +264,8 @@ class FolderTrain:
         self.sampler.set_epoch(epoch)
         indices = self.sampler.indices()[:count]
         self.sampler.continue_epoch(*position)
-        return torch.stack([self.dataset[(epoch, i)][0] for i in indices])
+        batch = self.loader.collate_fn([self.dataset[(epoch, i)] for i in indices])
+        return self.finish(batch, torch.device("cpu"))[0] if self.finish else batch[0]
 
 
 @dataclass
@@ -274,6 +277,9 @@ class Data:
     num_classes: int
     classes: list[str]
     val_size: int
+    # --decode-on-device: a loader batch -> (uint8 images, labels) on the device (gpu_data)
+    train_finish: Callable | None = None
+    val_finish: Callable | None = None
 
     @property
     def train_loader(self) -> DataLoader:
@@ -305,11 +311,13 @@ def check_folder(root: Path) -> tuple[Path, Path]:
     return train, val
 
 
-def image_folder(folder: Path, transform, backend: str) -> datasets.ImageFolder:
-    """An ImageFolder whose errors name the folder instead of a traceback."""
+def image_folder(folder: Path, transform, backend: str,
+                 loader: Callable | None = None) -> datasets.ImageFolder:
+    """An ImageFolder whose errors name the folder instead of a traceback; ``loader`` reads a
+    file (default: decodes it with ``backend``)."""
     try:
         return datasets.ImageFolder(str(folder), transform=transform,
-                                    loader=partial(T.load_image, backend=backend))
+                                    loader=loader or partial(T.load_image, backend=backend))
     except FileNotFoundError as exc:
         raise DataError(f"{folder}: {exc} (every class folder needs at least one image)"
                         ) from None
@@ -335,16 +343,19 @@ def build_transforms(cfg: Config) -> tuple[Callable, Callable]:
     return train_tf, val_tf
 
 
-def build_datasets(cfg: Config, data_root: Path) -> tuple[Dataset, Dataset, list[str]]:
-    """Train and validation datasets producing uint8 CHW images and integer labels."""
+def build_datasets(cfg: Config, data_root: Path, encoded: bool = False
+                   ) -> tuple[Dataset, Dataset, list[str]]:
+    """Train and validation datasets producing uint8 CHW images and integer labels (with
+    ``encoded``: JPEG bytes and crop boxes, decoded on the device; see gpu_data)."""
     if cfg.dummy:
         train = DummyDataset(cfg.dummy_size, cfg.dummy_classes, cfg.train_crop_size)
         val = DummyDataset(cfg.dummy_val_size, cfg.dummy_classes, cfg.val_crop_size)
         return train, val, train.classes
     train_dir, val_dir = check_folder(data_root)
-    train_tf, val_tf = build_transforms(cfg)
-    train = image_folder(train_dir, train_tf, cfg.image_backend)
-    val = image_folder(val_dir, val_tf, cfg.image_backend)
+    train_tf, val_tf = gpu_data.item_transforms(cfg) if encoded else build_transforms(cfg)
+    loader = gpu_data.read_encoded if encoded else None
+    train = image_folder(train_dir, train_tf, cfg.image_backend, loader)
+    val = image_folder(val_dir, val_tf, cfg.image_backend, loader)
     check_same_classes(train.classes, val.classes, data_root)
     return train, val, train.classes
 
@@ -385,14 +396,18 @@ def kill_stray_workers() -> None:
 
 
 def build_data(cfg: Config, data_root: str | Path, rank: int, world_size: int, layout: Layout,
-               aug_seed: int, pin_memory: bool) -> Data:
+               aug_seed: int, pin_memory: bool, decode_on_device: bool = False) -> Data:
     """Loaders for this rank: resumable shuffled training shard, unpadded validation shard."""
     batch_size, workers = layout.batch_size, layout.workers
-    train, val, classes = build_datasets(cfg, Path(data_root))
+    train, val, classes = build_datasets(cfg, Path(data_root), decode_on_device)
     sampler = ResumableDistributedSampler(len(train), rank, world_size,  # type: ignore[arg-type]
                                           seed=cfg.seed or 0)
     check_one_batch(sampler.num_samples, batch_size, world_size)
     extra = loader_options(workers)
+    finish: tuple = (None, None)
+    if decode_on_device:  # encoded bytes: nvJPEG reads them from pageable memory itself
+        extra, pin_memory, finish = ({**extra, "collate_fn": gpu_data.collate}, False,
+                                     gpu_data.device_crops(cfg))
     # A private generator: creating loader iterators must not consume the global RNG, which the
     # training step uses (MixUp/CutMix, dropout) and the checkpoint restores.
     seeded = SeededDataset(train, aug_seed)
@@ -403,5 +418,5 @@ def build_data(cfg: Config, data_root: str | Path, rank: int, world_size: int, l
                                                                               world_size),
                             num_workers=workers, pin_memory=pin_memory,
                             generator=torch.Generator().manual_seed(aug_seed), **extra)
-    return Data(FolderTrain(train_loader, sampler, seeded), val_loader, len(classes),
-                list(classes), len(val))  # type: ignore[arg-type]
+    return Data(FolderTrain(train_loader, sampler, seeded, finish[0]), val_loader, len(classes),
+                list(classes), len(val), *finish)  # type: ignore[arg-type]

@@ -95,13 +95,19 @@ def interface_to(host: str) -> str | None:
 
 
 def set_socket_interface(host: str, env: dict[str, str]) -> str | None:
-    """Point gloo/NCCL at the interface that reaches ``host`` (they default to loopback)."""
-    if env.get("GLOO_SOCKET_IFNAME") or env.get("NCCL_SOCKET_IFNAME"):
+    """Point gloo at the interface that reaches ``host`` (it takes the address its own host name
+    resolves to, often loopback: 127.0.1.1 in Debian's /etc/hosts).
+
+    NCCL is left to choose its own: InfiniBand/RoCE first, then a non-loopback, non-docker
+    interface; the interface that routes to the master is often the management network, which
+    would carry all of NCCL's traffic whenever NCCL falls back to sockets. Clusters that need a
+    choice set NCCL_SOCKET_IFNAME themselves (their documentation says which).
+    """
+    if env.get("GLOO_SOCKET_IFNAME"):
         return None
     name = interface_to(host)
     if name:
         env["GLOO_SOCKET_IFNAME"] = name
-        env["NCCL_SOCKET_IFNAME"] = name
     return name
 
 
@@ -120,22 +126,24 @@ def init_distributed(cfg: Config, launch: Launch, local_index: int) -> DistInfo:
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     rank, local_rank, world, local_world = resolve_ranks(launch, local_index, cfg, env)
     device = choose_device(cfg, launch, local_rank, cuda_count)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     if launch.mode == "single":
+        set_device(device)
         return DistInfo(device=device)
     backend = choose_backend(cfg.dist_backend, device.type)
     init_method = rendezvous(cfg, launch, env)  # type: ignore[arg-type]
     host, port = master_address(init_method, env)
     ifname = set_socket_interface(host, env)  # type: ignore[arg-type]
     if ifname and rank == 0:
-        log.info("=> master %s is not on loopback: gloo/NCCL use interface %s (set "
-                 "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to choose another)", host, ifname)
+        log.info("=> master %s is not on loopback: gloo uses interface %s (set "
+                 "GLOO_SOCKET_IFNAME to choose another)", host, ifname)
     where = f"{host}:{port} as rank {rank} of world size {world}"
     timeout = datetime.timedelta(seconds=cfg.dist_timeout)
     try:
         if rank != 0 and port is not None and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            # Before set_device: the probe forks, and a fork must not copy a CUDA context (CUDA
+            # 12's cudaSetDevice creates one).
             probe_master_store(host, port, timeout, where, cfg.dist_timeout)  # type: ignore[arg-type]
+        set_device(device)
         store = elastic_store(env, host, port, world, timeout)  # type: ignore[arg-type]
         dist.init_process_group(backend, init_method=None if store else init_method, store=store,
                                 rank=rank, world_size=world, timeout=timeout,
@@ -147,7 +155,7 @@ def init_distributed(cfg: Config, launch: Launch, local_index: int) -> DistInfo:
     except DistributedError:
         raise
     except Exception as exc:  # torch raises several types (DistNetworkError, RuntimeError, ...)
-        cleanup()
+        cleanup(failed=True)
         raise DistributedError(_explain(exc, where, cfg.dist_timeout)) from exc
     return DistInfo(rank, local_rank, world, local_world, device, backend)
 
@@ -174,6 +182,12 @@ def join_existing_group(cfg: Config, launch: Launch) -> DistInfo:
 def owns_group() -> bool:
     """True when this process created the process group (``init_distributed``)."""
     return _created_group and dist.is_available() and dist.is_initialized()
+
+
+def set_device(device: torch.device) -> None:
+    """Make ``device`` this process's current CUDA device (creates its CUDA context)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def elastic_store(env: Mapping[str, str], host: str, port: int | None, world: int,
@@ -276,13 +290,29 @@ def raise_agreed(error: Exception | None) -> None:
         raise error
 
 
-def cleanup() -> None:
-    """Destroy the process group if this process created it (safe to call twice); a group
-    the caller created (Ray Train) is the caller's to destroy."""
+def cleanup(failed: bool = False) -> None:
+    """Leave the process group if this process created it (safe to call twice); a group the
+    caller created (Ray Train) is the caller's to destroy. ``failed``: on an error path.
+
+    A rank that fails under NCCL aborts its communicators instead: ``destroy_process_group``
+    waits for their pending work, which a peer that is gone never completes, so the rank would
+    sit there until the watchdog's --dist-timeout (srun without --kill-on-bad-exit waits that
+    long to end the job). gloo's destroy returns at once on every path.
+    """
     global _created_group
-    if owns_group():
+    if not owns_group():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.3
+    if teardown(dist.get_backend(), failed) == "abort" and abort is not None:
+        abort()
+    else:
         dist.destroy_process_group()
     _created_group = False
+
+
+def teardown(backend: str, failed: bool) -> str:
+    """How to leave a process group: "abort" for NCCL on an error path, else "destroy"."""
+    return "abort" if failed and backend == "nccl" else "destroy"
 
 
 def barrier() -> None:

@@ -114,6 +114,7 @@ class _Clock:
     window_start: float
     first_step: int  # step_in_epoch when this process began the epoch (resumed: not 0)
     data_time: float = 0.0  # waiting for the loader in this window
+    epoch_data_time: float = 0.0  # waiting for the loader since the epoch (re)started
 
     def restart(self) -> None:
         self.window_start, self.data_time = time.perf_counter(), 0.0
@@ -210,7 +211,9 @@ def train_one_epoch(engine: Engine, loader: Iterable, step: Step,
     loss = torch.zeros((), device=opts.device)
     tick = start
     for group in _micro_batches(loader, opts.grad_accum_steps):
-        clock.data_time += time.perf_counter() - tick
+        waited = time.perf_counter() - tick
+        clock.data_time += waited
+        clock.epoch_data_time += waited
         loss = _forward_backward(engine, group, sums, bad_step, step)
         _optimizer_step(engine, step)
         step.step_in_epoch += 1
@@ -232,7 +235,7 @@ def train_one_epoch(engine: Engine, loader: Iterable, step: Step,
     elapsed = time.perf_counter() - start
     return {"loss": totals["loss"] / count, "acc1": 100 * totals["correct1"] / count,
             "acc5": 100 * totals["correct5"] / count, "images": totals["count"],
-            "time": elapsed,
+            "time": elapsed, "data_wait": clock.epoch_data_time / max(elapsed, 1e-9),
             "images_per_sec": totals["count"] * opts.world_size / max(elapsed, 1e-9)}
 
 

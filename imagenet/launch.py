@@ -269,7 +269,7 @@ def first_slurm_host(nodelist: str) -> str:
     """First host of a SLURM node list: 'gpu[03-05,7],cpu1' -> 'gpu03'."""
     match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
     if not match:
-        raise UsageError(f"cannot parse SLURM_JOB_NODELIST '{nodelist}'; set MASTER_ADDR")
+        raise UsageError(f"cannot parse the SLURM node list '{nodelist}'; set MASTER_ADDR")
     prefix, ranges = match.groups()
     if not ranges:
         return prefix
@@ -336,7 +336,9 @@ def rendezvous(cfg: Config, launch: Launch, env: dict[str, str]) -> str:
     if cfg.dist_url != "env://":
         return cfg.dist_url
     if launch.mode in ("env", "spawn") and is_slurm_job_step(env) and "RANK" not in env:
-        env.setdefault("MASTER_ADDR", first_slurm_host(env.get("SLURM_JOB_NODELIST", "")))
+        # The step's nodes: an srun inside a larger allocation may not start on its first node.
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
+        env.setdefault("MASTER_ADDR", first_slurm_host(nodes))
         # Every task must agree on the port without talking: derive it from the job id.
         env.setdefault("MASTER_PORT", str(15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
     if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
@@ -375,25 +377,29 @@ class Layout:
         return step_in_epoch * self.grad_accum_steps * self.batch_size
 
 
-def plan_layout(cfg: Config, launch: Launch, world_size: int, local_world_size: int) -> Layout:
+def plan_layout(cfg: Config, launch: Launch, world_size: int, local_world_size: int,
+                env: Mapping[str, str] = os.environ,
+                cpus: tuple[int, int] | None = None) -> Layout:
     """Per-process batch and loader workers from -b and -j.
 
     With --multiprocessing-distributed (mode "spawn") -b and -j count per node, as in the classic,
     and are split across the node's processes; under every other launcher -b is per process.
-    Without -j, the usable cores are shared among the node's processes. --global-batch-size
-    replaces -b under every launcher.
+    Without -j, each process gets the cores it may use (``process_cores``), less one for itself.
+    ``cpus``: (cores this process may run on, cores of the machine); None reads them.
+    --global-batch-size replaces -b under every launcher.
     """
-    if launch.mode == "spawn":
-        workers = per_process_workers(cfg.workers, launch.nprocs)
-    else:
-        workers = per_process_workers(cfg.workers, 1) if cfg.workers is not None \
-            else auto_workers(local_world_size)
     if cfg.global_batch_size is not None:
         batch = batch_from_global(cfg.global_batch_size, world_size, cfg.grad_accum_steps)
     elif launch.mode == "spawn":
         batch = per_process_batch(cfg.batch_size, launch.nprocs)
     else:
         batch = cfg.batch_size
+    if cfg.workers is not None:
+        workers = per_process_workers(cfg.workers, launch.nprocs if launch.mode == "spawn" else 1)
+    else:
+        local = launch.nprocs if launch.mode == "spawn" else local_world_size
+        workers = auto_workers(process_cores(env, launch.mode, local,
+                                             *(cpus or cpu_counts())))
     return Layout(world_size, batch, cfg.grad_accum_steps, workers)
 
 
@@ -417,18 +423,50 @@ def per_process_batch(batch_per_node: int, nprocs: int) -> int:
     return batch_per_node // nprocs
 
 
-def per_process_workers(workers_per_node: int | None, nprocs: int) -> int:
+def per_process_workers(workers_per_node: int, nprocs: int) -> int:
     """Loader workers of each of a node's ``nprocs`` processes: the classic split of -j
-    (rounded up), or ``auto_workers`` when -j was not given."""
-    if workers_per_node is None:
-        return auto_workers(nprocs)
+    (rounded up)."""
     return (workers_per_node + nprocs - 1) // nprocs
 
 
-def auto_workers(nprocs: int, cores: int | None = None) -> int:
-    """Default loader workers per process: the usable cores shared among the node's processes,
-    1 to 8 each (the classic's fixed 4 per node leaves 1 per GPU on an 8-GPU node: starved)."""
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-            else os.cpu_count() or 1
-    return max(1, min(8, cores // max(nprocs, 1)))
+def cpu_counts() -> tuple[int, int]:
+    """(cores this process may run on, cores of the machine)."""
+    machine = os.cpu_count() or 1
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
+    return affinity, machine
+
+
+def process_cores(env: Mapping[str, str], mode: str, local_procs: int, affinity: int,
+                  machine: int) -> int:
+    """Cores of this process's own: its share of the CPU set it inherited from its launcher.
+
+    A task that srun started holds its own CPU set already (--cpus-per-task, bound by srun's
+    task/affinity plugin): it is not divided again. Without binding (--cpu-bind=none, or no
+    affinity plugin) a task sees the whole node: SLURM_CPUS_PER_TASK says its share, else the
+    node's cores are divided among its tasks. mp.spawn's, torchrun's (also when one srun task
+    per node runs torchrun) and manual ranks' processes all inherit one set: divided.
+    """
+    if mode == "env" and "RANK" not in env and is_slurm_job_step(env):  # an srun task
+        per_task = env_int(env, "SLURM_CPUS_PER_TASK")
+        if per_task:
+            return max(1, min(affinity, per_task))
+        if affinity < machine:
+            return affinity
+    return max(1, affinity // max(local_procs, 1))
+
+
+MAX_AUTO_WORKERS = 16  # see auto_workers
+
+
+def auto_workers(cores: int) -> int:
+    """Default loader workers of a process that owns ``cores`` cores: one core is left to the
+    training process itself (it launches the device's work and pins memory), at most 16.
+
+    Measured per core (benchmarks/bench_data.py, 465x375 px JPEGs, CPU seconds; a loader
+    worker reaches ~75% of it): decode + crop + flip ~1,100 img/s, + TrivialAugment + random
+    erasing ~720, + RandAugment ~570. The classic's cap of 8 then gives ~3,400 img/s with
+    RandAugment, short of an H100 (and of an A100 at ~3,000 with anything heavier); 16 give
+    ~6,800-13,000. More per process cost memory (every worker holds the file list) for little:
+    give -j, or decode on the GPU (--decode-on-device), whose workers only read files.
+    """
+    return max(1, min(MAX_AUTO_WORKERS, cores - 1))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel
 
 from imagenet import comm_hooks, fsdp
+from imagenet.compiling import compile_ddp, compile_model, evaluation_twin
 from imagenet.config import TIMM_PREFIX, Config
 from imagenet.distributed import DistInfo
 from imagenet.errors import RunError, UsageError
@@ -104,9 +106,9 @@ def replace_classifier(model: nn.Module, num_classes: int) -> None:
     log.info("=> replaced classifier '%s' for %d classes", last_name, num_classes)
 
 
-def wrap(raw: nn.Module, cfg: Config, dist: DistInfo,
-         ema: AveragedModel | None = None) -> nn.Module:
-    """The module the training step calls: raw -> (SyncBN) -> (compiled) -> (DDP + comm hook),
+def wrap(raw: nn.Module, cfg: Config, dist: DistInfo, ema: AveragedModel | None = None,
+         compile_backend: str | Callable = "inductor") -> nn.Module:
+    """The module the training step calls: raw -> (SyncBN) -> (DDP + comm hook) -> (compiled),
     or with --fsdp: raw (and ``ema``'s copy) sharded in place -> (compiled)."""
     model = raw
     if cfg.sync_bn and dist.distributed:
@@ -114,28 +116,32 @@ def wrap(raw: nn.Module, cfg: Config, dist: DistInfo,
         # models are containers, so ``raw`` keeps the converted layers in place.
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if cfg.fsdp and dist.distributed:
-        return shard(model, cfg, dist, ema)
+        return shard(model, cfg, dist, ema, compile_backend)
     if cfg.fsdp:
         log.info("=> one process: --fsdp has nothing to shard; training the whole model")
-    if cfg.compile:
-        model = torch.compile(model)
     if not dist.distributed:
         if cfg.ddp_comm_hook != "none":
             log.info("=> one process: --ddp-comm-hook %s has nothing to send", cfg.ddp_comm_hook)
-        return model
+        return compile_model(model, compile_backend) if cfg.compile else model
     device_ids = [dist.device.index] if dist.device.type == "cuda" else None
-    model = DDP(model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb)
+    # Gradients are views into DDP's all-reduce buckets: no second copy of them in memory.
+    model = DDP(model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb,
+                gradient_as_bucket_view=True)
     comm_hooks.register_comm_hook(model, raw, cfg, dist.backend or "gloo")
     if dist.is_main:
         comm_hooks.log_payload(raw, cfg, dist.world_size)
-    return model
+    # Compiled from the outside: Dynamo splits the graph at DDP's buckets (see compiling).
+    return compile_ddp(model, compile_backend) if cfg.compile else model
 
 
 def for_evaluation(model: nn.Module) -> nn.Module:
     """The module to validate: without DDP, whose forward may broadcast buffers (a collective
     that a rank without validation batches would skip: a hang), and with rank 0's buffers
     (BatchNorm statistics) on every rank, so every rank validates the model that is saved."""
-    if isinstance(model, DDP):
+    twin = evaluation_twin(model)  # a compiled DDP's inner module, compiled too
+    if twin is not None:
+        model = twin
+    elif isinstance(model, DDP):
         model = model.module
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         with torch.no_grad():
@@ -144,8 +150,8 @@ def for_evaluation(model: nn.Module) -> nn.Module:
     return model
 
 
-def shard(model: nn.Module, cfg: Config, dist: DistInfo,
-          ema: AveragedModel | None) -> nn.Module:
+def shard(model: nn.Module, cfg: Config, dist: DistInfo, ema: AveragedModel | None,
+          compile_backend: str | Callable = "inductor") -> nn.Module:
     """--fsdp: shard ``model`` and the EMA's copy by the same rule, then compile."""
     units = fsdp.describe_units(model, fsdp.repeated_blocks(model))  # before classes change
     for module in ([ema.module] if ema is not None else []) + [model]:
@@ -153,9 +159,10 @@ def shard(model: nn.Module, cfg: Config, dist: DistInfo,
     if dist.is_main:
         log.info("=> FSDP over %d processes (ZeRO-%d%s): %s", dist.world_size,
                  cfg.fsdp_zero or 3, ", CPU offload" if cfg.fsdp_cpu_offload else "", units)
-    # Static shapes: with automatic dynamic shapes, inductor (torch 2.14, CPU) fails to compile
-    # the backward of a recompiled FSDP graph ("Cannot convert expression to float").
-    return torch.compile(model, dynamic=False) if cfg.compile else model
+    # Static shapes (compiling): also, with automatic dynamic shapes, inductor (torch 2.14, CPU)
+    # fails to compile the backward of a recompiled FSDP graph ("Cannot convert expression to
+    # float").
+    return compile_model(model, compile_backend) if cfg.compile else model
 
 
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:

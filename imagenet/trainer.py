@@ -19,6 +19,7 @@ from imagenet import configfile, disk
 from imagenet.build import Best, Run, build_run
 from imagenet.checkpoint.guard import last_good
 from imagenet.checkpoint.state import resume, save
+from imagenet.compiling import graphs_compiled, new_graphs
 from imagenet.config import Config
 from imagenet.console import FirstBatch, describe_evaluation, finished, slow_stage
 from imagenet.cpu_features import native_bf16, slow_bf16_warning
@@ -26,6 +27,7 @@ from imagenet.data import shutdown_workers
 from imagenet.distributed import DistInfo
 from imagenet.engine import Hooks, Step, evaluate, train_one_epoch
 from imagenet.errors import NonFiniteLossError, Preempted, on_every_rank
+from imagenet.gpu_data import device_batches
 from imagenet.launch import Layout
 from imagenet.logger import RunLogger, print_val_progress
 from imagenet.models import for_evaluation
@@ -89,8 +91,10 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
     hooks = Hooks(on_progress=logger.progress_hook(), after_step=saver(run, stop))
     start, record = time.perf_counter(), {}
     try:
+        first_epoch = run.step.epoch
         for epoch in range(run.step.epoch, run.cfg.epochs):
             run.step.epoch = epoch
+            graphs = graphs_compiled() if run.cfg.compile else 0
             # Train the rest of the epoch (all of it, unless resumed mid-epoch).
             trained = train_rest_of_epoch(run, hooks)
             record = {"epoch": epoch, "lr": run.engine.parts.optimizer.param_groups[0]["lr"],
@@ -109,6 +113,8 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
                 stop.drain()
                 save(run, is_best=False)
                 raise stopped(run, stop, "during the validation of") from None
+            if run.cfg.compile:  # in the first epoch only (compiling); a warning otherwise
+                record["compiled_graphs"] = new_graphs(graphs, epoch, epoch == first_epoch)
             # Save (best files first), then log the epoch.
             save(run, is_best, epoch_done=True, is_best_ema=is_best_ema)
             run.step.step_in_epoch = 0
@@ -135,7 +141,8 @@ def train_rest_of_epoch(run: Run, hooks: Hooks) -> dict[str, float]:
     if run.step.step_in_epoch >= run.engine.opts.steps_per_epoch:
         return {}  # resumed after the last step: only the validation is left
     run.data.train.continue_after(run.step.epoch, run.images_trained())
-    loader = FirstBatch(run.data.train_loader, run.layout.workers, "training")
+    loader = device_batches(FirstBatch(run.data.train_loader, run.layout.workers, "training"),
+                            run.dist.device, run.data.train_finish)
     return train_one_epoch(run.engine, loader, run.step, hooks)
 
 
@@ -168,7 +175,8 @@ def validate(run: Run, model: nn.Module, name: str = "",
 
     With ``stop``, a signal ends it within a batch (StopRequested) on every rank.
     """
-    loader = FirstBatch(run.data.val_loader, run.layout.workers, "validation")
+    loader = device_batches(FirstBatch(run.data.val_loader, run.layout.workers, "validation"),
+                            run.dist.device, run.data.val_finish)
     if stop is not None:
         # should_stop is collective: every rank asks as often as the largest shard has batches.
         largest_shard = math.ceil(run.data.val_size / run.dist.world_size)
@@ -209,6 +217,11 @@ def log_epoch(logger: RunLogger, step: Step, record: dict[str, Any]) -> None:
         logger.scalars(f"epoch/{prefix[:-1]}", values, step.global_step)
     logger.scalars("epoch", {k: record[k] for k in ("epoch", "lr", "best_acc1", "best_ema_acc1")
                              if k in record}, step.global_step)
+    if "train_images_per_sec" in record:
+        compiled = record.get("compiled_graphs")
+        log.info("=> epoch %d trained at %.1f img/s, waiting for data %.0f%% of the time%s",
+                 step.epoch, record["train_images_per_sec"], 100 * record["train_data_wait"],
+                 "" if compiled is None else f"; {compiled} graph(s) compiled")
     logger.epoch(record)
     logger.flush()
 

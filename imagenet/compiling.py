@@ -1,0 +1,69 @@
+"""--compile: torch.compile with one static graph per batch shape, compiled in the first epoch.
+
+Static shapes (``dynamic=False``): the last, smaller batch of an epoch and the validation
+batches get graphs of their own, compiled once, in the first epoch. With torch's automatic
+dynamic shapes the last batch would instead recompile the model for any batch size, and every
+later step would run that dynamic graph (slower kernels, no CUDA graphs). Dynamo keeps at most
+``recompile_limit`` graphs per Python function; under --fsdp every block's forward is a frame of
+its own, so one function holds a graph per block shape and batch shape: ResNet-50 needs 32
+(8 block shapes x train/eval x full/last batch; measured), beyond torch's default of 8, after
+which the blocks silently run uncompiled. ``RECOMPILE_LIMIT`` leaves room for that.
+
+DDP is compiled from the outside (``torch.compile(DDP(model))``), as torch's DDP documentation
+asks: Dynamo's DDPOptimizer then splits the graph at DDP's gradient buckets so that each
+bucket's all-reduce overlaps the rest of the backward. Validation runs the model without DDP
+(``models.for_evaluation``): its compiled twin is kept here, one per training model.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+RECOMPILE_LIMIT = 64  # graphs per function; see the module docstring
+
+_EVALUATION: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+
+
+def compile_model(model: nn.Module, backend: str | Callable = "inductor") -> nn.Module:
+    """``model`` compiled with static shapes (a graph per batch shape)."""
+    import torch._dynamo  # only when compiling: importing Dynamo takes a while
+
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
+    return torch.compile(model, dynamic=False, backend=backend)
+
+
+def compile_ddp(ddp: nn.Module, backend: str | Callable = "inductor") -> nn.Module:
+    """A DDP module compiled from the outside, and its inner module compiled for validation."""
+    compiled = compile_model(ddp, backend)
+    _EVALUATION[compiled] = compile_model(ddp.module, backend)
+    return compiled
+
+
+def evaluation_twin(model: nn.Module) -> nn.Module | None:
+    """The compiled module without DDP that validates ``model`` (from ``compile_ddp``)."""
+    return _EVALUATION.get(model)
+
+
+def graphs_compiled() -> int:
+    """Graphs Dynamo has compiled in this process so far (torch's own counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def new_graphs(before: int, epoch: int, first: bool) -> int:
+    """Graphs compiled since ``before`` (``graphs_compiled``); after this process's first epoch
+    any is a warning: a batch shape not seen before, each costing minutes on a GPU."""
+    count = graphs_compiled() - before
+    if count and not first:
+        log.warning("torch.compile compiled %d new graph(s) in epoch %d: a batch shape it had "
+                    "not seen (e.g. a resumed epoch's last batch; --debug with "
+                    "TORCH_LOGS=recompiles says which)", count, epoch)
+    return count

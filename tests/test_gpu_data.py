@@ -1,0 +1,133 @@
+"""--decode-on-device (imagenet.gpu_data) on the CPU: the same crop boxes, flips and pixels as
+the CPU path, image for image, from the same per-sample seeds; the files nvJPEG cannot take
+(PNG, CMYK, truncated) handled by the workers; main.py trains the same weights either way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import TINY, load_checkpoint, run_main, write_image_folder
+from PIL import Image
+
+from imagenet import gpu_data
+from imagenet.config import parse_config
+from imagenet.data import SeededDataset, build_datasets
+from imagenet.errors import DataError, UsageError
+
+CPU = torch.device("cpu")
+
+
+def odd_files(folder: Path) -> dict[str, Path]:
+    """Images beside the plain JPEGs: each kind of file the device path must cope with."""
+    gradient = Image.linear_gradient("L").resize((90, 70))
+    rgb = Image.merge("RGB", (gradient, gradient.rotate(90), gradient.transpose(0)))
+    files = {"progressive": folder / "progressive.jpg", "grey": folder / "grey.jpg",
+             "cmyk": folder / "cmyk.jpg", "png": folder / "image.png",
+             "tiny": folder / "tiny.jpg"}
+    rgb.save(files["progressive"], quality=85, progressive=True)
+    gradient.save(files["grey"], quality=85)
+    rgb.convert("CMYK").save(files["cmyk"], quality=85)
+    rgb.save(files["png"])
+    rgb.resize((9, 7)).save(files["tiny"], quality=85)
+    return files
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    root = write_image_folder(tmp_path_factory.mktemp("data") / "data", classes=2,
+                              train_per_class=6, val_per_class=3, size=48)
+    for split in ("train", "val"):
+        odd_files(root / split / "class0")
+    return root
+
+
+def device_items(dataset, keys, finish) -> torch.Tensor:
+    """The images of ``keys`` through the device path, decoded on the CPU."""
+    batch = gpu_data.collate([dataset[key] for key in keys])
+    return finish(batch, CPU)[0]
+
+
+def test_device_path_gives_the_cpu_path_s_images(folder: Path):
+    cfg = parse_config(["data", "--train-crop-size", "24", "--val-resize-size", "30",
+                        "--val-crop-size", "24", "--train-crop-scale", "0.2"])
+    train, val, _ = build_datasets(cfg, folder)
+    train_enc, val_enc, _ = build_datasets(cfg, folder, encoded=True)
+    train_finish, val_finish = gpu_data.device_crops(cfg)
+    n = len(train)
+    assert n == len(train_enc) == 17
+    keys = [(epoch, i) for epoch in (0, 1, 2) for i in range(n)]
+    cpu = torch.stack([SeededDataset(train, 7)[k][0] for k in keys])
+    device = device_items(SeededDataset(train_enc, 7), keys, train_finish)
+    assert device.shape == (len(keys), 3, 24, 24)
+    assert torch.equal(device, cpu)  # the same boxes, flips and pixels, epoch after epoch
+    assert not torch.equal(cpu[:n], cpu[n:2 * n])  # (the epochs do differ)
+    cpu_val = torch.stack([val[i][0] for i in range(len(val))])
+    assert torch.equal(device_items(val_enc, range(len(val_enc)), val_finish), cpu_val)
+
+
+def test_what_nvjpeg_gets_and_what_the_workers_decode(folder: Path, tmp_path: Path):
+    files = {name: path.read_bytes() for name, path in odd_files(tmp_path).items()}
+    plain = next((folder / "train" / "class1").glob("*.jpg")).read_bytes()
+    assert gpu_data.jpeg_frame(plain)[:2] == (0xC0, 8)
+    assert gpu_data.jpeg_frame(files["progressive"])[0] == 0xC2
+    assert [gpu_data.device_decodable(files[k]) for k in ("progressive", "grey", "tiny")] == \
+        [True, True, True]
+    assert gpu_data.jpeg_frame(files["cmyk"])[4] == 4
+    assert not gpu_data.device_decodable(files["cmyk"])  # nvJPEG's RGB output has no CMYK
+    assert not gpu_data.device_decodable(files["png"])
+    assert not gpu_data.device_decodable(plain[:-100])  # cut short: no end marker
+    assert gpu_data.jpeg_frame(b"\xff\xd8\xff\xe0\x00") is None
+    # A file cut short is decoded by the worker, whose error names it (as on the CPU path).
+    cut = tmp_path / "cut.jpg"
+    cut.write_bytes(plain[: len(plain) // 2])
+    with pytest.raises(DataError, match="cut.jpg"):
+        gpu_data.read_encoded(cut)
+    image, path = gpu_data.read_encoded(tmp_path / "image.png")
+    assert image.shape == (3, 70, 90) and path.endswith("image.png")
+
+
+@pytest.mark.parametrize("argv, device, shards, on", [
+    ([], "cuda", False, True), ([], "cpu", False, False), (["--image-backend", "pil"], "cuda",
+     False, False), (["--auto-augment", "ta_wide"], "cuda", False, False), ([], "cuda", True,
+     False), (["--dummy"], "cuda", False, False), (["--decode-on-device", "on"], "cpu", False,
+     True), (["--decode-on-device", "off"], "cuda", False, False)])
+def test_when_the_device_decodes(argv, device, shards, on):
+    assert gpu_data.use_device_decoding(parse_config(["data", *argv]), device, shards) is on
+
+
+@pytest.mark.parametrize("argv, shards, words", [
+    (["--image-backend", "pil"], False, "--image-backend pil decodes with PIL"),
+    (["--random-erase", "0.25"], False, "--random-erase runs per image on the CPU"),
+    ([], True, "tar shards are decoded by the loader workers")])
+def test_impossible_requests_name_the_flag(argv, shards, words):
+    cfg = parse_config(["data", "--decode-on-device", "on", *argv])
+    with pytest.raises(UsageError, match=f"--decode-on-device on: {words}"):
+        gpu_data.use_device_decoding(cfg, "cuda", shards)
+
+
+def test_batches_on_the_cpu_pass_through_or_are_finished():
+    batches = [(torch.zeros(2, 3, 4, 4, dtype=torch.uint8), torch.tensor([0, 1]))]
+    assert gpu_data.device_batches(batches, CPU, None) is batches
+    doubled = gpu_data.device_batches(batches, CPU, lambda b, d: (b[0] + 1, b[1]))
+    assert len(doubled) == 1
+    assert [int(images.sum()) for images, _ in doubled] == [2 * 3 * 4 * 4]
+
+
+@pytest.mark.slow
+def test_main_trains_the_same_weights_with_the_device_path(folder: Path, tmp_path: Path):
+    """Seeded runs through the CPU path and the device path (on the CPU, 2 workers shipping
+    JPEG bytes) end with the same weights and accuracy."""
+    outputs = {}
+    for mode, workers in (("off", "0"), ("on", "2")):
+        out = tmp_path / mode
+        proc = run_main(str(folder), *TINY, "--epochs", "2", "--seed", "3", "-j", workers,
+                        "--decode-on-device", mode, "--output-dir", str(out))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert ("decoded and cropped on cpu" in proc.stdout) == (mode == "on")
+        assert "waiting for data" in proc.stdout  # the epoch summary
+        outputs[mode] = load_checkpoint(out / "checkpoint.pth.tar")
+    for name, value in outputs["off"]["state_dict"].items():
+        assert torch.equal(value, outputs["on"]["state_dict"][name]), name
+    assert outputs["off"]["best_acc1"] == outputs["on"]["best_acc1"]
