@@ -10,6 +10,7 @@ class TrainerError(Exception):
     """A problem the user can fix; the message says what and how."""
 
     exit_code = 1
+    label = "error"  # what the one line starts with
 
     def __init__(self, message: str = "") -> None:
         # A DataLoader worker's error is re-raised in the main process as
@@ -26,7 +27,7 @@ def report(exc: TrainerError, debug: bool = False, rank: int = 0) -> int:
     if debug:
         traceback.print_exc()
     tag = "" if rank == 0 else f"[rank {rank}] "
-    print(f"{tag}error: {exc}", file=sys.stderr, flush=True)
+    print(f"{tag}{exc.label}: {exc}", file=sys.stderr, flush=True)
     return exc.exit_code
 
 
@@ -69,6 +70,13 @@ class Preempted(RunError):
     """A signal asked the run to stop; a checkpoint was saved so a requeue resumes."""
 
     exit_code = 143  # documented in README: same as a process killed by SIGTERM
+
+
+class TimeLimitReached(Preempted):
+    """--time-limit stopped the run in time to save; the next job resumes (exit code 143 too:
+    a requeue or the next job of a chain continues it, as after a preemption)."""
+
+    label = "time limit"
 
 
 class NonFiniteStateError(RunError):

@@ -18,6 +18,7 @@ from imagenet import comm_hooks, fsdp
 from imagenet.config import Config
 from imagenet.distributed import DistInfo
 from imagenet.errors import RunError, UsageError
+from imagenet.resolution import compile_model
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def wrap(raw: nn.Module, cfg: Config, dist: DistInfo,
     if cfg.fsdp:
         log.info("=> one process: --fsdp has nothing to shard; training the whole model")
     if cfg.compile:
-        model = torch.compile(model)
+        model = compile_model(model, cfg)
     if not dist.distributed:
         if cfg.ddp_comm_hook != "none":
             log.info("=> one process: --ddp-comm-hook %s has nothing to send", cfg.ddp_comm_hook)
@@ -150,7 +151,7 @@ def shard(model: nn.Module, cfg: Config, dist: DistInfo,
                  cfg.fsdp_zero or 3, ", CPU offload" if cfg.fsdp_cpu_offload else "", units)
     # Static shapes: with automatic dynamic shapes, inductor (torch 2.14, CPU) fails to compile
     # the backward of a recompiled FSDP graph ("Cannot convert expression to float").
-    return torch.compile(model, dynamic=False) if cfg.compile else model
+    return compile_model(model, cfg, static=True) if cfg.compile else model
 
 
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
