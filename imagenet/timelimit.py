@@ -209,8 +209,9 @@ def deadline(cfg: Config, info: DistInfo, checkpoint_bytes: Callable[[], int],
     if found is None:
         return None
     end, name = found
-    log.info("=> time limit: stopping in time to save before %s (%s from now)", name,
-             duration(end - time.time()))
+    left = end - time.time()
+    log.info("=> time limit: stopping in time to save before %s (%s)", name,
+             f"{duration(left)} from now" if left > 0 else "past already: one step, then stop")
     return Deadline(end, name, checkpoint_bytes() / WRITE_BYTES_PER_SECOND)
 
 
