@@ -1,10 +1,10 @@
 """Datasets, samplers and loaders; ``TrainData``, what the trainer asks of any training source.
 
-Augmentation randomness is a pure function of (seed, epoch, sample index) - and of the copy, with
+Augmentation randomness is a pure function of (seed, epoch, sample index), and of the copy with
 repeated augmentation (--ra-reps): each sample re-seeds the worker's generators before its
-transform runs. The data a step sees therefore does not depend on the
-number of workers, on which worker ran it, or on whether the run was interrupted - the basis of
-bitwise-exact mid-epoch resume. Tar shards (``imagenet.shards``) follow the same rules.
+transform runs. The data a step sees therefore does not depend on the number of workers, on which
+worker ran it, or on whether the run was interrupted - the basis of bitwise-exact mid-epoch
+resume. Tar shards (``imagenet.shards``) follow the same rules.
 """
 
 from __future__ import annotations

@@ -258,7 +258,7 @@ def keep(folder: Path, n: int, epoch: int, acc1: float) -> None:
     path = history.plan(folder, n, history.epoch_entry(epoch, acc1, epoch * 10, False))
     if path is not None:
         files.atomic_save({"epoch": epoch, "state_dict": {}}, path)
-    history.prune(folder)
+    history.prune(folder, sharded=False)
 
 
 def test_the_history_keeps_the_best_by_top1_later_epochs_first_at_a_tie(tmp_path):

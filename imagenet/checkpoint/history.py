@@ -21,7 +21,6 @@ import logging
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from imagenet.checkpoint import files
 
@@ -74,25 +73,22 @@ def plan(folder: Path, keep: int, entry: Entry) -> Path | None:
     return folder / entry.file if entry in kept else None
 
 
-def prune(folder: Path) -> None:
-    """Delete the epoch checkpoints the index no longer names (after the save: rank 0)."""
+def prune(folder: Path, sharded: bool) -> None:
+    """Delete the epoch checkpoints of this kind (files, or --sharded-checkpoint directories)
+    that the index no longer names (after the save: rank 0). The other kind is left alone: a
+    kept directory's unsharded file, say."""
     named = {e.file for e in read_index(folder)}
-    for pattern in (files.EPOCH_PATTERN, files.dcp_name(files.EPOCH_PATTERN)):
-        for path in folder.glob(pattern):
-            if path.name in named:
-                continue
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-            log.debug("--keep-checkpoints: removed %s", path)
+    pattern = files.dcp_name(files.EPOCH_PATTERN) if sharded else files.EPOCH_PATTERN
+    for path in folder.glob(pattern):
+        if path.name in named:
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        log.debug("--keep-checkpoints: removed %s", path)
 
 
 def epoch_entry(epoch: int, acc1: float, global_step: int, sharded: bool) -> Entry:
     """The entry of the checkpoint saved after ``epoch`` epochs."""
     return Entry(epoch_name(epoch, sharded), epoch, float(acc1), global_step)
-
-
-def describe(folder: Path) -> list[dict[str, Any]]:
-    """The index as plain dicts, best first (for logs and tests)."""
-    return [asdict(e) for e in read_index(folder)]

@@ -165,7 +165,7 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
         kept = keep_epoch(run, score)
         files.atomic_save(payload, run.output_dir / files.CHECKPOINT, copies=best + kept)
         if score is not None and run.cfg.keep_checkpoints:
-            history.prune(run.output_dir)
+            history.prune(run.output_dir, sharded=False)
     # No rank moves on (or exits after a signal) before the file is in place: under mp.spawn the
     # first rank to exit makes the parent terminate the others, rank 0 included.
     barrier()
@@ -187,7 +187,7 @@ def save_sharded(run: Run, is_best: bool, epoch_done: bool, is_best_ema: bool,
     kept = tuple(keep_epoch(run, score)) if run.dist.is_main else ()
     sharded.save(run, meta, out / files.dcp_name(files.CHECKPOINT), copies=best + kept)
     if run.dist.is_main and score is not None and run.cfg.keep_checkpoints:
-        history.prune(out)
+        history.prune(out, sharded=True)
 
 
 def keep_epoch(run: Run, score: float | None) -> list[Path]:
