@@ -223,8 +223,9 @@ def reached(where: str, output_dir: Path, clock_: Deadline | None) -> TimeLimitR
 
 
 def nothing_left(cfg: Config, info: DistInfo, restarted: bool) -> str | None:
-    """The line that ends a job whose checkpoint to resume has trained every epoch (None: there
-    is training to do). Rank 0 reads the checkpoint's position only. Collective."""
+    """The line that ends a job whose checkpoint to resume, one of OUTPUT_DIR (a chain's), has
+    trained every epoch (None: there is training to do, or the resume decides). Rank 0 reads the
+    checkpoint's position only. Collective."""
     if cfg.evaluate or (cfg.resume is None and not restarted):
         return None
     line = _finished(cfg, restarted) if info.is_main else None
@@ -240,16 +241,16 @@ def _finished(cfg: Config, restarted: bool) -> str | None:
     from imagenet.checkpoint import files  # here: cli imports this module, and stays light
 
     try:
-        path = files.resolve_resume(cfg.resume, Path(cfg.output_dir), restarted,
-                                    cfg.sharded_checkpoint)
-        if path is None:
-            return None
+        folder = Path(cfg.output_dir)
+        path = files.resolve_resume(cfg.resume, folder, restarted, cfg.sharded_checkpoint)
+        if path is None or path.resolve().parent != folder.resolve():
+            return None  # a checkpoint from elsewhere: the resume checks it as usual
         meta = path / files.SHARDED_META if path.is_dir() else path
         ckpt = torch.load(meta, map_location="cpu", weights_only=True, mmap=True)
         epoch, best = int(ckpt.get("epoch", 0)), files.best_acc1_of(ckpt)
     except Exception:  # the resume itself says what is wrong with the file
         return None
-    if epoch < cfg.epochs:
-        return None
+    if epoch < cfg.epochs or ckpt.get("arch", cfg.arch) != cfg.arch:  # another -a: the resume
+        return None  # refuses it with its own message
     return (f"=> nothing left to train: {path} has finished {epoch} of --epochs {cfg.epochs} "
             f"(best Acc@1 {best:.3f}); give a larger --epochs to train on")
