@@ -412,6 +412,10 @@ def build_data(cfg: Config, data_root: str | Path, rank: int, world_size: int, l
     sampler = ResumableDistributedSampler(len(train), rank, world_size,  # type: ignore[arg-type]
                                           seed=cfg.seed or 0, reps=cfg.ra_reps)
     check_one_batch(sampler.num_samples, batch_size, world_size)
+    if cfg.ra_reps > 1 and rank == 0:
+        log.info("=> repeated augmentation: each epoch trains %d images x %d differently "
+                 "augmented copies (one pass: %d samples)", -(-len(train) // cfg.ra_reps),
+                 cfg.ra_reps, len(train))
     extra = loader_options(workers)
     # A private generator: creating loader iterators must not consume the global RNG, which the
     # training step uses (MixUp/CutMix, dropout) and the checkpoint restores.

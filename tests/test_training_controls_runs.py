@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from helpers import load_checkpoint, main_cmd, write_image_folder
 from test_fault_tolerance import RUN_STATE, Live, assert_equal
+from test_training_controls import fake_squeue
 
 pytestmark = pytest.mark.slow
 
@@ -104,12 +105,16 @@ def test_a_chain_of_time_limited_jobs_ends_as_the_uninterrupted_run(data, refere
                      rf"4242 at .*; checkpoint saved in {out}; --resume auto continues$",
                      output, flags=re.M), output
     assert (load_checkpoint(out / "checkpoint.pth.tar")["step_in_epoch"]) == 1
-    later = {**slurm, "SLURM_JOB_END_TIME": str(int(time.time()) + 3600)}
-    # The next job is killed mid-epoch (after a --save-every checkpoint) in the ramp's middle...
-    output = kill_after([*job, "-j", "0", "--save-every", "2"], "Epoch: [1][3/6]", **later)
+    # The next job's end time comes from squeue (a real process on PATH), an hour ahead. It is
+    # killed mid-epoch (after a --save-every checkpoint) in the middle of the ramp...
+    squeue = fake_squeue(tmp_path / "bin", "date -d '+1 hour' +%Y-%m-%dT%H:%M:%S")
+    output = kill_after([*job, "-j", "0", "--save-every", "2"], "Epoch: [1][3/6]", **squeue)
+    assert re.search(r"=> time limit: stopping in time to save before the end of SLURM job 4242 "
+                     r"at .* \(59 min \d\d s from now\)", output), output
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert (ckpt["epoch"], ckpt["step_in_epoch"]) in ((1, 2), (1, 4)), output
     # ... and the one after it finishes (with loader workers: each builds the epoch's crop).
+    later = {**slurm, "SLURM_JOB_END_TIME": str(int(time.time()) + 3600)}
     code, output = run([*job, "-j", "2"], **later)
     assert code == 0 and crops(output) == SIZES[1:], output
     assert_same_run(out, reference["single"])
