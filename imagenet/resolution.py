@@ -94,12 +94,6 @@ def train_sizes(cfg: Config) -> list[int]:
     return schedule.sizes(cfg.epochs) if schedule is not None else [cfg.train_crop_size]
 
 
-def epoch_size(cfg: Config, epoch: int) -> int:
-    """The training crop of ``epoch``, pixels."""
-    schedule = crop_schedule(cfg)
-    return schedule.size(epoch) if schedule is not None else cfg.train_crop_size
-
-
 def announce(cfg: Config, epoch: int) -> dict[str, int]:
     """With progressive resizing: log the epoch's crop; its metrics.jsonl field (else {})."""
     schedule = crop_schedule(cfg)
