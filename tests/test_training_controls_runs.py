@@ -3,7 +3,7 @@
 with them; a chain of jobs ends with "nothing left to train".
 
 Every run trains the same recipe (repeated augmentation x2, a 24 -> 28 -> 32 px crop ramp, the
-3 best epochs kept, a cosine schedule) on 48 JPEGs; an interrupted chain must end bitwise equal
+2 best epochs kept, a cosine schedule) on 48 JPEGs; an interrupted chain must end bitwise equal
 to the uninterrupted run of its layout, its checkpoint history included.
 """
 
