@@ -18,8 +18,11 @@ Starting
 One training process (trainer.run_training: build -> claim the folder -> resume -> check -> train)
   build        Run: everything a process holds, built from the flags; build_engine makes the
                objects of a training step (also used by the tests and benchmarks).
-  data         datasets, the resumable training sampler, the exact validation shards, loaders;
-               TrainData, what the trainer asks of any training source.
+  data         datasets, the resumable training sampler (with repeated augmentation,
+               --ra-reps), the exact validation shards, loaders; TrainData, what the trainer
+               asks of any training source.
+  resolution   progressive resizing: the training crop of every epoch, built in the loader
+               process from the sample's epoch; --compile with a static graph per size.
   shards       tar shards (WebDataset format): sources, downloads, a strict tar reader, the
                epoch plan (a pure function of seed, epoch and layout), the loaders.
   transforms   JPEG decoding and augmentation to uint8 tensors; normalisation on the device.
@@ -41,12 +44,15 @@ One training process (trainer.run_training: build -> claim the folder -> resume 
                back), guard (only finite state, the same class names), source (which checkpoint
                every rank resumes: rank 0 decides), changes (the flags and layout that differ
                from the checkpoint's), rng (every rank's random streams), sharded
-               (--sharded-checkpoint directories).
+               (--sharded-checkpoint directories), history (--keep-checkpoints: the best epoch
+               checkpoints and their index).
   position     where a run is in epochs and images, in any layout; the schedule rebuilt there.
   trainer      the epoch loop: train, validate, keep the best, save, log.
   engine       train_one_epoch and evaluate; dicts in, dicts out, no files.
   metrics      top-k counts and sums that stay on the device and are all-reduced once.
   preemption   SIGTERM/SIGUSR1/SIGINT: finish the step, save, agree across ranks, exit 143.
+  timelimit    --time-limit: rank 0's clock asks for that stop in time to save (exit 143); a
+               job after the last epoch has "nothing left to train".
   logger       console and progress lines, TensorBoard, metrics.jsonl, config.json (rank 0).
   console      what a person reads around the loop: --demo's settings, slow start-up stages,
                what -e evaluates, where a finished run's outputs are.

@@ -31,6 +31,7 @@ from imagenet.launch import (
 )
 from imagenet.logger import setup_logging
 from imagenet.preemption import PREEMPT_EXIT_CODE
+from imagenet.timelimit import STARTED_ENV, process_start
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PREEMPTED_BY = {sig.name for sig in FORWARDED_SIGNALS}  # a child dead of these: preempted
@@ -89,6 +90,7 @@ def _spawn(cfg: Config, launch: Launch, announce: str) -> int:
     env = dict(os.environ)
     rendezvous(cfg, launch, env)
     master = {k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT") if k in env}
+    master[STARTED_ENV] = str(process_start())  # --time-limit counts from this process's start
     children: list = []
     pending: list[int] = []  # signals that came before the children existed
 

@@ -7,7 +7,9 @@ later step would run that dynamic graph (slower kernels, no CUDA graphs). Dynamo
 ``recompile_limit`` graphs per Python function; under --fsdp every block's forward is a frame of
 its own, so one function holds a graph per block shape and batch shape: ResNet-50 needs 32
 (8 block shapes x train/eval x full/last batch; measured), beyond torch's default of 8, after
-which the blocks silently run uncompiled. ``RECOMPILE_LIMIT`` leaves room for that.
+which the blocks silently run uncompiled. ``RECOMPILE_LIMIT`` leaves room for that, for every
+training crop size of a progressive-resizing run (``resolution``): each size brings its own
+graphs, compiled in the first epoch that uses it.
 
 DDP is compiled from the outside (``torch.compile(DDP(model))``), as torch's DDP documentation
 asks: Dynamo's DDPOptimizer then splits the graph at DDP's gradient buckets so that each
@@ -30,19 +32,22 @@ RECOMPILE_LIMIT = 64  # graphs per function; see the module docstring
 _EVALUATION: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
 
 
-def compile_model(model: nn.Module, backend: str | Callable = "inductor") -> nn.Module:
-    """``model`` compiled with static shapes (a graph per batch shape)."""
+def compile_model(model: nn.Module, backend: str | Callable = "inductor",
+                  crop_sizes: int = 1) -> nn.Module:
+    """``model`` compiled with static shapes (a graph per batch shape), with room for the
+    graphs of ``crop_sizes`` training crop sizes."""
     import torch._dynamo  # only when compiling: importing Dynamo takes a while
 
     limit = torch._dynamo.config.recompile_limit
-    torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
+    torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT * crop_sizes)
     return torch.compile(model, dynamic=False, backend=backend)
 
 
-def compile_ddp(ddp: nn.Module, backend: str | Callable = "inductor") -> nn.Module:
+def compile_ddp(ddp: nn.Module, backend: str | Callable = "inductor",
+                crop_sizes: int = 1) -> nn.Module:
     """A DDP module compiled from the outside, and its inner module compiled for validation."""
-    compiled = compile_model(ddp, backend)
-    _EVALUATION[compiled] = compile_model(ddp.module, backend)
+    compiled = compile_model(ddp, backend, crop_sizes)
+    _EVALUATION[compiled] = compile_model(ddp.module, backend, crop_sizes)
     return compiled
 
 
@@ -58,11 +63,12 @@ def graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def new_graphs(before: int, epoch: int, first: bool) -> int:
-    """Graphs compiled since ``before`` (``graphs_compiled``); after this process's first epoch
-    any is a warning: a batch shape not seen before, each costing minutes on a GPU."""
+def new_graphs(before: int, epoch: int, expected: bool) -> int:
+    """Graphs compiled since ``before`` (``graphs_compiled``). Unless ``expected`` (this
+    process's first epoch, or the first at a new crop size) any is a warning: a batch shape not
+    seen before, each costing minutes on a GPU."""
     count = graphs_compiled() - before
-    if count and not first:
+    if count and not expected:
         log.warning("torch.compile compiled %d new graph(s) in epoch %d: a batch shape it had "
                     "not seen (e.g. a resumed epoch's last batch; --debug with "
                     "TORCH_LOGS=recompiles says which)", count, epoch)

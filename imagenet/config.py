@@ -89,6 +89,27 @@ class Config:
                                     metavar="F",
                                     help="smallest RandomResizedCrop area, as a fraction of the "
                                          "image (default: %(default)s)")
+    train_crop_start: int | None = _flag(
+        "--train-crop-start", group="data", default=None, type=int, metavar="PX",
+        help="progressive resizing: the training crop starts at PX and grows linearly to "
+             "--train-crop-size over --train-crop-ramp; validation sizes stay as given "
+             "(default: off)")
+    train_crop_ramp: tuple[int, int] | None = _flag(
+        "--train-crop-ramp", group="data", default=None, type=int, nargs=2,
+        metavar=("START_EPOCH", "END_EPOCH"),
+        help="with --train-crop-start: epochs up to START_EPOCH train at the start size, epochs "
+             "from END_EPOCH on at --train-crop-size, the ones between on a linear ramp "
+             "(default: off)")
+    train_crop_multiple: int = _flag(
+        "--train-crop-multiple", group="data", default=32, type=int, metavar="PX",
+        help="sizes on the --train-crop-ramp are rounded to a multiple of PX; 32 is the total "
+             "stride of torchvision's CNNs, as FFCV rounds (default: %(default)s)")
+    ra_reps: int = _flag("--ra-reps", group="data", default=1, type=int, metavar="N",
+                         help="repeated augmentation: each image an epoch selects is trained N "
+                              "times, differently augmented, the copies spread over the "
+                              "processes; an epoch stays one pass of the data set "
+                              "(torchvision's RASampler; its ResNet-50 recipe uses 4) "
+                              "(default: %(default)s = off)")
     val_resize_size: int = _flag("--val-resize-size", group="data", default=256, type=int,
                                  metavar="PX", help="validation resize of the short side, pixels "
                                                     "(default: %(default)s)")
@@ -325,6 +346,17 @@ class Config:
                             metavar="STEPS", help="also checkpoint every N optimizer steps "
                                                   "within an epoch; 0 = epoch ends only "
                                                   "(default: %(default)s)")
+    keep_checkpoints: int = _flag(
+        "--keep-checkpoints", group="checkpointing", default=0, type=int, metavar="N",
+        help="also keep the N best epoch checkpoints by top-1 (checkpoint_epoch012.pth.tar: "
+             "after 12 epochs), their scores in OUTPUT_DIR/checkpoints.json (default: "
+             "%(default)s = none)")
+    time_limit: str | None = _flag(
+        "--time-limit", group="checkpointing", default=None, metavar="DURATION",
+        help="stop early enough to save before this much wall-clock time has passed since "
+             "main.py started: seconds, HH:MM:SS or D-HH:MM:SS; 'slurm' = this SLURM job's end "
+             "time. Exits with code 143 (as on preemption); --resume auto continues "
+             "(default: none)")
     # ---- logging
     print_freq: int = _flag("-p", "--print-freq", group="logging", default=10, type=int,
                             metavar="N", help="progress line every N steps "
@@ -398,6 +430,8 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
         values.update({k: v for k, v in DEMO_DEFAULTS.items() if k not in given})
         values["data"] = str(Path(values["output_dir"]) / "demo-data")  # recorded as trained
     values["lr_milestones"] = tuple(values["lr_milestones"])
+    if values["train_crop_ramp"] is not None:
+        values["train_crop_ramp"] = tuple(values["train_crop_ramp"])
     cfg = Config(**values)
     validate(cfg)
     return cfg
@@ -421,7 +455,8 @@ def validate(cfg: Config) -> None:
                 "--val-crop-size": cfg.val_crop_size, "--val-resize-size": cfg.val_resize_size,
                 "--grad-accum-steps": cfg.grad_accum_steps, "--dist-timeout": cfg.dist_timeout,
                 "--model-ema-steps": cfg.model_ema_steps, "--bucket-cap-mb": cfg.bucket_cap_mb,
-                "--powersgd-rank": cfg.powersgd_rank,
+                "--powersgd-rank": cfg.powersgd_rank, "--ra-reps": cfg.ra_reps,
+                "--train-crop-multiple": cfg.train_crop_multiple,
                 "--global-batch-size": 1 if cfg.global_batch_size is None
                 else cfg.global_batch_size}
     for name, value in positive.items():
@@ -432,7 +467,8 @@ def validate(cfg: Config) -> None:
                     "--save-every": cfg.save_every, "--label-smoothing": cfg.label_smoothing,
                     "--mixup-alpha": cfg.mixup_alpha, "--cutmix-alpha": cfg.cutmix_alpha,
                     "--lr-warmup-epochs": cfg.lr_warmup_epochs, "--lr-min": cfg.lr_min,
-                    "--powersgd-start-iter": cfg.powersgd_start_iter}
+                    "--powersgd-start-iter": cfg.powersgd_start_iter,
+                    "--keep-checkpoints": cfg.keep_checkpoints}
     for name, value in non_negative.items():
         if value < 0:
             raise UsageError(f"{name} must not be negative, got {value}")
@@ -466,11 +502,21 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--bucket-cap-mb {cfg.bucket_cap_mb:g} with --compile: a compiled DDP "
                          "model needs buckets of at least 1 MB (torch's DDPOptimizer); give "
                          "--bucket-cap-mb 1 or more")
+    check_training_controls(cfg)
     check_numbers_and_ranks(cfg)
     check_dist_url(cfg.dist_url)
     check_fsdp(cfg)
     check_arch(cfg.arch, cfg.weights, cfg.pretrained)
     check_trackers_installed(cfg.log_to)
+
+
+def check_training_controls(cfg: Config) -> None:
+    """Progressive resizing and --time-limit (docs/training-controls.md)."""
+    from imagenet.resolution import check_crop_flags
+    from imagenet.timelimit import parse_time_limit
+
+    check_crop_flags(cfg)
+    parse_time_limit(cfg.time_limit)
 
 
 def check_numbers_and_ranks(cfg: Config) -> None:

@@ -1,9 +1,10 @@
 """Datasets, samplers and loaders; ``TrainData``, what the trainer asks of any training source.
 
-Augmentation randomness is a pure function of (seed, epoch, sample index): each sample re-seeds the
-worker's generators before its transform runs. The data a step sees therefore does not depend on the
-number of workers, on which worker ran it, or on whether the run was interrupted - the basis of
-bitwise-exact mid-epoch resume. Tar shards (``imagenet.shards``) follow the same rules.
+Augmentation randomness is a pure function of (seed, epoch, sample index), and of the copy with
+repeated augmentation (--ra-reps): each sample re-seeds the worker's generators before its
+transform runs. The data a step sees therefore does not depend on the number of workers, on which
+worker ran it, or on whether the run was interrupted - the basis of bitwise-exact mid-epoch
+resume. Tar shards (``imagenet.shards``) follow the same rules.
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ from imagenet.config import Config
 from imagenet.errors import DataError, UsageError
 from imagenet.launch import Layout
 from imagenet.preemption import ignore_stop_signals
+from imagenet.resolution import (
+    CornerCrop,
+    crop_schedule,
+    follow_epoch,
+    sized_by_epoch,
+    train_sizes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,28 +43,31 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")
 
 
-def seeded_call(seed: int, epoch: int, index: int, fn: Callable[[], R]) -> R:
-    """``fn()`` with torch's and python's global generators seeded from (seed, epoch, index)."""
+def seeded_call(seed: int, epoch: int, index: int, fn: Callable[[], R], copy: int = 0) -> R:
+    """``fn()`` with torch's and python's global generators seeded from (seed, epoch, index)
+    and, for the further copies of repeated augmentation, ``copy``."""
+    key = (seed, epoch, index) if copy == 0 else (seed, epoch, index, copy)
     if get_worker_info() is not None:
-        return _seeded(seed, epoch, index, fn)
+        return _seeded(key, fn)
     # In the training process (-j 0) the global streams belong to the training step
     # (dropout, MixUp): borrow them and put them back.
     python_state = random.getstate()
     with torch.random.fork_rng(devices=[]):
-        result = _seeded(seed, epoch, index, fn)
+        result = _seeded(key, fn)
     random.setstate(python_state)
     return result
 
 
-def _seeded(seed: int, epoch: int, index: int, fn: Callable[[], R]) -> R:
-    sample_seed = hash((seed, epoch, index)) & 0x7FFF_FFFF_FFFF_FFFF
+def _seeded(key: tuple[int, ...], fn: Callable[[], R]) -> R:
+    sample_seed = hash(key) & 0x7FFF_FFFF_FFFF_FFFF
     torch.default_generator.manual_seed(sample_seed)
     random.seed(sample_seed)
     return fn()
 
 
 class SeededDataset(Dataset):
-    """Wraps a dataset so that item ``(epoch, index)`` is augmented with its own seed."""
+    """Wraps a dataset so that item ``(epoch, index)`` (or ``(epoch, index, copy)``) is augmented
+    with its own seed, at the epoch's training crop size (progressive resizing)."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset = dataset
@@ -65,9 +76,11 @@ class SeededDataset(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(self, key: tuple[int, int]):
-        epoch, index = key
-        return seeded_call(self.seed, epoch, index, partial(self.dataset.__getitem__, index))
+    def __getitem__(self, key: tuple[int, ...]):
+        epoch, index, *copy = key
+        follow_epoch(self.dataset, epoch)
+        return seeded_call(self.seed, epoch, index, partial(self.dataset.__getitem__, index),
+                           *copy)
 
 
 class ResumableDistributedSampler(Sampler):
@@ -78,12 +91,18 @@ class ResumableDistributedSampler(Sampler):
     ranks never wait for a rank that ran out of data. A resumed epoch continues with the items
     of its permutation after the first ``skip`` (trained before, in any layout: W ranks that
     each trained n samples trained exactly the first n x W items).
+
+    With ``reps`` > 1 (repeated augmentation) the order is torchvision's RASampler's: each index
+    of the permutation ``reps`` times in a row, cut to ``size`` items so that an epoch is still
+    one pass; strided over the ranks, the copies of an image go to ``reps`` consecutive ranks.
+    Its keys are ``(epoch, index, copy)``: every copy is augmented with its own seed. The order
+    is still one sequence of ``size`` items, so any layout continues it.
     """
 
     def __init__(self, size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = True) -> None:
+                 shuffle: bool = True, reps: int = 1) -> None:
         self.size, self.rank, self.world_size = size, rank, world_size
-        self.seed, self.shuffle = seed, shuffle
+        self.seed, self.shuffle, self.reps = seed, shuffle, reps
         self.num_samples = math.ceil(size / world_size)
         self.epoch, self.skip = 0, 0
 
@@ -96,19 +115,33 @@ class ResumableDistributedSampler(Sampler):
         self.epoch, self.skip = epoch, min(images, self.size)
 
     def _order(self) -> list[int]:
-        """The epoch's global order."""
+        """The epoch's global order of items (item = index x reps + copy)."""
         if not self.shuffle:
-            return list(range(self.size))
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.size, generator=g).tolist()
+            order = torch.arange(self.size)
+        else:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.size, generator=g)
+        if self.reps > 1:  # one pass: the first size / reps images of the permutation, repeated
+            copies = torch.arange(self.size) % self.reps
+            order = order.repeat_interleave(self.reps)[:self.size] * self.reps + copies
+        return order.tolist()
+
+    def _keys(self, items: list[int]) -> list[tuple[int, ...]]:
+        if self.reps == 1:
+            return [(self.epoch, i) for i in items]
+        return [(self.epoch, *divmod(i, self.reps)) for i in items]
+
+    def keys(self) -> list[tuple[int, ...]]:
+        """This rank's full list of keys for the current epoch."""
+        return self._keys(_padded_share(self._order(), 0, self.rank, self.world_size))
 
     def indices(self) -> list[int]:
         """This rank's full index list for the current epoch."""
-        return _padded_share(self._order(), 0, self.rank, self.world_size)
+        return [key[1] for key in self.keys()]
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
         share = _padded_share(self._order(), self.skip, self.rank, self.world_size)
-        return iter([(self.epoch, i) for i in share])
+        return iter(self._keys(share))
 
     def __len__(self) -> int:
         return math.ceil((self.size - self.skip) / self.world_size)
@@ -173,6 +206,7 @@ class DummyDataset(Dataset):
 
     def __init__(self, size: int, num_classes: int, image_size: int) -> None:
         self.size, self.num_classes = size, num_classes
+        self.transform: Callable | None = None  # progressive resizing: the epoch's crop
         g = torch.Generator().manual_seed(0)
         self.image = torch.randint(0, 256, (3, image_size, image_size), dtype=torch.uint8,
                                    generator=g)
@@ -182,7 +216,8 @@ class DummyDataset(Dataset):
         return self.size
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        return self.image, index % self.num_classes
+        image = self.image if self.transform is None else self.transform(self.image)
+        return image, index % self.num_classes
 
 
 class TrainData(Protocol):
@@ -262,9 +297,9 @@ class FolderTrain:
     def preview(self, epoch: int, count: int) -> torch.Tensor:
         position = self.sampler.epoch, self.sampler.skip
         self.sampler.set_epoch(epoch)
-        indices = self.sampler.indices()[:count]
+        keys = self.sampler.keys()[:count]
         self.sampler.continue_epoch(*position)
-        batch = self.loader.collate_fn([self.dataset[(epoch, i)] for i in indices])
+        batch = self.loader.collate_fn([self.dataset[key] for key in keys])
         return self.finish(batch, torch.device("cpu"))[0] if self.finish else batch[0]
 
 
@@ -334,10 +369,12 @@ def check_same_classes(train: Sequence[str], val: Sequence[str], root: Path) -> 
 
 
 def build_transforms(cfg: Config) -> tuple[Callable, Callable]:
-    """Per-sample training augmentation and validation transform, from the flags."""
-    train_tf = T.train_transform(cfg.train_crop_size, cfg.interpolation, cfg.auto_augment,
-                                 cfg.ra_magnitude, cfg.augmix_severity, cfg.random_erase,
-                                 backend=cfg.image_backend, min_scale=cfg.train_crop_scale)
+    """Per-sample training augmentation (at each epoch's crop size) and validation transform,
+    from the flags."""
+    train_tf = sized_by_epoch(cfg, partial(
+        T.train_transform, interpolation=cfg.interpolation, auto_augment=cfg.auto_augment,
+        ra_magnitude=cfg.ra_magnitude, augmix_severity=cfg.augmix_severity,
+        random_erase=cfg.random_erase, backend=cfg.image_backend, min_scale=cfg.train_crop_scale))
     val_tf = T.val_transform(cfg.val_resize_size, cfg.val_crop_size, cfg.interpolation,
                              backend=cfg.image_backend)
     return train_tf, val_tf
@@ -348,7 +385,9 @@ def build_datasets(cfg: Config, data_root: Path, encoded: bool = False
     """Train and validation datasets producing uint8 CHW images and integer labels (with
     ``encoded``: JPEG bytes and crop boxes, decoded on the device; see gpu_data)."""
     if cfg.dummy:
-        train = DummyDataset(cfg.dummy_size, cfg.dummy_classes, cfg.train_crop_size)
+        train = DummyDataset(cfg.dummy_size, cfg.dummy_classes, max(train_sizes(cfg)))
+        if crop_schedule(cfg) is not None:
+            train.transform = sized_by_epoch(cfg, CornerCrop)
         val = DummyDataset(cfg.dummy_val_size, cfg.dummy_classes, cfg.val_crop_size)
         return train, val, train.classes
     train_dir, val_dir = check_folder(data_root)
@@ -401,8 +440,12 @@ def build_data(cfg: Config, data_root: str | Path, rank: int, world_size: int, l
     batch_size, workers = layout.batch_size, layout.workers
     train, val, classes = build_datasets(cfg, Path(data_root), decode_on_device)
     sampler = ResumableDistributedSampler(len(train), rank, world_size,  # type: ignore[arg-type]
-                                          seed=cfg.seed or 0)
+                                          seed=cfg.seed or 0, reps=cfg.ra_reps)
     check_one_batch(sampler.num_samples, batch_size, world_size)
+    if cfg.ra_reps > 1 and rank == 0:
+        log.info("=> repeated augmentation: each epoch trains %d images x %d differently "
+                 "augmented copies (one pass: %d samples)", -(-len(train) // cfg.ra_reps),
+                 cfg.ra_reps, len(train))
     extra = loader_options(workers)
     finish: tuple = (None, None)
     if decode_on_device:  # encoded bytes: nvJPEG reads them from pageable memory itself

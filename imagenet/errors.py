@@ -10,6 +10,7 @@ class TrainerError(Exception):
     """A problem the user can fix; the message says what and how."""
 
     exit_code = 1
+    label = "error"  # what the one line starts with
 
     def __init__(self, message: str = "") -> None:
         # A DataLoader worker's error is re-raised in the main process as
@@ -25,18 +26,18 @@ def report(exc: TrainerError, debug: bool = False, rank: int = 0) -> int:
     """Print the one ``error:`` line (after the traceback with --debug); return the exit code."""
     if debug:
         traceback.print_exc()
-    say_error(str(exc), rank)
+    say_error(str(exc), rank, exc.label)
     return exc.exit_code
 
 
-def say_error(message: str, rank: int = 0) -> None:
-    """Write one ``error:`` line to stderr in a single write.
+def say_error(message: str, rank: int = 0, label: str = "error") -> None:
+    """Write one ``error:`` (or ``label:``) line to stderr in a single write.
 
     The ranks of a node share one stderr; with PYTHONUNBUFFERED ``print`` writes the text and
     its newline separately, so two ranks' lines could run together on one line.
     """
     tag = "" if rank == 0 else f"[rank {rank}] "
-    sys.stderr.write(f"{tag}error: {message}\n")
+    sys.stderr.write(f"{tag}{label}: {message}\n")
     sys.stderr.flush()
 
 
@@ -79,6 +80,13 @@ class Preempted(RunError):
     """A signal asked the run to stop; a checkpoint was saved so a requeue resumes."""
 
     exit_code = 143  # documented in README: same as a process killed by SIGTERM
+
+
+class TimeLimitReached(Preempted):
+    """--time-limit stopped the run in time to save; the next job resumes (exit code 143 too:
+    a requeue or the next job of a chain continues it, as after a preemption)."""
+
+    label = "time limit"
 
 
 class NonFiniteStateError(RunError):

@@ -56,6 +56,10 @@ def crop_flags(cfg: Config) -> dict[str, int]:
     crops = {"--val-crop-size": cfg.val_crop_size}
     if not cfg.evaluate:
         crops = {"--train-crop-size": cfg.train_crop_size, **crops}
+        if cfg.train_crop_start is not None:  # progressive resizing: its smallest (rounded) size
+            from imagenet.resolution import train_sizes
+
+            crops = {"--train-crop-start": min(train_sizes(cfg)), **crops}
     return crops
 
 

@@ -1,9 +1,11 @@
 """SIGTERM / SIGUSR1 / SIGINT: finish the step, save once, exit with PREEMPT_EXIT_CODE.
 
-A signal only sets a flag; the training loop asks ``should_stop()`` after each optimizer step. With
-several ranks the flag is OR-ed across ranks (one small all-reduce on a gloo side group, started one
-step and read the next, so it never stalls the GPU) so that every rank stops after the same step
-and the collective checkpoint save cannot deadlock. A second signal exits at once.
+A signal only sets a flag, as does --time-limit (``timelimit.Deadline``, on rank 0) when the time
+left no longer covers a step and a save; the training loop asks ``should_stop()`` after each
+optimizer step. With several ranks the flag is OR-ed across ranks (one small all-reduce on a gloo
+side group, started one step and read the next, so it never stalls the GPU) so that every rank
+stops after the same step and the collective checkpoint save cannot deadlock. A second signal
+exits at once.
 
 The same signal can arrive twice within milliseconds (SLURM signals every process of a job step
 and the --multiprocessing-distributed parent forwards it too); a repeat within
@@ -20,17 +22,24 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sized
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from imagenet.errors import Preempted
 
+if TYPE_CHECKING:
+    from imagenet.timelimit import Deadline
+
 log = logging.getLogger(__name__)
 
 PREEMPT_EXIT_CODE = Preempted.exit_code  # "saved on a signal; requeue to resume"
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 DUPLICATE_WINDOW = 1.0  # seconds
+TIME_LIMIT = "the time limit"  # StopFlag.requested when --time-limit asked for the stop
+# What each rank contributes to the agreement (the largest wins): go on, a signal, the time limit.
+GO_ON, SIGNALLED, TIMED_OUT = 0, 1, 2
 
 
 def ignore_stop_signals(_worker_id: int = 0) -> None:
@@ -44,11 +53,13 @@ class StopRequested(Exception):
 
 
 class StopFlag:
-    """Set by the signal handlers; agreed across ranks by ``should_stop``."""
+    """Set by the signal handlers (or the ``deadline``); agreed across ranks by ``should_stop``."""
 
-    def __init__(self) -> None:
+    def __init__(self, deadline: Deadline | None = None) -> None:
         self.requested: str | None = None  # name of the first signal received here
         self.stopping = False  # should_stop() has returned True: every rank stops
+        self.deadline = deadline  # --time-limit, on the rank that keeps the clock
+        self.timed_out = False  # the agreed stop came from the time limit
         self._first: tuple[int, float] | None = None
         self._group = None
         self._pending: tuple[torch.Tensor, object] | None = None
@@ -82,20 +93,51 @@ class StopFlag:
         log.warning("%s received: finishing this step, saving a checkpoint, then exiting "
                     "with code %d", name, PREEMPT_EXIT_CODE)
 
+    def _local(self) -> int:
+        """This rank's wish: GO_ON, SIGNALLED or TIMED_OUT (the deadline is asked here)."""
+        if self.requested is None and self.deadline is not None and self.deadline.due():
+            self.requested = TIME_LIMIT
+        if self.requested is None:
+            return GO_ON
+        return TIMED_OUT if self.requested == TIME_LIMIT else SIGNALLED
+
+    def _agree(self, wish: int) -> None:
+        if wish != GO_ON:
+            self.stopping = True
+            self.timed_out = self.timed_out or wish == TIMED_OUT
+
+    @property
+    def by_time_limit(self) -> bool:
+        """True when the stop is the time limit's (not a signal's, on this rank)."""
+        return self.requested == TIME_LIMIT or (self.requested is None and self.timed_out)
+
+    @property
+    def reason(self) -> str:
+        """What stopped the run, as the one line says it."""
+        if self.by_time_limit:
+            return TIME_LIMIT
+        return self.requested or "a signal on another rank"
+
+    def saved(self, seconds: float) -> None:
+        """A save took ``seconds`` (the time limit's estimate of the next one)."""
+        if self.deadline is not None:
+            self.deadline.saved(seconds)
+
     def should_stop(self) -> bool:
         """True on every rank once any rank was signalled (agreed one step later)."""
+        wish = self._local()
         if self._group is None:
-            self.stopping = self.stopping or self.requested is not None
+            self._agree(wish)
             return self.stopping
-        agreed = False
+        agreed = GO_ON
         if self._pending is not None:
             flag, work = self._pending
             work.wait()  # type: ignore[attr-defined]
-            agreed = bool(flag.item())
-        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
+            agreed = int(flag.item())
+        flag = torch.tensor([wish], dtype=torch.int32)
         self._pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group,
                                                async_op=True))
-        self.stopping = self.stopping or agreed
+        self._agree(agreed)
         return self.stopping
 
     def settle(self) -> bool:
@@ -103,15 +145,14 @@ class StopFlag:
         where no later step would ask, such as the end of an epoch."""
         if self._group is None:
             return self.should_stop()
-        agreed = self.stopping
         if self._pending is not None:
             flag, work = self._pending
             work.wait()  # type: ignore[attr-defined]
-            agreed = agreed or bool(flag.item())
+            self._agree(int(flag.item()))
             self._pending = None
-        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
+        flag = torch.tensor([self._local()], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        self.stopping = agreed or bool(flag.item())
+        self._agree(int(flag.item()))
         return self.stopping
 
     def drain(self) -> None:

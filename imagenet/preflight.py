@@ -129,16 +129,19 @@ def check_room(run: Run, resumed: Path | None) -> None:
                        f"file size limit (ulimit -f = {disk.human(limit)}); raise the limit "
                        "(ulimit -f unlimited) and start again")
     several_saves = run.cfg.epochs - run.step.epoch > 1 or run.cfg.save_every > 0
-    need = (size + ema) * (2 if several_saves else 1)
+    # --keep-checkpoints N: N more whole checkpoints once later saves replace the one they link
+    need = (size + ema) * (2 if several_saves else 1) + size * run.cfg.keep_checkpoints
     own = run.output_dir / files.CHECKPOINT
     if continues_folder(run.output_dir, resumed) and own.is_file():
         need -= own.stat().st_size
     free = disk.free_bytes(run.output_dir)
     if free is not None and free < need:
+        kept = f"; --keep-checkpoints {run.cfg.keep_checkpoints} keeps as many more" \
+            if run.cfg.keep_checkpoints else ""
         raise RunError(f"{run.output_dir} has {disk.human(free)} free, but this run needs about "
                        f"{disk.human(need)} for its checkpoints (one is about "
                        f"{disk.human(size + ema)}, and a save writes the new file before it "
-                       "replaces the old); free some space or give another --output-dir")
+                       f"replaces the old{kept}); free some space or give another --output-dir")
 
 
 def first_bad_val_shard(run: Run) -> DataError | None:

@@ -42,7 +42,9 @@ CONFIG, TENSORBOARD = "config.json", "tb"
 DIRECTORIES = tuple(files.dcp_name(n) for n in (files.CHECKPOINT, files.BEST, files.BEST_EMA))
 # What one run writes; moved aside together when a fresh run starts in a used folder.
 RECORD = (files.CHECKPOINT, files.BEST, files.BEST_EMA, METRICS, CONFIG, TENSORBOARD, RUN_IDS,
-          *DIRECTORIES, *(files.aside(Path(n)).name for n in DIRECTORIES))
+          *DIRECTORIES, *(files.aside(Path(n)).name for n in DIRECTORIES), files.HISTORY_INDEX)
+# --keep-checkpoints' epoch checkpoints (files, or --sharded-checkpoint directories)
+RECORD_PATTERNS = (files.EPOCH_PATTERN, files.dcp_name(files.EPOCH_PATTERN))
 # lockf's answers on filesystems without (working) locks: NFS without lockd, some FUSE, Lustre
 # mounted without -o flock.
 NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
@@ -184,6 +186,7 @@ def move_previous_run(folder: Path) -> Path | None:
     A rename within the folder's filesystem: instant, and nothing is copied or deleted.
     """
     present = [folder / name for name in RECORD if (folder / name).exists()]
+    present += sorted(path for pattern in RECORD_PATTERNS for path in folder.glob(pattern))
     if not present:
         return None
     stamp = started_at(folder, present).strftime("%Y-%m-%d_%H-%M-%S")

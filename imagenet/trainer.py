@@ -15,7 +15,7 @@ from typing import Any
 import torchvision
 from torch import nn
 
-from imagenet import configfile, disk
+from imagenet import configfile, disk, resolution, timelimit
 from imagenet.build import Best, Run, build_run
 from imagenet.checkpoint.guard import last_good
 from imagenet.checkpoint.state import resume, save
@@ -28,12 +28,12 @@ from imagenet.distributed import DistInfo
 from imagenet.engine import Hooks, Step, evaluate, train_one_epoch
 from imagenet.errors import NonFiniteLossError, Preempted, on_every_rank
 from imagenet.gpu_data import device_batches
-from imagenet.launch import Layout
+from imagenet.launch import Layout, elastic_restart_count
 from imagenet.logger import RunLogger, print_val_progress
 from imagenet.models import for_evaluation
 from imagenet.outputs import Outputs
 from imagenet.preemption import StopBetweenBatches, StopFlag, StopRequested
-from imagenet.preflight import check_before_training, claim_output_dir
+from imagenet.preflight import check_before_training, checkpoint_bytes, claim_output_dir
 from imagenet.storage import stage
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,10 @@ def run_training(cfg: Config, dist: DistInfo, layout: Layout,
     ``outputs``: imagenet.train's caller's hooks (``imagenet.outputs``).
     """
     cfg, remote = stage(cfg)  # an object-storage --output-dir: a local folder, mirrored
+    finished = timelimit.nothing_left(cfg, dist, elastic_restart_count() > 0)
+    if finished:  # a chained job after the last epoch: leave at once
+        log.info("%s", finished)
+        return {}
     run = build_run(cfg, dist, layout)
     run.outputs = replace(outputs or Outputs(), remote=remote)
     try:
@@ -86,19 +90,22 @@ def resume_and_train(run: Run) -> dict[str, float]:
 
 def train(run: Run, logger: RunLogger) -> dict[str, float]:
     """The epoch loop: train, validate, keep the best, checkpoint, log."""
-    stop = StopFlag()
+    stop = StopFlag(timelimit.deadline(run.cfg, run.dist, lambda: sum(checkpoint_bytes(run))))
     stop.install()
     hooks = Hooks(on_progress=logger.progress_hook(), after_step=saver(run, stop))
     start, record = time.perf_counter(), {}
     try:
-        first_epoch = run.step.epoch
+        crops_seen: set[int | None] = set()  # a crop size's first epoch compiles its graphs
         for epoch in range(run.step.epoch, run.cfg.epochs):
             run.step.epoch = epoch
             graphs = graphs_compiled() if run.cfg.compile else 0
+            crop = resolution.announce(run.cfg, epoch)  # progressive resizing: this epoch's size
+            new_crop = crop.get("train_crop_px") not in crops_seen
+            crops_seen.add(crop.get("train_crop_px"))
             # Train the rest of the epoch (all of it, unless resumed mid-epoch).
             trained = train_rest_of_epoch(run, hooks)
             record = {"epoch": epoch, "lr": run.engine.parts.optimizer.param_groups[0]["lr"],
-                      **prefixed("train_", trained)}
+                      **prefixed("train_", trained), **crop}
             # A signal stopped training: every rank saved this step's state; exit 143.
             if stop.stopping:
                 stop.drain()
@@ -111,12 +118,13 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
                     run, run.engine.parts.ema, run.best_ema, "ema_", record, stop)
             except StopRequested:  # validation is not saved state; the trained epoch is
                 stop.drain()
-                save(run, is_best=False)
+                stop.saved(save(run, is_best=False))
                 raise stopped(run, stop, "during the validation of") from None
             if run.cfg.compile:  # in the first epoch only (compiling); a warning otherwise
-                record["compiled_graphs"] = new_graphs(graphs, epoch, epoch == first_epoch)
+                record["compiled_graphs"] = new_graphs(graphs, epoch, expected=new_crop)
             # Save (best files first), then log the epoch.
-            save(run, is_best, epoch_done=True, is_best_ema=is_best_ema)
+            stop.saved(save(run, is_best, epoch_done=True, is_best_ema=is_best_ema,
+                            score=record["val_acc1"]))
             run.step.step_in_epoch = 0
             log_epoch(logger, run.step, record)
             run.outputs.logged(run)
@@ -155,7 +163,7 @@ def saver(run: Run, stop: StopFlag) -> Callable[[Step, Callable[[], None]], bool
         if stopping or (every and step.step_in_epoch % every == 0
                         and step.step_in_epoch < run.engine.opts.steps_per_epoch):
             check_finite()
-            save(run, is_best=False)
+            stop.saved(save(run, is_best=False))
         return stopping
 
     return after_step
@@ -165,7 +173,9 @@ def stopped(run: Run, stop: StopFlag, when: str = "") -> Preempted:
     """The error that ends a run stopped by a signal (its state is saved)."""
     where = f"{when} epoch {run.step.epoch}" if when else \
         f"at epoch {run.step.epoch} step {run.step.step_in_epoch}"
-    return Preempted(f"stopped by {stop.requested or 'a signal on another rank'} {where}; "
+    if stop.by_time_limit:
+        return timelimit.reached(where, run.output_dir, stop.deadline)
+    return Preempted(f"stopped by {stop.reason} {where}; "
                      f"checkpoint saved in {run.output_dir}; resume with --resume auto")
 
 

@@ -31,6 +31,7 @@ from test_fault_tolerance import (
     step_line,
 )
 
+from imagenet.checkpoint import files, history
 from imagenet.tools import unshard
 
 pytestmark = pytest.mark.slow
@@ -124,8 +125,12 @@ def test_sharded_checkpoint_directory_resumes_and_converts_to_the_classic_file(r
     single = tmp_path / "single"
     shutil.copytree(out / "checkpoint.dcp", single / "checkpoint.dcp")
     output = run_to_end(run_cmd(data, single, *SINGLE, "--fsdp", "--sharded-checkpoint", "-j",
-                                "0", "--epochs", "2", "--wd", "0.002", "--resume", "auto"))
+                                "0", "--epochs", "2", "--wd", "0.002", "--resume", "auto",
+                                "--keep-checkpoints", "1"))
     assert "(epoch 1, step 0," in output, output
+    # --keep-checkpoints keeps directories too: the epoch's, whole, named in the index.
+    assert files.is_checkpoint_dir(single / "checkpoint_epoch002.dcp")
+    assert [e.file for e in history.read_index(single)] == ["checkpoint_epoch002.dcp"]
     assert unshard.main([str(single / "checkpoint.dcp")]) == 0
     resumed = load_checkpoint(single / "checkpoint.pth.tar")
     assert resumed["epoch"] == 2

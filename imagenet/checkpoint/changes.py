@@ -27,7 +27,8 @@ OPERATIONAL = frozenset({
     "data", "workers", "print_freq", "debug", "env_check", "output_dir", "resume", "evaluate",
     "save_every", "start_epoch", "pretrained", "weights", "compile", "channels_last",
     "world_size", "rank", "dist_url", "dist_backend", "dist_timeout", "multiprocessing_distributed",
-    "nproc_per_node", "local_rank", "gpu", "no_accel", "bucket_cap_mb", "log_to",
+    "nproc_per_node", "local_rank", "gpu", "no_accel", "bucket_cap_mb", "log_to", "time_limit",
+    "keep_checkpoints",
 })
 
 

@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 CHECKPOINT = "checkpoint.pth.tar"
 BEST = "model_best.pth.tar"
 BEST_EMA = "model_best_ema.pth.tar"  # --model-ema: the EMA weights at their best top-1
+# --keep-checkpoints: the best epoch checkpoints (epochs done, 3 digits or more) and their index
+EPOCH_FILE, EPOCH_PATTERN = "checkpoint_epoch{:03d}.pth.tar", "checkpoint_epoch*.pth.tar"
+HISTORY_INDEX = "checkpoints.json"
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / DataParallel and torch.compile
 ZIP_MAGIC, PICKLE_MAGIC = b"PK\x03\x04", b"\x80"  # torch.save's zip format; legacy / pickle
 # --sharded-checkpoint: a directory per checkpoint (checkpoint.dcp/ ...) whose trainer state (no
@@ -102,6 +105,20 @@ def _save_and_sync(obj: Mapping[str, Any], path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a small text file so that ``path`` is always either old or new, never partial."""
+    tmp = _tmp_name(path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
 def atomic_copy(src: Path, dst: Path) -> None:
     """Copy ``src`` to ``dst`` so that ``dst`` is always either old or new, never partial."""
     tmp = _tmp_name(dst)
@@ -180,10 +197,11 @@ def replace_dir(tmp: Path, path: Path) -> None:
 
 def remove_stale_temp_files(folder: Path) -> None:
     """Delete temp files that a killed writer left behind."""
-    for name in (CHECKPOINT, BEST, BEST_EMA):
+    for name in (CHECKPOINT, BEST, BEST_EMA, EPOCH_PATTERN, HISTORY_INDEX):
         for tmp in folder.glob(f".{name}.tmp-*"):
             tmp.unlink(missing_ok=True)
-        shutil.rmtree(folder / f".{dcp_name(name)}.tmp", ignore_errors=True)
+        for tmp in folder.glob(f".{dcp_name(name)}.tmp"):
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:

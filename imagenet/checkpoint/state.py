@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from torch.optim.swa_utils import AveragedModel
 
 from imagenet import comm_hooks, fsdp
 from imagenet.build import Run
-from imagenet.checkpoint import files, guard, rng, sharded
+from imagenet.checkpoint import files, guard, history, rng, sharded
 from imagenet.checkpoint.changes import check_ranks_agree, log_changes
 from imagenet.checkpoint.source import agreed_checkpoint, broadcast_weights
 from imagenet.config import Config
@@ -139,16 +140,21 @@ def ema_weights_state(run: Run, ema: dict[str, Any]) -> dict[str, Any]:
             "config": run.cfg.to_dict()}
 
 
-def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = False) -> None:
+def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = False,
+         score: float | None = None) -> float:
     """Write checkpoint.pth.tar on rank 0, atomically; the best files first when they improve.
+    Returns the seconds it took (every rank: the save is collective).
 
     Best files are replaced before the checkpoint: a kill in between leaves a best file ahead of
     the checkpoint (``resumed_best`` adopts it), never a checkpoint whose best has no file.
+    ``score``: the epoch's validation top-1 at an epoch's end; with --keep-checkpoints the
+    checkpoint is also kept as checkpoint_epochNNN.pth.tar when it is among the best (``history``).
     """
+    start = time.perf_counter()
     if run.cfg.sharded_checkpoint:
-        save_sharded(run, is_best, epoch_done, is_best_ema)
+        save_sharded(run, is_best, epoch_done, is_best_ema, score)
         run.outputs.saved(run, epoch_done)
-        return
+        return time.perf_counter() - start
     payload = checkpoint_state(run, epoch_done)
     guard.refuse_non_finite(payload, run.dist.is_main, run.output_dir, run.step.epoch,
                             run.step.step_in_epoch)
@@ -157,14 +163,19 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
             files.atomic_save(ema_weights_state(run, payload["ema"]),
                               run.output_dir / files.BEST_EMA)
         best = [run.output_dir / files.BEST] if is_best else []
-        files.atomic_save(payload, run.output_dir / files.CHECKPOINT, copies=best)
+        kept = keep_epoch(run, score)
+        files.atomic_save(payload, run.output_dir / files.CHECKPOINT, copies=best + kept)
+        if score is not None and run.cfg.keep_checkpoints:
+            history.prune(run.output_dir, sharded=False)
     run.outputs.saved(run, epoch_done)  # uploaded (object storage), reported (imagenet.train)
     # No rank moves on (or exits after a signal) before the file is in place: under mp.spawn the
     # first rank to exit makes the parent terminate the others, rank 0 included.
     barrier()
+    return time.perf_counter() - start
 
 
-def save_sharded(run: Run, is_best: bool, epoch_done: bool, is_best_ema: bool) -> None:
+def save_sharded(run: Run, is_best: bool, epoch_done: bool, is_best_ema: bool,
+                 score: float | None) -> None:
     """``save`` for --sharded-checkpoint: directories of shards instead of files. Collective."""
     out = run.output_dir
     meta = checkpoint_state(run, epoch_done, weights=False)
@@ -175,7 +186,21 @@ def save_sharded(run: Run, is_best: bool, epoch_done: bool, is_best_ema: bool) -
         sharded.save_ema_weights(run, {**ema_weights_state(run, {}), "state_dict": None},
                                  out / files.dcp_name(files.BEST_EMA))
     best = (out / files.dcp_name(files.BEST),) if is_best else ()
-    sharded.save(run, meta, out / files.dcp_name(files.CHECKPOINT), copies=best)
+    kept = tuple(keep_epoch(run, score)) if run.dist.is_main else ()
+    sharded.save(run, meta, out / files.dcp_name(files.CHECKPOINT), copies=best + kept)
+    if run.dist.is_main and score is not None and run.cfg.keep_checkpoints:
+        history.prune(out, sharded=True)
+
+
+def keep_epoch(run: Run, score: float | None) -> list[Path]:
+    """--keep-checkpoints, on rank 0 at an epoch's end: the history's index updated first; where
+    the epoch's checkpoint must be copied when it is among the best ([] otherwise)."""
+    if score is None or not run.cfg.keep_checkpoints:
+        return []
+    entry = history.epoch_entry(run.step.epoch + 1, score, run.step.global_step,
+                                run.cfg.sharded_checkpoint)
+    path = history.plan(run.output_dir, run.cfg.keep_checkpoints, entry)
+    return [path] if path is not None else []
 
 
 def load_weights(run: Run, ckpt: dict[str, Any], path: Path) -> None:
@@ -227,9 +252,10 @@ def resume(run: Run) -> Path | None:
     if run.best_ema is not None:
         run.best_ema.acc1 = resumed_best(ckpt, path, run.output_dir, "best_ema_acc1",
                                          run.best_ema.path.name)
-    train = run.data.train
-    point = resume_point(ckpt, steps_per_epoch, run.layout.global_batch, same_layout(run, ckpt),
-                         train.order_size if train.continues_any_layout else None)
+    train, order_kept = run.data.train, same_order(ckpt, run.cfg)
+    point = resume_point(ckpt, steps_per_epoch, run.layout.global_batch,
+                         same_layout(run, ckpt) and order_kept,
+                         train.order_size if train.continues_any_layout and order_kept else None)
     global_step = int(ckpt.get("global_step", point.epoch * steps_per_epoch))
     run.step = Step(point.epoch, point.step_in_epoch, global_step)
     run.epoch_start = EpochStart(point.epoch, point.images, point.step_in_epoch)
@@ -247,7 +273,7 @@ def resume(run: Run) -> Path | None:
     log.info("=> loaded checkpoint '%s' (epoch %d, step %d, best Acc@1 %.3f)", path,
              run.step.epoch, run.step.step_in_epoch, run.best.acc1)
     if point.approximated:
-        log_approximation(run, point)
+        log_approximation(run, point, order_kept)
     return path
 
 
@@ -298,14 +324,15 @@ def place_schedule(run: Run, epoch: int, step_in_epoch: int) -> None:
              epoch, step_in_epoch, steps_per_epoch, parts.optimizer.param_groups[0]["lr"])
 
 
-def log_approximation(run: Run, point: ResumePoint) -> None:
+def log_approximation(run: Run, point: ResumePoint, order_kept: bool = True) -> None:
     """The one line that says what a mid-epoch resume with another layout approximates."""
     steps = run.engine.opts.steps_per_epoch
-    if point.images == 0:  # tar shards
+    if point.images == 0:  # tar shards, or another --ra-reps
+        why = ("tar shards can only continue an epoch in the layout that began it" if order_kept
+               else "--ra-reps changed, and the epoch's order with it")
         log.info("=> approximated: epoch %d was left after %.2f steps of this layout's global "
-                 "batch %d; tar shards can only continue an epoch in the layout that began it, "
-                 "so the epoch starts over (its schedule too) and those images are trained "
-                 "again", point.epoch, point.exact_step, run.layout.global_batch)
+                 "batch %d; %s, so the epoch starts over (its schedule too) and those images "
+                 "are trained again", point.epoch, point.exact_step, run.layout.global_batch, why)
         return
     size = run.data.train.order_size
     log.info("=> approximated: epoch %d was left after %d of its %d images, %.2f steps of this "
@@ -314,6 +341,11 @@ def log_approximation(run: Run, point: ResumePoint) -> None:
              "exactly where a run with this layout throughout would", point.epoch, point.images,
              size, point.exact_step, run.layout.global_batch, size - point.images,
              point.step_in_epoch, steps)
+
+
+def same_order(ckpt: dict[str, Any], cfg: Config) -> bool:
+    """True when the checkpoint's epochs have this run's order (the same --ra-reps)."""
+    return int((ckpt.get("config") or {}).get("ra_reps", 1)) == cfg.ra_reps
 
 
 def same_layout(run: Run, ckpt: dict[str, Any]) -> bool:

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from imagenet.config import Config
 from imagenet.data import Data, build_transforms, loader_options
-from imagenet.errors import DataError
+from imagenet.errors import DataError, UsageError
 from imagenet.launch import Layout
 from imagenet.shards.plan import STREAMS, train_batches_per_rank
 from imagenet.shards.reader import ShardBatchSampler, ShardSamples, ShardTrain
@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 def build_shard_data(cfg: Config, data: str, rank: int, world_size: int, layout: Layout,
                      aug_seed: int, pin_memory: bool) -> Data:
     """Loaders for this rank from the shards ``data`` names (see ``sources``)."""
+    if cfg.ra_reps > 1:
+        raise UsageError(f"--ra-reps {cfg.ra_reps} needs an ImageFolder: tar shards give each "
+                         "process a contiguous stretch of the epoch, read once, so the copies "
+                         "of an image cannot be spread over the processes; drop --ra-reps")
     shards = resolve(data, cfg.val_data, cfg.num_classes)
     batch, workers = layout.batch_size, layout.workers
     steps = train_batches_per_rank(shards.train.total, world_size, batch)

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from imagenet import transforms as T
 from imagenet.data import seeded_call
 from imagenet.errors import RunError
+from imagenet.resolution import follow_epoch
 from imagenet.shards.plan import BLOCK, STREAMS, EpochPlan, train_batches_per_rank
 from imagenet.shards.sources import ShardList
 from imagenet.shards.streams import open_shard
@@ -212,6 +213,7 @@ class ShardSamples(Dataset):
         aug_seed, epoch, sample_id, raw = item
         label = self._label(raw)
         if self.train:
+            follow_epoch(self, epoch)  # progressive resizing: the epoch's crop size
             image = seeded_call(aug_seed, epoch, sample_id, lambda: self._image(raw))
         else:
             image = self._image(raw)

@@ -1,0 +1,108 @@
+"""Progressive resizing under --compile: graphs compiled, compile time and step time per size.
+
+Runs the trainer's real training step (engine.train_one_epoch through build_engine) on synthetic
+uint8 batches, epoch after epoch at growing crop sizes (each epoch ends with a short batch, as a
+data set that does not divide by the batch does), then validates at the validation size.
+Variants: "static" is main.py --compile (compiling.compile_model: static shapes, a graph
+per size and batch shape), "dynamic" plain torch.compile (a dynamic-shape graph after the first
+change of size), "eager" no compile. torch's own counters count the graphs. Run by hand:
+
+    python benchmarks/bench_progressive.py -a resnet18 -b 16 --sizes 96 112 128 --val-size 160
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torchvision
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from imagenet.build import build_engine  # noqa: E402
+from imagenet.compiling import compile_model  # noqa: E402
+from imagenet.config import parse_config  # noqa: E402
+from imagenet.engine import Step, evaluate, train_one_epoch  # noqa: E402
+from imagenet.launch import Layout  # noqa: E402
+from imagenet.resolution import crop_sizes  # noqa: E402
+
+
+def batches(n: int, batch: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(size)
+    return [(torch.randint(0, 256, (b, 3, size, size), dtype=torch.uint8, generator=g),
+             torch.randint(0, 10, (b,), generator=g)) for b in [batch] * n + [batch // 2 + 1]]
+
+
+def graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def run_variant(variant: str, args: argparse.Namespace) -> list[dict]:
+    """One row per size (and one for validation): graphs so far, first and typical step."""
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    flags = ["data", "-a", args.arch, "--epochs", str(len(args.sizes)), "--train-crop-size",
+             str(args.sizes[-1]), "--train-crop-start", str(args.sizes[0]),
+             "--train-crop-ramp", "0", str(len(args.sizes) - 1), "--train-crop-multiple", "8"]
+    cfg = parse_config(flags)
+    raw = torchvision.models.get_model(args.arch, num_classes=10)
+    model = {"static": lambda: compile_model(raw, "inductor", crop_sizes(cfg)),
+             "dynamic": lambda: torch.compile(raw),
+             "eager": lambda: raw}[variant]()
+    engine = build_engine(cfg, raw, model, torch.device("cpu"), Layout(1, args.batch, 1, 0),
+                          args.steps + 1, 10)
+    rows = []
+    for epoch, size in enumerate(args.sizes):
+        times = []
+        for images, target in batches(args.steps, args.batch, size):
+            start = time.perf_counter()
+            train_one_epoch(engine, [(images, target)], Step(epoch))
+            times.append(time.perf_counter() - start)
+        rows.append({"size": size, "graphs": graphs(), "first_s": times[0],
+                     "step_ms": 1000 * statistics.median(times[1:-1])})
+    val = batches(args.steps, args.batch, args.val_size)
+    start = time.perf_counter()
+    evaluate(engine, model, val, sum(len(target) for _, target in val))
+    rows.append({"size": f"val {args.val_size}", "graphs": graphs(),
+                 "first_s": time.perf_counter() - start, "step_ms": float("nan")})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-a", "--arch", default="resnet18",
+                   help="torchvision architecture (default: %(default)s)")
+    p.add_argument("-b", "--batch", type=int, default=16,
+                   help="images per full batch (default: %(default)s)")
+    p.add_argument("--sizes", type=int, nargs="+", default=[96, 112, 128],
+                   help="training crop sizes, px, one epoch each (default: 96 112 128)")
+    p.add_argument("--val-size", type=int, default=160,
+                   help="validation crop, px (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=4,
+                   help="full batches per size (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=2,
+                   help="torch CPU threads (default: %(default)s)")
+    p.add_argument("--variants", nargs="+", default=["static", "dynamic", "eager"],
+                   help="what to compare: static (main.py --compile), dynamic (plain "
+                        "torch.compile), eager (default: all three)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"{args.arch}, batch {args.batch} (+ a short batch per epoch), {args.threads} threads")
+    print(f"{'variant':8} {'size':>8} {'graphs':>6} {'first step s':>12} {'step ms':>8}")
+    for variant in args.variants:
+        for row in run_variant(variant, args):
+            print(f"{variant:8} {row['size']!s:>8} {row['graphs']:>6} {row['first_s']:>12.2f} "
+                  f"{row['step_ms']:>8.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
