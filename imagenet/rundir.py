@@ -29,6 +29,7 @@ from pathlib import Path
 from imagenet.checkpoint import files
 from imagenet.errors import RunError, UsageError
 from imagenet.logger import METRICS
+from imagenet.reports import FILES as REPORTS
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,8 @@ PREVIOUS = "previous"
 CONFIG, TENSORBOARD = "config.json", "tb"
 # What one run writes; moved aside together when a fresh run starts in a used folder.
 RECORD = (files.CHECKPOINT, files.BEST, files.BEST_EMA, METRICS, CONFIG, TENSORBOARD,
-          *(files.dcp_name(n) for n in (files.CHECKPOINT, files.BEST, files.BEST_EMA)))
+          *(files.dcp_name(n) for n in (files.CHECKPOINT, files.BEST, files.BEST_EMA)),
+          *REPORTS)
 # lockf's answers on filesystems without (working) locks: NFS without lockd, some FUSE, Lustre
 # mounted without -o flock.
 NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}

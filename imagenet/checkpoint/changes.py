@@ -28,6 +28,7 @@ OPERATIONAL = frozenset({
     "save_every", "start_epoch", "pretrained", "weights", "compile", "channels_last",
     "world_size", "rank", "dist_url", "dist_backend", "dist_timeout", "multiprocessing_distributed",
     "nproc_per_node", "local_rank", "gpu", "no_accel", "bucket_cap_mb",
+    "finetune", "predictions", "tta_flip",  # the start's weights; what validation reports
 })
 
 
@@ -77,7 +78,7 @@ def _layout(world: int, batch: int, accum: int, steps: int) -> str:
 PER_RANK = frozenset({
     "data", "workers", "output_dir", "resume", "debug", "env_check", "world_size", "rank",
     "dist_url", "dist_timeout", "multiprocessing_distributed", "nproc_per_node", "local_rank",
-    "gpu", "pretrained", "weights",
+    "gpu", "pretrained", "weights", "finetune", "predictions",
 })
 
 
