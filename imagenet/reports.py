@@ -80,9 +80,12 @@ def mean_class_acc1(rows: Sequence[dict[str, Any]]) -> float:
 
 
 def worst_classes(rows: Sequence[dict[str, Any]], n: int = WORST) -> str:
-    """'dog 40.0% (4/10; 120 training; often cat), ...': the ``n`` lowest accuracies."""
-    scored = sorted((r for r in rows if r["acc1"] is not None),
+    """'dog 40.0% (4/10; 120 training; most often taken for cat), ...': the ``n`` lowest
+    accuracies below 100%."""
+    scored = sorted((r for r in rows if r["acc1"] is not None and r["acc1"] < 100),
                     key=lambda r: (r["acc1"], -r["val_images"]))[:n]
+    if not scored:
+        return "none, every class 100%"
     parts = []
     for r in scored:
         train = f"; {r['train_images']} training" if r["train_images"] is not None else ""
