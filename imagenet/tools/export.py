@@ -159,7 +159,6 @@ def onnx_modules() -> None:
 def export_onnx(model: nn.Module, example: torch.Tensor, out: Path, meta: str
                 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """ONNX (torch's dynamo exporter) with a dynamic batch; an onnxruntime session."""
-    onnx_modules()
     import onnx
     import onnxruntime
 
@@ -204,6 +203,8 @@ def export(args: argparse.Namespace) -> float:
     path, out = Path(args.checkpoint), Path(args.out)
     if out.is_dir():
         raise UsageError(f"--out {out} is a folder; give a file name")
+    if args.format == "onnx":
+        onnx_modules()  # before any work
     model, meta = load_model(path, args.arch, args.num_classes)
     size = args.image_size or meta["input"]["size"]
     meta["input"]["size"] = size
