@@ -316,9 +316,9 @@ class Config:
                                     "checkpoint.pth.tar if present (default: none)")
     evaluate: bool = _flag("-e", "--evaluate", group="checkpointing", default=False,
                            action="store_true",
-                           help="evaluate the --resume checkpoint on val/ (or --val-data) and "
-                                "exit; writes per_class.csv/.json and the confusion matrix to "
-                                "OUTPUT_DIR")
+                           help="evaluate the model (--resume PATH, or --pretrained) on val/ "
+                                "or --val-data and exit; writes per_class.csv/.json and the "
+                                "confusion matrix to OUTPUT_DIR")
     predictions: str | None = _flag("--predictions", group="checkpointing", default=None,
                                     metavar="FILE.csv",
                                     help="with -e, and at the end of training: one row per "

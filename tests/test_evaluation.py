@@ -146,3 +146,35 @@ def test_eval_folder_of_a_checkpoint_without_class_names_takes_sorted_folders(tm
     assert "names no classes: label i is the i-th class folder" in out
     header, *rows = (tmp_path / "p.csv").read_text().splitlines()
     assert header == "path,target,pred,confidence,top5,top5_confidence" and len(rows) == 4
+
+
+def test_shard_predictions_know_which_sample_each_row_is(tmp_path):
+    """Tar shards: the ids ``sample_ids`` gives a rank's rows are the samples its validation
+    batches hold, in order, every sample once over the ranks; names are SHARD#N."""
+    from torch.utils.data import DataLoader
+
+    from imagenet.evaluation import sample_ids, sample_names
+    from imagenet.shards import resolve
+    from imagenet.shards.reader import ShardBatchSampler, ShardSamples
+    from imagenet.tools import prepare
+
+    write_image_folder(tmp_path / "folder", classes=3, train_per_class=2, val_per_class=3)
+    assert prepare.main(["--from-folder", str(tmp_path / "folder"), "--out",
+                         str(tmp_path / "shards"), "--shard-max-images", "4"]) == 0
+    val = resolve(str(tmp_path / "shards"), None, None).val
+    assert len(val.counts) == 3  # 9 images: 4 + 4 + 1
+    every = []
+    for rank in range(2):
+        sampler = ShardBatchSampler(val, world_size=2, rank=rank, batch_size=2, shuffle=False,
+                                    streams=1)
+        loader = DataLoader(ShardSamples(lambda x: x, "tensor", 3, False),
+                            batch_sampler=sampler)
+        read = [(item[2], item[3]["__url__"], item[3]["__key__"]) for batch in sampler
+                for item in batch]
+        assert [i for i, _, _ in read] == sample_ids(loader)
+        names = sample_names(loader)
+        assert [names(i).split("#")[0] for i, _, _ in read] == [url for _, url, _ in read]
+        every += read
+    assert sorted(i for i, _, _ in every) == list(range(9))
+    first = {url: min(i for i, u, _ in every if u == url) for _, url, _ in every}
+    assert all(names(i) == f"{url}#{i - first[url]}" for i, url, _ in every)
