@@ -23,7 +23,7 @@ from imagenet.data import Data, build_data
 from imagenet.distributed import DistInfo
 from imagenet.engine import Engine, Options, Parts, Step
 from imagenet.errors import UsageError
-from imagenet.finetune import classifier_name, prepare_model
+from imagenet.finetune import classifier_names, prepare_model
 from imagenet.launch import Layout
 from imagenet.models import build_model, wrap
 from imagenet.optim import build_criterion, build_ema, build_optimizer, build_scheduler
@@ -125,7 +125,7 @@ def build_engine(cfg: Config, raw: nn.Module, model: nn.Module, device: torch.de
     (DDP, compiled). ``ema``: built before --fsdp sharded ``raw``; None builds it from ``raw``.
     ``class_counts``: training images per class (--class-balanced-loss).
     """
-    head = classifier_name(raw, num_classes) if cfg.backbone_lr_scale != 1.0 else None
+    head = classifier_names(raw, num_classes) if cfg.backbone_lr_scale != 1.0 else None
     optimizer = build_optimizer(raw, cfg, head)
     parts = Parts(
         model=model, criterion=build_criterion(cfg, class_counts).to(device),

@@ -7,7 +7,7 @@ files, and --fsdp's, single files or --sharded-checkpoint directories), the clas
 classifier's rows matched by class name when both sides name their classes; a layer whose shape
 differs is re-initialised and named. Any other missing or unexpected key is an error.
 
-The classifier is found generically (``classifier_name``): timm's ``get_classifier()``, else
+The classifier is found generically (``classifier_names``): timm's ``get_classifier()``, else
 the last layer whose output is the class count (torchvision names it fc, classifier[-1],
 heads.head, ...). The weights go into the plain model before anything wraps it (channels-last,
 EMA copy, DDP, FSDP, torch.compile), so all of them start from the loaded weights.
@@ -114,24 +114,29 @@ def _safetensors(path: Path, flag: str) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------- the classifier
 
-def classifier_name(model: nn.Module, num_classes: int) -> str:
-    """The qualified name of the layer that outputs the class scores.
+Head = tuple[str, ...]  # the classifier's qualified module names (two for distilled models)
 
-    timm models say (``get_classifier()``); otherwise the last Linear or convolution whose
-    output is ``num_classes`` wide (torchvision registers its classifier last: fc,
-    classifier.6, heads.head, SqueezeNet's 1x1 conv classifier.1); else the last Linear.
+
+def classifier_names(model: nn.Module, num_classes: int) -> Head:
+    """The qualified names of the layers that output the class scores.
+
+    timm models say (``get_classifier()``; distilled ones have two heads); otherwise the last
+    Linear or convolution whose output is ``num_classes`` wide (torchvision registers its
+    classifier last: fc, classifier.6, heads.head, SqueezeNet's 1x1 conv classifier.1); else
+    the last Linear.
     """
     named = {id(m): name for name, m in model.named_modules()}
     get = getattr(model, "get_classifier", None)
     if callable(get):
-        head = get()
-        if isinstance(head, nn.Module) and id(head) in named and \
-                any(True for _ in head.parameters()):
-            return named[id(head)]
+        heads = get()
+        heads = heads if isinstance(heads, (tuple, list)) else (heads,)
+        if all(isinstance(h, nn.Module) and id(h) in named and any(True for _ in h.parameters())
+               for h in heads) and heads:
+            return tuple(named[id(h)] for h in heads)
     wide = [name for name, m in model.named_modules() if _outputs(m) == num_classes]
     linear = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if wide or linear:
-        return (wide or linear)[-1]
+        return ((wide or linear)[-1],)
     raise UsageError(f"cannot find the classifier of this model: no layer outputs "
                      f"{num_classes} class scores")
 
@@ -145,9 +150,14 @@ def _outputs(module: nn.Module) -> int | None:
     return None
 
 
-def in_module(key: str, module: str) -> bool:
-    """True for a state-dict key of ``module`` (a qualified name; '' is the whole model)."""
-    return not module or key == module or key.startswith(module + ".")
+def in_module(key: str, head: Head) -> bool:
+    """True for a state-dict key (or module name) inside one of the modules ``head`` names."""
+    return any(key == m or key.startswith(m + ".") for m in head)
+
+
+def contains(name: str, head: Head) -> bool:
+    """True when module ``name`` holds one of ``head``'s modules (the root '' holds all)."""
+    return any(not name or m == name or m.startswith(name + ".") for m in head)
 
 
 # ---------------------------------------------------------------- fitting a file to the model
@@ -183,12 +193,12 @@ class Fit:
             parts.append(f"not used: {', '.join(self.dropped)}")
         return "; ".join(parts) or "every tensor loaded"
 
-    def outside(self, head: str) -> list[str]:
+    def outside(self, head: Head) -> list[str]:
         """Re-initialised keys that are not the classifier's."""
         return [k for k in self.reinit if not in_module(k, head)]
 
 
-def fit_state(own: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], head: str,
+def fit_state(own: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], head: Head,
               rows: list[int | None] | None) -> Fit:
     """What to load into a model whose state is ``own``, from the file's ``saved``: every
     tensor that fits; the classifier ``head``'s rows matched by ``rows`` (``head_rows``); the
@@ -249,7 +259,8 @@ def weights_sum(state: dict[str, torch.Tensor]) -> float:
         return sum(float(t.double().sum()) for t in state.values() if t.is_floating_point())
 
 
-def load_finetune(model: nn.Module, cfg: Config, classes: Sequence[str], head: str) -> float:
+def load_finetune(model: nn.Module, cfg: Config, classes: Sequence[str], head: Head
+                  ) -> float:
     """--finetune: PATH's weights into the plain ``model``; one line says what was not
     loaded. Returns the file's ``weights_sum``."""
     path = Path(cfg.finetune)  # type: ignore[arg-type]
@@ -266,8 +277,9 @@ def load_finetune(model: nn.Module, cfg: Config, classes: Sequence[str], head: s
     log.info("=> --finetune %s: %d of %d tensors from the file; %s", path,
              len(fit.state) - len(fit.reinit), len(fit.state), fit.describe(len(classes)))
     if fit.outside(head):
-        log.warning("--finetune %s: layers outside the classifier '%s' do not fit and start "
-                    "from their initial values: %s", path, head, ", ".join(fit.outside(head)))
+        log.warning("--finetune %s: layers outside the classifier %s do not fit and start "
+                    "from their initial values: %s", path, ", ".join(head),
+                    ", ".join(fit.outside(head)))
     return weights_sum(weights.state)
 
 
@@ -279,18 +291,18 @@ class BackboneInEval:
     stay as loaded and dropout is off. DDP, FSDP, torch.compile and the EMA copy all reach the
     model through ``train()``, so all of them keep it."""
 
-    probe_head: str
+    probe_head: Head
 
     def train(self, mode: bool = True):  # type: ignore[override]
         super().train(mode)  # type: ignore[misc]
         if mode:
             for name, module in self.named_modules():  # type: ignore[attr-defined]
-                if not (in_module(name, self.probe_head) or in_module(self.probe_head, name)):
+                if not (in_module(name, self.probe_head) or contains(name, self.probe_head)):
                     module.training = False
         return self
 
 
-def freeze_backbone(model: nn.Module, head: str) -> None:
+def freeze_backbone(model: nn.Module, head: Head) -> None:
     """Only the classifier ``head`` trains (the optimizer gets nothing else); the rest keeps
     its weights and runs as in evaluation."""
     for name, p in model.named_parameters():
@@ -299,8 +311,8 @@ def freeze_backbone(model: nn.Module, head: str) -> None:
     model.__class__ = type(cls.__name__, (BackboneInEval, cls), {"probe_head": head})
     model.train(model.training)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log.info("=> --freeze-backbone: a linear probe; only '%s' trains (%d of %d parameters)",
-             head, trained, sum(p.numel() for p in model.parameters()))
+    log.info("=> --freeze-backbone: a linear probe; only %s trains (%d of %d parameters)",
+             ", ".join(head), trained, sum(p.numel() for p in model.parameters()))
 
 
 # ---------------------------------------------------------------- the entry point
@@ -312,7 +324,7 @@ def prepare_model(model: nn.Module, cfg: Config, classes: Sequence[str]) -> None
         return
     error, checksum = None, 0.0
     try:
-        head = classifier_name(model, len(classes))
+        head = classifier_names(model, len(classes))
         if cfg.finetune:
             checksum = load_finetune(model, cfg, classes, head)
         if cfg.freeze_backbone:

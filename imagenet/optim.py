@@ -11,6 +11,7 @@ from torch.optim import lr_scheduler
 
 from imagenet.config import Config
 from imagenet.errors import UsageError
+from imagenet.finetune import Head, in_module
 from imagenet.fsdp import local_shards
 from imagenet.launch import Layout
 
@@ -41,13 +42,12 @@ def param_groups(model: nn.Module, weight_decay: float, norm_weight_decay: float
     return [{"params": ps, "weight_decay": decay[k]} for k, ps in groups.items() if ps]
 
 
-def scale_backbone_lr(model: nn.Module, groups: list[dict], head: str, lr: float,
+def scale_backbone_lr(model: nn.Module, groups: list[dict], head: Head, lr: float,
                       scale: float) -> list[dict]:
     """--backbone-lr-scale: each group split into the classifier ``head``'s parameters (first,
     so the logged lr is theirs) and the rest at ``scale`` x ``lr``. ``lr_scale`` stays in the
     group: a rebuilt schedule (``position.rebuild_schedule``) starts each group from it."""
-    in_head = {id(p) for name, p in model.named_parameters()
-               if name == head or name.startswith(head + ".")}
+    in_head = {id(p) for name, p in model.named_parameters() if in_module(name, head)}
     heads, rest = [], []
     for group in groups:
         mine = [p for p in group["params"] if id(p) in in_head]
@@ -58,7 +58,7 @@ def scale_backbone_lr(model: nn.Module, groups: list[dict], head: str, lr: float
     return heads + rest
 
 
-def build_optimizer(model: nn.Module, cfg: Config, head: str | None = None
+def build_optimizer(model: nn.Module, cfg: Config, head: Head | None = None
                     ) -> torch.optim.Optimizer:
     """The optimizer named by --opt (classic default: SGD with momentum); ``head``: the
     classifier's name, for --backbone-lr-scale."""

@@ -25,7 +25,7 @@ from imagenet.config import parse_config
 from imagenet.errors import CheckpointError
 from imagenet.finetune import (
     BackboneInEval,
-    classifier_name,
+    classifier_names,
     fit_state,
     freeze_backbone,
     head_rows,
@@ -83,21 +83,22 @@ def read_csv(path: Path) -> list[dict]:
                                         ("squeezenet1_1", "classifier.1"),
                                         ("vit_b_16", "heads.head")])
 def test_the_classifier_is_found_in_torchvision_models(arch, head):
-    assert classifier_name(torchvision.models.get_model(arch, num_classes=7), 7) == head
+    assert classifier_names(torchvision.models.get_model(arch, num_classes=7), 7) == (head,)
 
 
-def test_get_classifier_wins_over_the_last_layer():
-    """timm models name their classifier; it need not be the last layer registered."""
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.head = nn.Linear(4, 5)
-            self.extra = nn.Linear(4, 5)  # registered last, but not the classifier
+def test_timm_classifiers_one_head_or_two():
+    """timm models name their classifier (``get_classifier``); distilled ones have two, and
+    a linear probe trains both."""
+    import timm
 
-        def get_classifier(self):
-            return self.head
-
-    assert classifier_name(Net(), 5) == "head"
+    assert classifier_names(timm.create_model("convnext_atto", num_classes=7), 7) == ("head.fc",)
+    model = timm.create_model("deit_tiny_distilled_patch16_224", num_classes=7, img_size=32)
+    assert classifier_names(model, 7) == ("head", "head_dist")
+    freeze_backbone(model, ("head", "head_dist"))
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == \
+        {"head.weight", "head.bias", "head_dist.weight", "head_dist.bias"}
+    model.train()
+    assert model.training and model.head.training and not model.blocks[0].training
 
 
 def test_every_file_format_gives_the_same_weights(tmp_path):
@@ -125,7 +126,7 @@ def test_every_file_format_gives_the_same_weights(tmp_path):
 
 def test_fit_state_reinitialises_a_classifier_of_another_class_count():
     saved, own = start_model(1000).state_dict(), start_model(5).state_dict()
-    fit = fit_state(own, saved, "fc", head_rows(None, list("abcde")))
+    fit = fit_state(own, saved, ("fc",), head_rows(None, list("abcde")))
     assert list(fit.reinit) == ["fc.weight", "fc.bias"]
     assert fit.describe(5) == ("re-initialised fc.weight ((1000, 512) in the file, (5, 512) "
                                "here), fc.bias ((1000,) in the file, (5,) here)")
@@ -137,12 +138,12 @@ def test_fit_state_matches_classifier_rows_by_class_name():
     saved, own = start_model(3).state_dict(), start_model(3).state_dict()
     own = {k: (torch.zeros_like(v) if k.startswith("fc.") else v) for k, v in own.items()}
     # A subset in another order, plus a class the file does not know.
-    fit = fit_state(own, saved, "fc", head_rows(["cat", "dog", "fox"], ["fox", "cat", "owl"]))
+    fit = fit_state(own, saved, ("fc",), head_rows(["cat", "dog", "fox"], ["fox", "cat", "owl"]))
     assert torch.equal(fit.state["fc.weight"][0], saved["fc.weight"][2])
     assert torch.equal(fit.state["fc.weight"][1], saved["fc.weight"][0])
     assert torch.equal(fit.state["fc.weight"][2], own["fc.weight"][2])  # owl: its own init
     assert fit.rows_kept == 2 and not fit.reinit
-    none_common = fit_state(own, saved, "fc", head_rows(["cat", "dog", "fox"], ["x", "y", "z"]))
+    none_common = fit_state(own, saved, ("fc",), head_rows(["cat", "dog", "fox"], ["x", "y", "z"]))
     assert set(none_common.reinit) == {"fc.weight", "fc.bias"}
     assert none_common.reinit["fc.weight"] == "other class names"
 
@@ -153,17 +154,17 @@ def test_fit_state_names_keys_that_do_not_fit():
     saved["projector.weight"] = torch.zeros(2)
     with pytest.raises(CheckpointError, match="missing layer1.0.conv1.weight; unexpected "
                                               "projector.weight"):
-        fit_state(own, saved, "fc", None)
+        fit_state(own, saved, ("fc",), None)
     # Files older than BatchNorm's counter load; the classifier may be absent (re-initialised).
     old = {k: v for k, v in own.items() if "num_batches_tracked" not in k and
            not k.startswith("fc.")}
-    fit = fit_state(own, old, "fc", None)
+    fit = fit_state(own, old, ("fc",), None)
     assert list(fit.reinit) == ["fc.weight", "fc.bias"]
 
 
 def test_frozen_backbone_stays_in_eval_mode_through_wrappers():
     model = torchvision.models.mobilenet_v3_small(num_classes=4)
-    freeze_backbone(model, "classifier.3")
+    freeze_backbone(model, ("classifier.3",))
     ema = torch.optim.swa_utils.AveragedModel(model)  # a deep copy keeps the behaviour
     for m in (model, ema.module):
         m.train()
@@ -187,7 +188,7 @@ def test_backbone_lr_scale_survives_the_schedule_and_its_rebuild():
         return [g["lr"] for g in optimizer.param_groups]
 
     model = start_model()
-    optimizer = build_optimizer(model, cfg, head="fc")
+    optimizer = build_optimizer(model, cfg, head=("fc",))
     assert [g["lr_scale"] for g in optimizer.param_groups] == [1.0, 0.1, 0.1]
     assert optimizer.param_groups[0]["params"] == [model.fc.weight, model.fc.bias]
     scheduler = build_scheduler(optimizer, cfg, 5)
@@ -197,7 +198,7 @@ def test_backbone_lr_scale_survives_the_schedule_and_its_rebuild():
         scheduler.step()
         seen.append(lrs(optimizer))
     # A resume rebuilds the schedule from the flags at step 7: every group continues as it was.
-    resumed = build_optimizer(model, cfg, head="fc")
+    resumed = build_optimizer(model, cfg, head=("fc",))
     rebuild_schedule(resumed, cfg, 5, 7).step()
     assert lrs(resumed) == pytest.approx(seen[7], rel=1e-12)
     assert seen[7][1] == pytest.approx(0.1 * seen[7][0], rel=1e-12)
@@ -275,7 +276,7 @@ def test_linear_probe_under_ddp_leaves_every_backbone_tensor_bitwise_unchanged(r
     out, base, state = runs["out"]["probe"], runs["base"], runs["state"]
     assert ("re-initialised fc.weight (other class names), fc.bias (other class names)" in
             out), out
-    assert "only 'fc' trains (1026 of 11177538 parameters)" in out, out
+    assert "only fc trains (1026 of 11177538 parameters)" in out, out
     ckpt = load_checkpoint(base / "probe" / "checkpoint.pth.tar")
     assert_bitwise(backbone(ckpt["state_dict"]), backbone(state))  # BatchNorm buffers too
     assert not torch.equal(ckpt["state_dict"]["fc.bias"], torch.zeros(2))

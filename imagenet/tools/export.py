@@ -77,7 +77,7 @@ def load_model(path: Path, arch: str | None, num_classes: int | None
                ) -> tuple[nn.Module, dict[str, Any]]:
     """The eager model with the checkpoint's weights (eval mode), and the metadata to store."""
     from imagenet.checkpoint import files
-    from imagenet.finetune import classifier_name, read_weights
+    from imagenet.finetune import classifier_names, read_weights
     from imagenet.models import build_model
 
     weights = read_weights(path, flag="CKPT")
@@ -88,7 +88,7 @@ def load_model(path: Path, arch: str | None, num_classes: int | None
         if weights.classes:
             num_classes = len(weights.classes)
         else:  # the rows of the classifier, wherever this architecture keeps it
-            head = classifier_name(build_model(arch, 1000), 1000)
+            head = classifier_names(build_model(arch, 1000), 1000)[0]
             rows = weights.state.get(f"{head}.weight", weights.state.get(f"{head}.bias"))
             if rows is None:
                 raise UsageError(f"{path} has no {head}.weight for -a {arch}: give -a ARCH "
