@@ -105,21 +105,26 @@ class Report:
 
     def local(self) -> dict[str, torch.Tensor]:
         """This rank's rows on the CPU, with their dataset indices."""
-        ids = sample_ids(self.run.data.val_loader)
-        if not self.parts:
-            return {"ids": torch.tensor(ids, dtype=torch.long)}
-        target, top, prob = (torch.cat(p).cpu() for p in zip(*self.parts))
-        if len(target) != len(ids):
-            raise RunError(f"the validation pass gave {len(target)} outputs for {len(ids)} "
-                           "images on this rank")
-        return {"ids": torch.tensor(ids, dtype=torch.long), "target": target, "top": top,
-                "prob": prob}
+        rows = {"ids": torch.tensor(sample_ids(self.run.data.val_loader), dtype=torch.long)}
+        if self.parts:  # a rank may have no validation image
+            rows.update(zip(("target", "top", "prob"),
+                            (torch.cat(part).cpu() for part in zip(*self.parts))))
+        outputs = len(rows.get("target", ()))
+        if outputs != len(rows["ids"]):
+            raise RunError(f"the validation pass gave {outputs} outputs for "
+                           f"{len(rows['ids'])} images on rank {self.run.dist.rank}")
+        return rows
 
     def finish(self, metrics: dict[str, float]) -> None:
         """Gather the rows to rank 0, which writes the files and names the worst classes.
         Collective: every rank calls it."""
-        gathered = gather_to_rank0(self.local())
-        error = None
+        error, rows = None, {}
+        try:
+            rows = self.local()
+        except TrainerError as exc:
+            error = exc
+        raise_agreed(error)  # before the gather: no rank may be left waiting in it
+        gathered = gather_to_rank0(rows)
         if self.run.dist.is_main:
             try:
                 self.write(merge(gathered, self.run.data.val_size), metrics)

@@ -129,6 +129,7 @@ def test_finetune_errors_name_the_file_and_the_keys(capsys, tmp_path, checkpoint
     assert code == 2 and "--finetune PATH and --pretrained/--weights" in line
 
 
+@pytest.mark.slow
 def test_eval_folder_of_a_checkpoint_without_class_names_takes_sorted_folders(tmp_path,
                                                                              capsys):
     """The classic script's checkpoints name no classes: label i is the i-th folder."""

@@ -86,6 +86,7 @@ def test_the_classifier_is_found_in_torchvision_models(arch, head):
     assert classifier_names(torchvision.models.get_model(arch, num_classes=7), 7) == (head,)
 
 
+@pytest.mark.slow
 def test_timm_classifiers_one_head_or_two():
     """timm models name their classifier (``get_classifier``); distilled ones have two, and
     a linear probe trains both."""
@@ -101,6 +102,7 @@ def test_timm_classifiers_one_head_or_two():
     assert model.training and model.head.training and not model.blocks[0].training
 
 
+@pytest.mark.slow
 def test_every_file_format_gives_the_same_weights(tmp_path):
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
