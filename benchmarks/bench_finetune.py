@@ -54,6 +54,8 @@ VARIANTS = {
 def subset(demo: Path, out: Path, classes: Sequence[str], train_per_class: int | None) -> Path:
     """An ImageFolder of ``classes`` from the demo set (symlinks), with the first
     ``train_per_class`` training images of each (None: all)."""
+    if out.exists():  # made by an earlier run with the same --workdir
+        return out
     for split in ("train", "val"):
         for name in classes:
             images = sorted((demo / split / name).glob("*.jpg"))
@@ -88,25 +90,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--pretrain-epochs", type=int, default=20)
     parser.add_argument("--epochs", type=int, default=30, help="epochs on the small set")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--workdir", type=Path, help="keep the data and runs here")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--workdir", type=Path,
+                        help="keep the data and runs here; a pretrained model there is reused")
     args = parser.parse_args(argv)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-finetune-"))
     new_classes = args.new
     pre_classes = [c for c in SHAPES + TEXTURES if c not in new_classes]
     demo = make_demo_dataset(work / "demo")  # 100 train + 20 val images per class, 64 px
     pre = subset(demo, work / "pre", pre_classes, None)
-    small = subset(demo, work / "small", new_classes, args.shots)
+    small = subset(demo, work / f"small-{args.shots}", new_classes, args.shots)
     print(f"pretrain on {', '.join(pre_classes)} ({len(pre_classes) * 100} images, "
           f"{args.pretrain_epochs} epochs); then {', '.join(new_classes)} with {args.shots} "
           f"training images per class ({args.epochs} epochs, -b 16), "
           f"{len(new_classes) * 20} validation images (chance {100 / len(new_classes):.0f}%)",
           flush=True)
-    base = train(pre, work / "pretrained", ["--epochs", str(args.pretrain_epochs), "-b", "64",
-                                             "--seed", "0"])
     ckpt = work / "pretrained" / "model_best.pth.tar"
-    print(f"pretrained: top-1 {base['best']:.1f}% on its own classes in {base['seconds']:.0f} s")
+    if ckpt.is_file():
+        print(f"pretrained: reusing {ckpt}")
+    else:
+        base = train(pre, work / "pretrained", ["--epochs", str(args.pretrain_epochs), "-b",
+                                                 "64", "--seed", "0"])
+        print(f"pretrained: top-1 {base['best']:.1f}% on its own classes in "
+              f"{base['seconds']:.0f} s")
     print(f"{'variant':<30}{'last top-1':>12}{'best top-1':>12}{'seconds':>9}", flush=True)
-    for name, flags in VARIANTS.items():
+    for name in args.variants:
+        flags = VARIANTS[name]
         results = [train(small, work / f"{name.replace(' ', '_')}-{seed}",
                          ["--epochs", str(args.epochs), "-b", "16", "--seed", str(seed),
                           *(f.format(ckpt=ckpt) for f in flags)]) for seed in args.seeds]
