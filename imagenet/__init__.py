@@ -32,6 +32,9 @@ One training process (trainer.run_training: build -> claim the folder -> resume 
   models       a torchvision model by name, its weights; wrapped for DDP or FSDP (and unwrapped).
   timm_models  -a timm/NAME: timm.create_model, its names and weight tags checked (timm extra).
   compiling    --compile: static shapes, compiled DDP, the recompile limit, graph counts.
+  finetune     --finetune PATH (any checkpoint or state dict into the plain model, the
+               classifier found generically and re-initialised when it does not fit),
+               --freeze-backbone (a linear probe).
   fsdp         --fsdp: which blocks become FSDP units (one rule for every model), sharding with
                mixed precision and offload, and the sharded states gathered for checkpoints.
   comm_hooks   DDP gradient compression for slow links (fp16/bf16/PowerSGD) and its state.
@@ -49,6 +52,11 @@ One training process (trainer.run_training: build -> claim the folder -> resume 
   position     where a run is in epochs and images, in any layout; the schedule rebuilt there.
   trainer      the epoch loop: train, validate, keep the best, save, log.
   engine       train_one_epoch and evaluate; dicts in, dicts out, no files.
+  evaluation   what a validation says beyond top-1: --tta-flip, the per-image predictions
+               gathered to rank 0 (--predictions), the per-class report after the last epoch
+               and with -e; -e --val-data FOLDER (another ImageFolder, no DIR needed).
+  reports      the files of that report: predictions CSV, per-class CSV/JSON, confusion matrix
+               (also a TensorBoard image), the worst classes.
   metrics      top-k counts and sums that stay on the device and are all-reduced once.
   preemption   SIGTERM/SIGUSR1/SIGINT: finish the step, save, agree across ranks, exit 143.
   timelimit    --time-limit: rank 0's clock asks for that stop in time to save (exit 143); a
@@ -77,6 +85,8 @@ Side tools (not imported by a training run unless asked for)
   tools.demo        the built-in demo data set (--demo, run_single.sh).
   tools.unshard     python -m imagenet.tools.unshard: a --sharded-checkpoint directory -> the
                     classic single file.
+  tools.export      python -m imagenet.tools.export: a checkpoint -> pt2, ONNX or TorchScript,
+                    checked against eager PyTorch.
 """
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
-from imagenet import shm
+from imagenet import evaluation, shm
 from imagenet import transforms as T
 from imagenet.checkpoint import files
 from imagenet.config import Config
@@ -25,6 +25,7 @@ from imagenet.data import Data, build_data
 from imagenet.distributed import DistInfo
 from imagenet.engine import Engine, Options, Parts, Step
 from imagenet.errors import UsageError
+from imagenet.finetune import classifier_names, prepare_model
 from imagenet.gpu_data import use_device_decoding
 from imagenet.launch import Layout
 from imagenet.models import build_model, wrap
@@ -102,19 +103,25 @@ def data_root(cfg: Config, output_dir: Path) -> str:
 
 def load_data(cfg: Config, dist: DistInfo, layout: Layout, root: str, aug_seed: int) -> Data:
     """This rank's data: an ImageFolder (or --dummy data) or tar shards, as ``root`` says."""
+    if cfg.dummy and cfg.val_data:
+        raise UsageError("--val-data gives real validation images; --dummy has none: drop one")
     uses_shards = not cfg.dummy and data_format(root, cfg.data_format) == "shards"
-    if not uses_shards and (cfg.val_data or cfg.num_classes):
-        raise UsageError("--val-data and --num-classes apply to tar shards only; "
-                         f"'{root}' is read as an ImageFolder")
+    if not uses_shards and cfg.num_classes:
+        raise UsageError(f"--num-classes applies to tar shards only; '{root}' is read as an "
+                         "ImageFolder")
+    pin_memory = dist.device.type == "cuda"
+    if not uses_shards and cfg.evaluate and cfg.val_data:  # -e on a folder: DIR is not read
+        return evaluation.build_eval_data(cfg, dist.rank, dist.world_size, layout, aug_seed,
+                                          pin_memory)
     on_device = use_device_decoding(cfg, dist.device.type, uses_shards)
     if on_device and dist.is_main:
         log.info("=> JPEGs decoded and cropped on %s (--decode-on-device %s); loader workers "
                  "read files", dist.device, cfg.decode_on_device)
     if uses_shards:
         return build_shard_data(cfg, root, dist.rank, dist.world_size, layout, aug_seed,
-                                pin_memory=dist.device.type == "cuda")
+                                pin_memory=pin_memory)
     return build_data(cfg, root, dist.rank, dist.world_size, layout, aug_seed,
-                      pin_memory=dist.device.type == "cuda", decode_on_device=on_device)
+                      pin_memory=pin_memory, decode_on_device=on_device)
 
 
 def amp_dtype(amp: str | None) -> torch.dtype | None:
@@ -124,15 +131,19 @@ def amp_dtype(amp: str | None) -> torch.dtype | None:
 
 def build_engine(cfg: Config, raw: nn.Module, model: nn.Module, device: torch.device,
                  layout: Layout, steps_per_epoch: int, num_classes: int,
-                 ema: AveragedModel | None = None) -> Engine:
+                 ema: AveragedModel | None = None,
+                 class_counts: list[int] | None = None) -> Engine:
     """The objects and options of a training step, from the flags.
 
     ``raw`` is the plain (or sharded) model (optimizer, EMA), ``model`` what the step calls
     (DDP, compiled). ``ema``: built before --fsdp sharded ``raw``; None builds it from ``raw``.
+    ``class_counts``: training images per class (--class-balanced-loss).
     """
-    optimizer = build_optimizer(raw, cfg)
+    head = classifier_names(raw, num_classes) if cfg.backbone_lr_scale != 1.0 else None
+    optimizer = build_optimizer(raw, cfg, head)
     parts = Parts(
-        model=model, criterion=build_criterion(cfg), optimizer=optimizer,
+        model=model, criterion=build_criterion(cfg, class_counts).to(device),
+        optimizer=optimizer,
         scheduler=build_scheduler(optimizer, cfg, steps_per_epoch),
         scaler=torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None,
         ema=ema if ema is not None else build_ema(raw, cfg, layout),
@@ -152,6 +163,7 @@ def build_run(cfg: Config, dist: DistInfo, layout: Layout) -> Run:
     # Model init uses the same seed on every rank; augmentation gets its own per-sample seeds.
     seed_process(cfg.seed)
     aug_seed = cfg.seed if cfg.seed is not None else random.SystemRandom().randrange(2**31)
+    evaluation.check_outputs(cfg, dist)  # -e's report folder, --predictions
     root = data_root(cfg, output_dir)
     with slow_stage(f"reading the data set {root} (listing every image)") as stage:
         data = load_data(cfg, dist, layout, root, aug_seed)
@@ -166,6 +178,7 @@ def build_run(cfg: Config, dist: DistInfo, layout: Layout) -> Run:
     if no_room:
         raise UsageError(no_room)
     raw = build_model(cfg.arch, data.num_classes, cfg.pretrained, cfg.weights).to(dist.device)
+    prepare_model(raw, cfg, data.classes)  # --finetune, --freeze-backbone: before any wrapper
     if cfg.channels_last and not (cfg.fsdp and dist.distributed):
         # Not under --fsdp: torch 2.14's fully_shard refuses non-contiguous parameters
         # (NotImplementedError in FSDPParam), and gathers every weight into a view with
@@ -177,7 +190,8 @@ def build_run(cfg: Config, dist: DistInfo, layout: Layout) -> Run:
     if cfg.seed is not None:  # per-rank stream for dropout / MixUp in the training step
         torch.manual_seed(cfg.seed + dist.rank)
     steps = -(-data.train.batches // layout.grad_accum_steps)
-    engine = build_engine(cfg, raw, model, dist.device, layout, steps, data.num_classes, ema)
+    engine = build_engine(cfg, raw, model, dist.device, layout, steps, data.num_classes, ema,
+                          data.train_counts)
     name = files.dcp_name if cfg.sharded_checkpoint else str  # best: a file or a directory
     best_ema = Best(output_dir / name(files.BEST_EMA)) if cfg.model_ema else None
     return Run(cfg, dist, layout, output_dir, data, raw, engine, Step(epoch=cfg.start_epoch),

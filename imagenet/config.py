@@ -55,9 +55,13 @@ class Config:
                              help="how to read DIR; auto = tar shards when DIR is a pattern, "
                                   "URL, pipe: or holds _info.json, else ImageFolder "
                                   "(default: %(default)s)")
-    val_data: str | None = _flag("--val-data", group="data", default=None, metavar="PATTERN",
-                                 help="validation shards when DIR is a shard pattern (default: "
-                                      "the validation split of the _info.json beside them)")
+    val_data: str | None = _flag("--val-data", group="data", default=None, metavar="PATH",
+                                 help="the validation images: with a shard pattern DIR, shards "
+                                      "(default: the validation split of the _info.json beside "
+                                      "them); else an ImageFolder (class folders) used instead "
+                                      "of DIR/val/, its classes matched to the training "
+                                      "classes by name (a subset is fine); with -e it needs no "
+                                      "DIR: the classes are the --resume checkpoint's")
     num_classes: int | None = _flag("--num-classes", group="data", default=None, type=int,
                                     metavar="N",
                                     help="classes of shards whose _info.json lists no class "
@@ -157,6 +161,19 @@ class Config:
     weights: str | None = _flag("--weights", group="model", default=None, metavar="NAME",
                                 help="torchvision weights enum member, e.g. IMAGENET1K_V1 "
                                      "(default: none)")
+    finetune: str | None = _flag("--finetune", group="model", default=None, metavar="PATH",
+                                 help="start from the weights of PATH (a checkpoint of this "
+                                      "trainer, also --fsdp's and EMA/best files, the classic "
+                                      "script's, a plain state dict or a torchvision .pth); "
+                                      "layers whose shape differs (the classifier, for "
+                                      "another class count) are re-initialised and named; "
+                                      "optimizer, schedule, epoch and best start fresh "
+                                      "(default: none)")
+    freeze_backbone: bool = _flag("--freeze-backbone", group="model", default=False,
+                                  action="store_true",
+                                  help="linear probe: train only the classifier; the rest of "
+                                       "the model keeps its weights and BatchNorm statistics "
+                                       "and runs as in evaluation (no dropout)")
     sync_bn: bool = _flag("--sync-bn", group="model", default=False, action="store_true",
                           help="convert BatchNorm to SyncBatchNorm in distributed runs")
     channels_last: bool = _flag("--channels-last", group="model", default=False,
@@ -208,6 +225,18 @@ class Config:
     bias_weight_decay: float | None = _flag(
         "--bias-weight-decay", group="optimisation", default=None, type=float, metavar="W",
         help="weight decay for biases (default: same as --wd)")
+    backbone_lr_scale: float = _flag("--backbone-lr-scale", group="optimisation", default=1.0,
+                                     type=float, metavar="F",
+                                     help="fine-tuning: every layer but the classifier learns "
+                                          "at F x the learning rate, through the whole "
+                                          "schedule (the logged lr is the classifier's) "
+                                          "(default: %(default)s)")
+    class_balanced_loss: float | None = _flag(
+        "--class-balanced-loss", group="optimisation", default=None, type=float,
+        metavar="BETA",
+        help="weight each class's loss by (1 - BETA) / (1 - BETA^n), n its training images "
+             "(the 'effective number' of Cui et al. 2019), normalised to a mean of 1 over the "
+             "classes; 1 = inverse frequency, 0.999-0.9999 usual (default: off)")
     opt: str = _flag("--opt", group="optimisation", default="sgd",
                      choices=("sgd", "sgd_nesterov", "adamw", "rmsprop"),
                      help="optimizer (default: %(default)s)")
@@ -335,7 +364,21 @@ class Config:
                                help="checkpoint to resume from (a path or URL); 'auto' = "
                                     "OUTPUT_DIR/checkpoint.pth.tar if present (default: none)")
     evaluate: bool = _flag("-e", "--evaluate", group="checkpointing", default=False,
-                           action="store_true", help="evaluate the model on val/ and exit")
+                           action="store_true",
+                           help="evaluate the model (--resume PATH, or --pretrained) on val/ "
+                                "or --val-data and exit; writes per_class.csv/.json and the "
+                                "confusion matrix to OUTPUT_DIR")
+    predictions: str | None = _flag("--predictions", group="checkpointing", default=None,
+                                    metavar="FILE.csv",
+                                    help="with -e, and at the end of training: one row per "
+                                         "validation image (path,target,pred,confidence and "
+                                         "the top 5 classes with their probabilities) "
+                                         "(default: none)")
+    tta_flip: bool = _flag("--tta-flip", group="checkpointing", default=False,
+                           action="store_true",
+                           help="validate on each image and its mirror image, averaging the "
+                                "two softmax probabilities (every validation, so model_best "
+                                "too)")
     sharded_checkpoint: bool = _flag(
         "--sharded-checkpoint", group="checkpointing", default=False, action="store_true",
         help="with --fsdp: write checkpoint.dcp/ (torch.distributed.checkpoint; every rank "
@@ -491,6 +534,7 @@ def validate(cfg: Config) -> None:
                          f"({cfg.lr_min}) must not exceed --lr ({cfg.lr})")
     if cfg.pretrained and cfg.weights:
         raise UsageError("give either --pretrained or --weights NAME, not both")
+    check_finetune(cfg)
     if cfg.dummy and cfg.demo:
         raise UsageError("--dummy and --demo both choose the data; give one")
     if cfg.num_classes is not None and cfg.num_classes < 1:
@@ -517,6 +561,26 @@ def check_training_controls(cfg: Config) -> None:
 
     check_crop_flags(cfg)
     parse_time_limit(cfg.time_limit)
+
+
+def check_finetune(cfg: Config) -> None:
+    """--finetune, --freeze-backbone, --backbone-lr-scale and --class-balanced-loss."""
+    if cfg.finetune and (cfg.pretrained or cfg.weights):
+        raise UsageError("--finetune PATH and --pretrained/--weights both choose the starting "
+                         "weights: give one")
+    if cfg.finetune and cfg.evaluate:
+        raise UsageError("-e evaluates the weights of --resume PATH (any checkpoint or state "
+                         "dict); --finetune starts a training run from PATH: give -e --resume "
+                         f"{cfg.finetune}")
+    if cfg.freeze_backbone and cfg.backbone_lr_scale != 1.0:
+        raise UsageError("--freeze-backbone trains the classifier alone; --backbone-lr-scale "
+                         "is for training the whole model: give one")
+    if not cfg.backbone_lr_scale > 0:
+        raise UsageError(f"--backbone-lr-scale must be positive, got {cfg.backbone_lr_scale} "
+                         "(--freeze-backbone keeps the backbone as it is)")
+    beta = cfg.class_balanced_loss
+    if beta is not None and not 0.0 <= beta <= 1.0:
+        raise UsageError(f"--class-balanced-loss BETA must be in [0, 1], got {beta}")
 
 
 def check_numbers_and_ranks(cfg: Config) -> None:

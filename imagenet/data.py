@@ -315,6 +315,9 @@ class Data:
     # --decode-on-device: a loader batch -> (uint8 images, labels) on the device (gpu_data)
     train_finish: Callable | None = None
     val_finish: Callable | None = None
+    # Training images per class (an ImageFolder's; None for tar shards): the per-class report
+    # and --class-balanced-loss.
+    train_counts: list[int] | None = None
 
     @property
     def train_loader(self) -> DataLoader:
@@ -330,15 +333,16 @@ def loader_options(workers: int, prefetch: int = 4) -> dict[str, Any]:
             "worker_init_fn": ignore_stop_signals} if workers > 0 else {}
 
 
-def check_folder(root: Path) -> tuple[Path, Path]:
-    """train/ and val/ under ``root`` or a UsageError that says what to give instead."""
+def check_folder(root: Path, need_val: bool = True) -> tuple[Path, Path]:
+    """train/ and val/ under ``root`` (val/ unless ``need_val`` is False: --val-data) or a
+    UsageError that says what to give instead."""
     if not root.is_dir():
         raise UsageError(f"data folder '{root}' does not exist: give the dataset root that holds "
                          "train/ and val/ (ImageFolder layout), tar shards (a folder or URL "
                          "with _info.json, a .tar pattern or pipe:), or --demo for the "
                          "built-in data, or --dummy for synthetic data")
     train, val = root / "train", root / "val"
-    for part in (train, val):
+    for part in (train, val) if need_val else (train,):
         if not part.is_dir():
             raise UsageError(f"'{part}' is missing: the data folder must hold train/<class>/*.jpg "
                              "and val/<class>/*.jpg (see python -m imagenet.tools.prepare for "
@@ -356,6 +360,56 @@ def image_folder(folder: Path, transform, backend: str,
     except FileNotFoundError as exc:
         raise DataError(f"{folder}: {exc} (every class folder needs at least one image)"
                         ) from None
+
+
+class ClassMappedFolder(datasets.ImageFolder):
+    """An ImageFolder labelled with the indices of another class list (the training data's or
+    a checkpoint's), matched by folder name: any order, any subset; an unknown folder is an
+    error that names it."""
+
+    def __init__(self, root: str, classes: Sequence[str], **kwargs: Any) -> None:
+        self.label_of = {name: i for i, name in enumerate(classes)}
+        super().__init__(root, **kwargs)
+
+    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+        found, _ = super().find_classes(directory)
+        unknown = [c for c in found if c not in self.label_of]
+        if unknown:
+            known = ", ".join(list(self.label_of)[:5])
+            raise DataError(f"{directory}: class folder(s) {', '.join(unknown[:5])}"
+                            f"{' and more' if len(unknown) > 5 else ''} are not among the "
+                            f"model's {len(self.label_of)} classes ({known}, ...); rename or "
+                            "remove them")
+        return found, {c: self.label_of[c] for c in found}
+
+
+def other_val_folder(folder: Path, classes: Sequence[str], transform: Callable,
+                     backend: str, loader: Callable | None = None) -> ClassMappedFolder:
+    """--val-data FOLDER: validation images labelled by ``classes`` (matched by name)."""
+    if not folder.is_dir():
+        raise UsageError(f"--val-data {folder}: no such folder; give an ImageFolder (one "
+                         "sub-folder of images per class)")
+    try:
+        val = ClassMappedFolder(str(folder), classes, transform=transform,
+                                loader=loader or partial(T.load_image, backend=backend))
+    except FileNotFoundError as exc:
+        raise DataError(f"--val-data {folder}: {exc} (every class folder needs at least one "
+                        "image)") from None
+    absent = [c for c in classes if c not in val.class_to_idx]
+    log.info("=> validation images from %s: %d images of %d of the %d classes%s", folder,
+             len(val), len(val.classes), len(classes),
+             f" (none of {', '.join(absent[:5])}{', ...' if len(absent) > 5 else ''})"
+             if absent else "")
+    return val
+
+
+def class_counts(dataset: Dataset, num_classes: int) -> list[int] | None:
+    """Images per class of a dataset that lists its labels (``targets``), else None."""
+    targets = getattr(dataset, "targets", None)
+    if targets is None:
+        return None
+    return torch.bincount(torch.as_tensor(targets, dtype=torch.long),
+                          minlength=num_classes).tolist()
 
 
 def check_same_classes(train: Sequence[str], val: Sequence[str], root: Path) -> None:
@@ -390,12 +444,16 @@ def build_datasets(cfg: Config, data_root: Path, encoded: bool = False
             train.transform = sized_by_epoch(cfg, CornerCrop)
         val = DummyDataset(cfg.dummy_val_size, cfg.dummy_classes, cfg.val_crop_size)
         return train, val, train.classes
-    train_dir, val_dir = check_folder(data_root)
+    train_dir, val_dir = check_folder(data_root, need_val=cfg.val_data is None)
     train_tf, val_tf = gpu_data.item_transforms(cfg) if encoded else build_transforms(cfg)
     loader = gpu_data.read_encoded if encoded else None
     train = image_folder(train_dir, train_tf, cfg.image_backend, loader)
-    val = image_folder(val_dir, val_tf, cfg.image_backend, loader)
-    check_same_classes(train.classes, val.classes, data_root)
+    if cfg.val_data is not None:
+        val = other_val_folder(Path(cfg.val_data), train.classes, val_tf, cfg.image_backend,
+                               loader)
+    else:
+        val = image_folder(val_dir, val_tf, cfg.image_backend, loader)
+        check_same_classes(train.classes, val.classes, data_root)
     return train, val, train.classes
 
 
@@ -437,8 +495,20 @@ def kill_stray_workers() -> None:
 def build_data(cfg: Config, data_root: str | Path, rank: int, world_size: int, layout: Layout,
                aug_seed: int, pin_memory: bool, decode_on_device: bool = False) -> Data:
     """Loaders for this rank: resumable shuffled training shard, unpadded validation shard."""
-    batch_size, workers = layout.batch_size, layout.workers
     train, val, classes = build_datasets(cfg, Path(data_root), decode_on_device)
+    folder_train, val_loader, finish = folder_loaders(cfg, train, val, rank, world_size, layout,
+                                                      aug_seed, pin_memory, decode_on_device)
+    return Data(folder_train, val_loader, len(classes), list(classes), len(val),
+                train_finish=finish[0], val_finish=finish[1],
+                train_counts=class_counts(train, len(classes)))
+
+
+def folder_loaders(cfg: Config, train: Dataset, val: Dataset, rank: int, world_size: int,
+                   layout: Layout, aug_seed: int, pin_memory: bool,
+                   decode_on_device: bool = False) -> tuple[FolderTrain, DataLoader, tuple]:
+    """This rank's loaders of map-style datasets: the resumable training shard and the
+    unpadded validation shard, and (--decode-on-device) what finishes their batches."""
+    batch_size, workers = layout.batch_size, layout.workers
     sampler = ResumableDistributedSampler(len(train), rank, world_size,  # type: ignore[arg-type]
                                           seed=cfg.seed or 0, reps=cfg.ra_reps)
     check_one_batch(sampler.num_samples, batch_size, world_size)
@@ -457,9 +527,8 @@ def build_data(cfg: Config, data_root: str | Path, rank: int, world_size: int, l
     train_loader = DataLoader(seeded, batch_sampler=NoSingleImageBatches(sampler, batch_size),
                               num_workers=workers, pin_memory=pin_memory,
                               generator=torch.Generator().manual_seed(aug_seed), **extra)
-    val_loader = DataLoader(val, batch_size=batch_size, sampler=ShardSampler(len(val), rank,
-                                                                              world_size),
+    val_loader = DataLoader(val, batch_size=batch_size,
+                            sampler=ShardSampler(len(val), rank, world_size),  # type: ignore
                             num_workers=workers, pin_memory=pin_memory,
                             generator=torch.Generator().manual_seed(aug_seed), **extra)
-    return Data(FolderTrain(train_loader, sampler, seeded, finish[0]), val_loader, len(classes),
-                list(classes), len(val), *finish)  # type: ignore[arg-type]
+    return FolderTrain(train_loader, sampler, seeded, finish[0]), val_loader, finish

@@ -294,10 +294,13 @@ def _progress(engine: Engine, step: Step, sums: _Sums, loss: torch.Tensor,
 
 @torch.no_grad()
 def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count: int,
-             on_progress: Callable[[dict], None] | None = None) -> dict[str, float]:
+             on_progress: Callable[[dict], None] | None = None,
+             on_output: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+             ) -> dict[str, float]:
     """Loss and top-1/top-5 of ``model`` over the whole validation set, summed across ranks once.
 
     ``expected_count`` is the size of the validation set: the summed count must equal it.
+    ``on_output(output, target)`` sees every batch (the per-image report).
     """
     opts, criterion = engine.opts, engine.parts.criterion
     model.eval()
@@ -317,6 +320,8 @@ def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count:
             loss = criterion(output.float(), target)
         correct = topk_correct(output, target)
         sums.add(loss.float() * images.shape[0], correct[0], correct[1], images.shape[0])
+        if on_output is not None:
+            on_output(output, target)
         if on_progress is not None and ((i + 1) % opts.print_freq == 0 or i + 1 == total_batches):
             local = sums.read()
             on_progress({"batch": i + 1, "batches": total_batches,

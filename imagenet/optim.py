@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.optim import lr_scheduler
 
 from imagenet.config import Config
+from imagenet.errors import UsageError
+from imagenet.finetune import Head, in_module
 from imagenet.fsdp import local_shards
 from imagenet.launch import Layout
+
+log = logging.getLogger(__name__)
 
 NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm,
                nn.modules.instancenorm._InstanceNorm, nn.LocalResponseNorm)
@@ -35,9 +42,29 @@ def param_groups(model: nn.Module, weight_decay: float, norm_weight_decay: float
     return [{"params": ps, "weight_decay": decay[k]} for k, ps in groups.items() if ps]
 
 
-def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """The optimizer named by --opt (classic default: SGD with momentum)."""
+def scale_backbone_lr(model: nn.Module, groups: list[dict], head: Head, lr: float,
+                      scale: float) -> list[dict]:
+    """--backbone-lr-scale: each group split into the classifier ``head``'s parameters (first,
+    so the logged lr is theirs) and the rest at ``scale`` x ``lr``. ``lr_scale`` stays in the
+    group: a rebuilt schedule (``position.rebuild_schedule``) starts each group from it."""
+    in_head = {id(p) for name, p in model.named_parameters() if in_module(name, head)}
+    heads, rest = [], []
+    for group in groups:
+        mine = [p for p in group["params"] if id(p) in in_head]
+        others = [p for p in group["params"] if id(p) not in in_head]
+        heads += [{**group, "params": mine, "lr_scale": 1.0}] if mine else []
+        rest += [{**group, "params": others, "lr": lr * scale, "lr_scale": scale}] if others \
+            else []
+    return heads + rest
+
+
+def build_optimizer(model: nn.Module, cfg: Config, head: Head | None = None
+                    ) -> torch.optim.Optimizer:
+    """The optimizer named by --opt (classic default: SGD with momentum); ``head``: the
+    classifier's name, for --backbone-lr-scale."""
     groups = param_groups(model, cfg.weight_decay, cfg.norm_weight_decay, cfg.bias_weight_decay)
+    if head is not None and cfg.backbone_lr_scale != 1.0:
+        groups = scale_backbone_lr(model, groups, head, cfg.lr, cfg.backbone_lr_scale)
     if cfg.opt in ("sgd", "sgd_nesterov"):
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum,
                                nesterov=cfg.opt == "sgd_nesterov")
@@ -98,6 +125,25 @@ def build_ema(model: nn.Module, cfg: Config,
         use_buffers=True)
 
 
-def build_criterion(cfg: Config) -> nn.Module:
-    """Cross-entropy with optional label smoothing (accepts MixUp's soft targets)."""
-    return nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+def build_criterion(cfg: Config, class_counts: Sequence[int] | None = None) -> nn.Module:
+    """Cross-entropy with optional label smoothing (accepts MixUp's soft targets) and
+    --class-balanced-loss weights from the training images per class."""
+    weight = None
+    if cfg.class_balanced_loss is not None:
+        if not class_counts:
+            raise UsageError("--class-balanced-loss needs the training images of each class: "
+                             "an ImageFolder's train/ (tar shards do not list them)")
+        weight = class_weights(class_counts, cfg.class_balanced_loss)
+        log.info("=> class-balanced loss (BETA %g): class weights %.3g (%d images) to %.3g "
+                 "(%d images)", cfg.class_balanced_loss, weight.min(),
+                 class_counts[int(weight.argmin())], weight.max(),
+                 class_counts[int(weight.argmax())])
+    return nn.CrossEntropyLoss(weight=weight, label_smoothing=cfg.label_smoothing)
+
+
+def class_weights(counts: Sequence[int], beta: float) -> torch.Tensor:
+    """(1 - beta) / (1 - beta^n) per class of n images (Cui et al. 2019, "Class-Balanced Loss
+    Based on Effective Number of Samples"), 1/n at beta = 1 (the limit); mean 1 over classes."""
+    n = torch.tensor(list(counts), dtype=torch.float64).clamp(min=1)
+    weights = 1 / n if beta >= 1.0 else (1 - beta) / (1 - beta ** n)
+    return (weights * len(n) / weights.sum()).float()

@@ -117,7 +117,7 @@ def rebuild_schedule(optimizer: torch.optim.Optimizer, cfg: Config, steps_per_ep
     """
     for group in optimizer.param_groups:  # as build_optimizer leaves it: --lr, no schedule yet
         group.pop("initial_lr", None)
-        group["lr"] = cfg.lr
+        group["lr"] = cfg.lr * group.get("lr_scale", 1.0)  # --backbone-lr-scale
     scheduler = build_scheduler(optimizer, cfg, steps_per_epoch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()"

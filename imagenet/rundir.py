@@ -31,6 +31,7 @@ from pathlib import Path
 from imagenet.checkpoint import files
 from imagenet.errors import RunError, UsageError
 from imagenet.logger import METRICS
+from imagenet.reports import FILES as REPORTS
 from imagenet.trackers import RUN_IDS
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,8 @@ CONFIG, TENSORBOARD = "config.json", "tb"
 DIRECTORIES = tuple(files.dcp_name(n) for n in (files.CHECKPOINT, files.BEST, files.BEST_EMA))
 # What one run writes; moved aside together when a fresh run starts in a used folder.
 RECORD = (files.CHECKPOINT, files.BEST, files.BEST_EMA, METRICS, CONFIG, TENSORBOARD, RUN_IDS,
-          *DIRECTORIES, *(files.aside(Path(n)).name for n in DIRECTORIES), files.HISTORY_INDEX)
+          *DIRECTORIES, *(files.aside(Path(n)).name for n in DIRECTORIES), files.HISTORY_INDEX,
+          *REPORTS)
 # --keep-checkpoints' epoch checkpoints (files, or --sharded-checkpoint directories)
 RECORD_PATTERNS = (files.EPOCH_PATTERN, files.dcp_name(files.EPOCH_PATTERN))
 # lockf's answers on filesystems without (working) locks: NFS without lockd, some FUSE, Lustre

@@ -27,6 +27,7 @@ from imagenet.data import shutdown_workers
 from imagenet.distributed import DistInfo
 from imagenet.engine import Hooks, Step, evaluate, train_one_epoch
 from imagenet.errors import NonFiniteLossError, Preempted, on_every_rank
+from imagenet.evaluation import Report, for_validation
 from imagenet.gpu_data import device_batches
 from imagenet.launch import Layout, elastic_restart_count
 from imagenet.logger import RunLogger, print_val_progress
@@ -69,7 +70,7 @@ def resume_and_train(run: Run) -> dict[str, float]:
     resumed = resume(run)
     if run.cfg.evaluate:
         describe_evaluation(run, resumed)
-        return validate(run, run.engine.parts.model)
+        return validate(run, run.engine.parts.model, report=Report(run, tag="eval"))
     with slow_stage("checking the disk space and every validation image") as stage:
         check_before_training(run, resumed)
         stage.done = "disk space and validation images checked"
@@ -112,8 +113,10 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
                 raise stopped(run, stop)
             # Validate the model (and its EMA) on every image once; track the best of each.
             try:
+                # After the last epoch: predictions, per-class accuracy, confusion matrix.
+                report = Report(run, logger) if epoch == run.cfg.epochs - 1 else None
                 is_best = validate_and_track(run, run.engine.parts.model, run.best, "", record,
-                                             stop)
+                                             stop, report)
                 is_best_ema = run.best_ema is not None and validate_and_track(
                     run, run.engine.parts.ema, run.best_ema, "ema_", record, stop)
             except StopRequested:  # validation is not saved state; the trained epoch is
@@ -179,11 +182,12 @@ def stopped(run: Run, stop: StopFlag, when: str = "") -> Preempted:
                      f"checkpoint saved in {run.output_dir}; resume with --resume auto")
 
 
-def validate(run: Run, model: nn.Module, name: str = "",
-             stop: StopFlag | None = None) -> dict[str, float]:
+def validate(run: Run, model: nn.Module, name: str = "", stop: StopFlag | None = None,
+             report: Report | None = None) -> dict[str, float]:
     """Evaluate ``model`` on the whole validation set and print the classic summary line.
 
-    With ``stop``, a signal ends it within a batch (StopRequested) on every rank.
+    With ``stop``, a signal ends it within a batch (StopRequested) on every rank. With
+    ``report``, the per-image and per-class results are written too.
     """
     loader = device_batches(FirstBatch(run.data.val_loader, run.layout.workers, "validation"),
                             run.dist.device, run.data.val_finish)
@@ -192,18 +196,23 @@ def validate(run: Run, model: nn.Module, name: str = "",
         largest_shard = math.ceil(run.data.val_size / run.dist.world_size)
         loader = StopBetweenBatches(loader, stop, math.ceil(largest_shard /
                                                             run.layout.batch_size))
-    metrics = evaluate(run.engine, for_evaluation(model), loader, run.data.val_size,
+    metrics = evaluate(run.engine, for_validation(for_evaluation(model), run.cfg), loader,
+                       run.data.val_size,
                        partial(print_val_progress, ranks=run.dist.world_size)
-                       if run.dist.is_main else None)
+                       if run.dist.is_main else None,
+                       report.add if report is not None else None)
     log.info(" * %sAcc@1 %.3f Acc@5 %.3f  (%d images)", name, metrics["acc1"], metrics["acc5"],
              metrics["count"])
+    if report is not None:
+        report.finish(metrics)
     return metrics
 
 
 def validate_and_track(run: Run, model: nn.Module, best: Best, prefix: str,
-                       record: dict[str, Any], stop: StopFlag) -> bool:
+                       record: dict[str, Any], stop: StopFlag,
+                       report: Report | None = None) -> bool:
     """Validate, add ``{prefix}val_*`` and ``best_{prefix}acc1`` to ``record``; True if best."""
-    metrics = validate(run, model, prefix.upper().replace("_", " "), stop)
+    metrics = validate(run, model, prefix.upper().replace("_", " "), stop, report)
     record.update(prefixed(f"{prefix}val_", metrics))
     is_best = best.update(metrics["acc1"])
     record[f"best_{prefix}acc1"] = best.acc1

@@ -29,6 +29,7 @@ OPERATIONAL = frozenset({
     "world_size", "rank", "dist_url", "dist_backend", "dist_timeout", "multiprocessing_distributed",
     "nproc_per_node", "local_rank", "gpu", "no_accel", "bucket_cap_mb", "log_to", "time_limit",
     "keep_checkpoints",
+    "finetune", "predictions", "tta_flip",  # the start's weights; what validation reports
 })
 
 
@@ -82,7 +83,7 @@ def _layout(world: int, batch: int, accum: int, steps: int) -> str:
 PER_RANK = frozenset({
     "data", "workers", "output_dir", "resume", "debug", "env_check", "world_size", "rank",
     "dist_url", "dist_timeout", "multiprocessing_distributed", "nproc_per_node", "local_rank",
-    "gpu", "pretrained", "weights", "config", "log_to",
+    "gpu", "pretrained", "weights", "config", "log_to", "finetune", "predictions",
 })
 
 

@@ -206,13 +206,27 @@ def remove_stale_temp_files(folder: Path) -> None:
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """Load a checkpoint safely (weights_only) or raise CheckpointError saying why."""
+    ckpt = load_file(path)
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"{path} is not a checkpoint (it holds a {type(ckpt).__name__}, "
+                              "not a dict with 'state_dict')")
+    if "state_dict" not in ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
+        ckpt = {"state_dict": ckpt}  # a bare state_dict, e.g. torchvision's weights files
+    if "state_dict" not in ckpt:
+        raise CheckpointError(f"{path} is not a checkpoint: no 'state_dict' key "
+                              f"(keys: {', '.join(sorted(map(str, ckpt))[:8])})")
+    return ckpt
+
+
+def load_file(path: Path, advice: str = "use an older copy or start without --resume") -> Any:
+    """What torch.save wrote to ``path``, loaded safely (weights_only), or CheckpointError
+    saying why not (``advice``: what to do about a damaged file)."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     with open(path, "rb") as f:
         magic = f.read(4)
     if not magic:
-        raise CheckpointError(f"{path} is empty (truncated); use an older copy or start "
-                              "without --resume")
+        raise CheckpointError(f"{path} is empty (truncated); {advice}")
     if not magic.startswith((ZIP_MAGIC, PICKLE_MAGIC)):
         raise CheckpointError(f"{path} is not a checkpoint: it was not written by torch.save "
                               f"(starts with {magic!r})")
@@ -229,16 +243,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not a checkpoint (cannot unpickle: "
                               f"{_first_line(exc)})") from None
     except Exception as exc:  # torch raises many types for damaged files (EOF, zip, KeyError)
-        raise CheckpointError(f"{path} is truncated or damaged ({_first_line(exc)}); use an "
-                              "older copy or start without --resume") from None
-    if not isinstance(ckpt, dict):
-        raise CheckpointError(f"{path} is not a checkpoint (it holds a {type(ckpt).__name__}, "
-                              "not a dict with 'state_dict')")
-    if "state_dict" not in ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
-        ckpt = {"state_dict": ckpt}  # a bare state_dict, e.g. torchvision's weights files
-    if "state_dict" not in ckpt:
-        raise CheckpointError(f"{path} is not a checkpoint: no 'state_dict' key "
-                              f"(keys: {', '.join(sorted(map(str, ckpt))[:8])})")
+        raise CheckpointError(f"{path} is truncated or damaged ({_first_line(exc)}); "
+                              f"{advice}") from None
     return ckpt
 
 
@@ -278,7 +284,8 @@ def load_model_state(model: torch.nn.Module, ckpt: Mapping[str, Any], path: Path
                               f"-a {arch}; pass -a {saved_arch} or another checkpoint")
     state = strip_wrapper_prefixes(ckpt["state_dict"])
     own = model.state_dict()
-    missing = sorted(set(own) - set(state))
+    # BatchNorm's step counter is missing from older files; torch's loader fills it in.
+    missing = sorted(k for k in set(own) - set(state) if not k.endswith("num_batches_tracked"))
     unexpected = sorted(set(state) - set(own))
     if missing or unexpected:
         raise CheckpointError(f"{path} does not fit -a {arch}: missing keys "

@@ -68,6 +68,7 @@ def checkpoint_state(run: Run, epoch_done: bool, weights: bool = True) -> dict[s
         "best_ema_acc1": float(run.best_ema.acc1) if run.best_ema is not None else None,
         "num_classes": run.data.num_classes,
         "classes": run.data.classes,
+        "train_class_counts": run.data.train_counts,  # the per-class report of a later -e
         "aug_seed": run.aug_seed,
         "world_size": layout.world_size,
         "batch_size": layout.batch_size,
@@ -137,7 +138,7 @@ def ema_weights_state(run: Run, ema: dict[str, Any]) -> dict[str, Any]:
                            if k.startswith("module.")},
             "best_acc1": float(run.best_ema.acc1), "ema": True,
             "num_classes": run.data.num_classes, "classes": run.data.classes,
-            "config": run.cfg.to_dict()}
+            "train_class_counts": run.data.train_counts, "config": run.cfg.to_dict()}
 
 
 def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = False,
