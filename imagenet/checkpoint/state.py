@@ -226,7 +226,7 @@ def resume(run: Run) -> Path | None:
         run.best_ema.acc1 = resumed_best(ckpt, path, run.output_dir, "best_ema_acc1",
                                          run.best_ema.path.name)
     train = run.data.train
-    point = resume_point(ckpt, steps_per_epoch, run.layout.global_batch, same_layout(run, ckpt),
+    point = resume_point(ckpt, steps_per_epoch, run.layout, same_layout(run, ckpt),
                          train.order_size if train.continues_any_layout else None)
     global_step = int(ckpt.get("global_step", point.epoch * steps_per_epoch))
     run.step = Step(point.epoch, point.step_in_epoch, global_step)
