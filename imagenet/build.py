@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,8 +20,8 @@ from imagenet import transforms as T
 from imagenet.checkpoint import files
 from imagenet.config import Config
 from imagenet.data import Data, build_data
-from imagenet.distributed import DistInfo
-from imagenet.engine import Engine, Options, Parts, Step
+from imagenet.distributed import DistInfo, from_rank0
+from imagenet.engine import Engine, EpochTotals, Options, Parts, Step
 from imagenet.errors import UsageError
 from imagenet.launch import Layout
 from imagenet.models import build_model, wrap
@@ -62,6 +63,10 @@ class Run:
     best_ema: Best | None  # --model-ema: the EMA weights' best top-1
     aug_seed: int  # augmentation randomness is a function of (aug_seed, epoch, sample)
     epoch_start: EpochStart = field(default_factory=EpochStart)  # a resume inside an epoch
+    # What the epoch's metrics.jsonl record needs, checkpointed: its training so far, and (once
+    # done) the whole record, written again if a kill came between the save and the log line.
+    train_totals: EpochTotals | None = None
+    last_record: dict[str, Any] | None = None
 
     def images_trained(self) -> int:
         """Images of the current epoch's order trained so far, whatever layout trained them."""
@@ -137,7 +142,10 @@ def build_run(cfg: Config, dist: DistInfo, layout: Layout) -> Run:
     output_dir = Path(cfg.output_dir)  # made, checked and locked by preflight.claim_output_dir
     # Model init uses the same seed on every rank; augmentation gets its own per-sample seeds.
     seed_process(cfg.seed)
-    aug_seed = cfg.seed if cfg.seed is not None else random.SystemRandom().randrange(2**31)
+    # Unseeded, rank 0 draws the job's augmentation seed: a sample's augmentation does not
+    # depend on the rank that loads it, and the checkpoint's seed is every rank's.
+    aug_seed = cfg.seed if cfg.seed is not None else \
+        from_rank0(random.SystemRandom().randrange(2**31))
     data = load_data(cfg, dist, layout, data_root(cfg, output_dir), aug_seed)
     if cfg.fsdp and data.val_size < dist.world_size:  # every rank joins every sharded forward
         raise UsageError(f"--fsdp: the validation set has {data.val_size} image(s), fewer than "

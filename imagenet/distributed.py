@@ -16,6 +16,7 @@ import socket
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
@@ -244,6 +245,15 @@ def cleanup() -> None:
     """Destroy the process group if one exists (safe to call twice)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (``value`` without a process group). Collective."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
 
 
 def barrier() -> None:
