@@ -25,7 +25,7 @@ from imagenet import transforms as T
 from imagenet.config import Config
 from imagenet.errors import DataError, UsageError
 from imagenet.launch import Layout
-from imagenet.preemption import ignore_stop_signals
+from imagenet.preemption import ignore_stop_signals, stop_signals_blocked
 
 log = logging.getLogger(__name__)
 
@@ -279,6 +279,16 @@ class Data:
         return self.train.loader
 
 
+class StopSafeLoader(DataLoader):
+    """A DataLoader whose workers start with the stop signals blocked: SIGTERM to the whole
+    process group (scancel, Ctrl-C) while one starts must not kill it. torch's worker sets a
+    SIGTERM handler of its own before ``worker_init_fn`` can ignore the signal."""
+
+    def _get_iterator(self):  # where the workers are started (once, when persistent)
+        with stop_signals_blocked():
+            return super()._get_iterator()
+
+
 def loader_options(workers: int, prefetch: int = 4) -> dict[str, Any]:
     """DataLoader options shared by every loader with worker processes (``prefetch``: batches
     queued per worker)."""
@@ -377,12 +387,12 @@ def build_data(cfg: Config, data_root: str | Path, rank: int, world_size: int, l
     # A private generator: creating loader iterators must not consume the global RNG, which the
     # training step uses (MixUp/CutMix, dropout) and the checkpoint restores.
     seeded = SeededDataset(train, aug_seed)
-    train_loader = DataLoader(seeded, batch_sampler=NoSingleImageBatches(sampler, batch_size),
+    train_loader = StopSafeLoader(seeded, batch_sampler=NoSingleImageBatches(sampler, batch_size),
                               num_workers=workers, pin_memory=pin_memory,
                               generator=torch.Generator().manual_seed(aug_seed), **extra)
-    val_loader = DataLoader(val, batch_size=batch_size, sampler=ShardSampler(len(val), rank,
-                                                                              world_size),
-                            num_workers=workers, pin_memory=pin_memory,
-                            generator=torch.Generator().manual_seed(aug_seed), **extra)
+    val_loader = StopSafeLoader(val, batch_size=batch_size,
+                                sampler=ShardSampler(len(val), rank, world_size),
+                                num_workers=workers, pin_memory=pin_memory,
+                                generator=torch.Generator().manual_seed(aug_seed), **extra)
     return Data(FolderTrain(train_loader, sampler, seeded), val_loader, len(classes),
                 list(classes), len(val))  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ training process decides when to stop and shuts them down itself.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -33,9 +34,25 @@ DUPLICATE_WINDOW = 1.0  # seconds
 
 
 def ignore_stop_signals(_worker_id: int = 0) -> None:
-    """DataLoader ``worker_init_fn``: a signal to the process group must not kill the workers."""
+    """DataLoader ``worker_init_fn``: a signal to the process group must not kill the workers.
+
+    They start with these signals blocked (``stop_signals_blocked``): one sent before this runs
+    stays pending, and is discarded once ignored.
+    """
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Hold SIGTERM/SIGUSR1/SIGINT back in this thread (they arrive on leaving); processes
+    started inside begin with them blocked."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class StopRequested(Exception):

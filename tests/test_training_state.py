@@ -17,10 +17,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import child_env, load_checkpoint, main_cmd, run_main, write_image_folder
+
+from imagenet.data import shutdown_workers
 
 STEPS = 6  # 48 training images in steps of 8
 FLAGS = ["-a", "squeezenet1_1", "--train-crop-size", "32", "--val-resize-size", "36",
@@ -248,3 +252,30 @@ def test_two_unseeded_processes_resume_bitwise_and_report_the_whole_jobs_trainin
     assert again["train_images"] == 48
     assert again["train_loss"] == pytest.approx(record["train_loss"], rel=1e-9)
     assert again["train_acc1"] == pytest.approx(record["train_acc1"], rel=1e-9)
+
+
+# ---- item 15: a signal to the process group while the loader workers start
+
+def slow_thread_setting(threads: int) -> None:
+    """torch.set_num_threads as a loaded machine runs it in a new loader worker: slowly. The
+    worker calls it after torch's own SIGTERM handler is set and before worker_init_fn."""
+    time.sleep(1.5)
+
+
+def test_a_signal_while_loader_workers_start_does_not_kill_them(data, monkeypatch):
+    from imagenet.config import parse_config
+    from imagenet.data import build_data
+    from imagenet.launch import Layout
+
+    cfg = parse_config([str(data), *FLAGS])
+    loaders = build_data(cfg, data, 0, 1, Layout(1, 4, 1, 1), 0, pin_memory=False)
+    monkeypatch.setattr(torch, "set_num_threads", slow_thread_setting)  # forked workers too
+    try:
+        batches = iter(loaders.val_loader)  # starts the worker
+        for worker in batches._workers:  # type: ignore[attr-defined]
+            # As scancel or Ctrl-C: from a process other than the worker's parent.
+            subprocess.run(["kill", "-TERM", str(worker.pid)], check=True)
+        images = sum(len(target) for _, target in batches)
+    finally:
+        shutdown_workers(loaders.train_loader, loaders.val_loader)
+    assert images == 9

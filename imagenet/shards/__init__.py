@@ -18,10 +18,9 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch.utils.data import DataLoader
 
 from imagenet.config import Config
-from imagenet.data import Data, build_transforms, loader_options
+from imagenet.data import Data, StopSafeLoader, build_transforms, loader_options
 from imagenet.errors import DataError
 from imagenet.launch import Layout
 from imagenet.shards.plan import STREAMS, train_batches_per_rank
@@ -45,7 +44,7 @@ def build_shard_data(cfg: Config, data: str, rank: int, world_size: int, layout:
     train_tf, val_tf = build_transforms(cfg)
     where = {"world_size": world_size, "rank": rank, "batch_size": batch}
     splits = ((shards.train, train_tf, True), (shards.val, val_tf, False))
-    loaders = [DataLoader(ShardSamples(tf, cfg.image_backend, len(shards.classes), train),
+    loaders = [StopSafeLoader(ShardSamples(tf, cfg.image_backend, len(shards.classes), train),
                           # validation needs no mixing: one stream, fewer starts inside shards
                           batch_sampler=ShardBatchSampler(split, shuffle=train, seed=cfg.seed or 0,
                                                           aug_seed=aug_seed, **where,
