@@ -142,10 +142,12 @@ def build_run(cfg: Config, dist: DistInfo, layout: Layout) -> Run:
     output_dir = Path(cfg.output_dir)  # made, checked and locked by preflight.claim_output_dir
     # Model init uses the same seed on every rank; augmentation gets its own per-sample seeds.
     seed_process(cfg.seed)
-    # Unseeded, rank 0 draws the job's augmentation seed: a sample's augmentation does not
-    # depend on the rank that loads it, and the checkpoint's seed is every rank's.
-    aug_seed = cfg.seed if cfg.seed is not None else \
-        from_rank0(random.SystemRandom().randrange(2**31))
+    # Rank 0's seed (unseeded: its draw) is the job's augmentation seed: a sample's
+    # augmentation does not depend on the rank that loads it, and the checkpoint's seed is
+    # every rank's. Every rank broadcasts, seeded or not, so that flags differing across ranks
+    # are reported (checkpoint.changes), not stuck in a collective only some ranks call.
+    aug_seed = from_rank0(cfg.seed if cfg.seed is not None else
+                          random.SystemRandom().randrange(2**31))
     data = load_data(cfg, dist, layout, data_root(cfg, output_dir), aug_seed)
     if cfg.fsdp and data.val_size < dist.world_size:  # every rank joins every sharded forward
         raise UsageError(f"--fsdp: the validation set has {data.val_size} image(s), fewer than "

@@ -20,6 +20,7 @@ from imagenet.launch import (
     check_gpu_flag,
     check_sync_bn,
     choose_backend,
+    launcher_pid,
     plan_launch,
     plan_layout,
     rendezvous,
@@ -27,7 +28,7 @@ from imagenet.launch import (
     unlaunched_slurm_tasks,
 )
 from imagenet.logger import setup_logging
-from imagenet.preemption import PREEMPT_EXIT_CODE
+from imagenet.preemption import PREEMPT_EXIT_CODE, stop_when_orphaned
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PREEMPTED_BY = {sig.name for sig in FORWARDED_SIGNALS}  # a child dead of these: preempted
@@ -40,6 +41,9 @@ def _worker(local_index: int, cfg: Config, launch: Launch, master: dict[str, str
     os.environ.update(master)  # the parent's rendezvous choice (spawn mode only)
     rank = resolve_ranks(launch, local_index, cfg, os.environ)[0]
     setup_logging(rank, cfg.debug)
+    launcher = launcher_pid(launch, os.environ, os.getppid())
+    if launcher is not None:  # killed, it cannot stop us: we stop, saving, on our own
+        stop_when_orphaned(launcher)
     from imagenet.trainer import run_training  # heavy imports only where training happens
 
     try:

@@ -8,7 +8,8 @@ and the collective checkpoint save cannot deadlock. A second signal exits at onc
 The same signal can arrive twice within milliseconds (SLURM signals every process of a job step
 and the --multiprocessing-distributed parent forwards it too); a repeat within
 ``DUPLICATE_WINDOW`` seconds counts as one delivery. DataLoader workers ignore these signals: the
-training process decides when to stop and shuts them down itself.
+training process decides when to stop and shuts them down itself. A training process whose
+launcher (torchrun's agent, mp.spawn's parent) dies stops the same way (``stop_when_orphaned``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sized
 from types import FrameType
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 PREEMPT_EXIT_CODE = Preempted.exit_code  # "saved on a signal; requeue to resume"
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 DUPLICATE_WINDOW = 1.0  # seconds
+LAUNCHER_POLL = 0.5  # seconds between checks that the launcher (parent) is alive
 
 
 def ignore_stop_signals(_worker_id: int = 0) -> None:
@@ -53,6 +56,23 @@ def stop_signals_blocked() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def stop_when_orphaned(launcher: int, poll: float = LAUNCHER_POLL) -> threading.Thread:
+    """Send this process SIGTERM once ``launcher`` is no longer its parent (it died: SIGKILL,
+    out of memory): it then stops as if preempted, saving, instead of training on alone in a
+    session of its own while holding the output folder's lock."""
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(poll)
+        log.warning("the launcher of this process (pid %d) is gone: stopping as if preempted",
+                    launcher)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="launcher-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 class StopRequested(Exception):

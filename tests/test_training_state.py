@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import child_env, load_checkpoint, main_cmd, run_main, write_image_folder
+from helpers import MAIN, child_env, load_checkpoint, main_cmd, run_main, write_image_folder
 
 from imagenet.data import shutdown_workers
 
@@ -279,3 +279,35 @@ def test_a_signal_while_loader_workers_start_does_not_kill_them(data, monkeypatc
     finally:
         shutdown_workers(loaders.train_loader, loaders.val_loader)
     assert images == 9
+
+
+# ---- item 16: SIGKILL to torchrun's agent
+
+@pytest.mark.slow
+def test_workers_of_a_killed_torchrun_agent_stop_saving_within_seconds(data, tmp_path):
+    from chaos import Leg
+
+    out = tmp_path / "out"
+    args = [str(data), *FLAGS, "-b", "4", "--seed", "0", "--output-dir", str(out)]
+    leg = Leg([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               "2", "--monitor-interval", "0.5", MAIN, *args, "--epochs", "30"],
+              tmp_path / "torchrun.txt")
+    seen, deadline = 0, time.monotonic() + 300
+    while (line := leg.next_line(seen, deadline)) is not None and "Epoch: [1][2/" not in line:
+        seen += 1
+    assert line is not None, leg.output
+    leg.send(signal.SIGKILL, group=False)  # the agent alone (its workers have own sessions)
+    killed = time.monotonic()
+    assert leg.wait() == -signal.SIGKILL
+    while leg.pids() and time.monotonic() < killed + 15:
+        time.sleep(0.2)
+    left = leg.pids()
+    leg.kill_all()
+    assert not left, f"workers still running 15 s after their agent was killed:\n{leg.output}"
+    assert "the launcher of this process (pid" in leg.output, leg.output
+    assert "stopped by SIGTERM" in leg.output and "Traceback" not in leg.output, leg.output
+    ckpt = load_checkpoint(out / "checkpoint.pth.tar")
+    assert (ckpt["epoch"], ckpt["step_in_epoch"]) >= (1, 2), leg.output
+    # The folder is free: the run resumes (here on one process, to the end of that epoch).
+    proc = run_main(*args, "--epochs", str(ckpt["epoch"] + 1), "--resume", "auto")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
