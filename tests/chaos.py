@@ -39,10 +39,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import MAIN, ROOT, child_env, write_image_folder  # noqa: E402
 
-CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS = 3, 17, 3  # 51 training images: last batches of one
+CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS = 3, 17, 5  # 51 training images: last batches of one
 VAL_IMAGES = CLASSES * VAL_PER_CLASS
-MODEL = ["-a", "squeezenet1_1", "--train-crop-size", "32", "--val-resize-size", "36",
-         "--val-crop-size", "32", "-p", "1", "--wd", "1e-4", "--dist-timeout", "60"]
+# Training at 32 px is quick; validation at 128 px lasts long enough for a signal to land in it.
+MODEL = ["-a", "squeezenet1_1", "--train-crop-size", "32", "--val-resize-size", "146",
+         "--val-crop-size", "128", "-p", "1", "--wd", "1e-4", "--dist-timeout", "60"]
 LEG_TIMEOUT = 300.0  # seconds for one command
 ORPHAN_GRACE = 30.0  # seconds the processes of a killed launcher may take to stop (and save)
 PROGRESS = re.compile(r"^Epoch: \[(\d+)\]\[\s*(\d+)/(\d+)\]")
@@ -269,6 +270,28 @@ def tagged(token: str) -> list[int]:
     return pids
 
 
+class Background:
+    """``fn(*args)`` in a thread; ``result()`` waits for it (and raises what it raised)."""
+
+    def __init__(self, fn, *args) -> None:
+        self._result, self._error = None, None
+
+        def run() -> None:
+            try:
+                self._result = fn(*args)
+            except BaseException as exc:  # handed to result()
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
 def run_to_end(cmd: list[str], log: Path) -> tuple[int | None, str]:
     leg = Leg(cmd, log)
     code = leg.wait()
@@ -435,13 +458,13 @@ def equal_tensors(a: dict, b: dict, where: str) -> list[str]:
     return [f"{where}: {len(bad)} entries differ (e.g. {bad[0]})"] if bad else []
 
 
-def evaluated(data: Path, s: Setup, best: Path, ema: bool, log: Path) -> tuple[str | None, str]:
-    """' * Acc@1' of ``main.py -e --resume best`` (one process), and its output."""
+def evaluated(data: Path, best: Path, ema: bool, log: Path) -> str | None:
+    """' * Acc@1' of ``main.py -e --resume best`` (one process; None if it failed)."""
     cmd = [sys.executable, MAIN, str(data), *MODEL, "-b", "8", "-j", "0", "-e",
            "--resume", str(best), *(["--model-ema"] if ema else [])]
     code, output = run_to_end(cmd, log)
     found = re.findall(r"^ \* Acc@1 (\S+) ", output, flags=re.M)
-    return (found[0] if code == 0 and len(found) == 1 else None), output
+    return found[0] if code == 0 and len(found) == 1 else None
 
 
 def check(sc: Scenario, data: Path, out: Path, first: Interrupted, resumed: tuple,
@@ -510,9 +533,14 @@ def check_files(sc: Scenario, data: Path, out: Path, ref: Path, logs: Path) -> l
         bad += equal_tensors(final["state_dict"], want["state_dict"], "weights")
         if sc.final.ema:
             bad += equal_tensors(final["ema"], want["ema"], "EMA weights")
+        for file in ("model_best.pth.tar", "model_best_ema.pth.tar")[:1 + sc.final.ema]:
+            if (out / file).is_file() and (ref / file).is_file():
+                bad += equal_tensors(load(out / file)["state_dict"],
+                                     load(ref / file)["state_dict"], file)
         for key in ("best_acc1", "best_ema_acc1", "global_step"):
             if final.get(key) != want.get(key):
                 bad.append(f"{key} {final.get(key)} != the fresh run's {want.get(key)}")
+    evaluations = []
     for best_key, file, prefix in (("best_acc1", "model_best.pth.tar", "val_"),
                                    ("best_ema_acc1", "model_best_ema.pth.tar", "ema_val_")):
         if best_key == "best_ema_acc1" and not sc.final.ema:
@@ -524,8 +552,10 @@ def check_files(sc: Scenario, data: Path, out: Path, ref: Path, logs: Path) -> l
         if not (out / file).is_file():
             bad.append(f"no {file}")
             continue
-        acc1, _ = evaluated(data, sc.final, out / file, best_key == "best_ema_acc1",
-                            logs / f"eval-{file}.txt")
+        evaluations.append((file, recorded, Background(
+            evaluated, data, out / file, best_key == "best_ema_acc1", logs / f"eval-{file}.txt")))
+    for file, recorded, evaluation in evaluations:  # both at once
+        acc1 = evaluation.result()
         if acc1 != f"{recorded:.3f}":
             bad.append(f"-e --resume {file} gives Acc@1 {acc1}, recorded {recorded:.3f}")
     left = [p.name for p in out.iterdir() if TEMP_FILE.match(p.name)]
@@ -571,21 +601,26 @@ def run_scenario(sc: Scenario, workdir: Path, refs: References) -> Outcome:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     out = folder / "out"
+    # The reference (if not cached yet) runs meanwhile: on 2 cores the wall time halves.
+    reference = Background(refs.get, sc.final, data)
     first = interrupt(sc, command(sc.first, data, out), out, folder / "first.txt")
     if not first.sent:
+        reference.result()
         return Outcome(sc, [], "never interrupted", time.monotonic() - start, missed=True)
     if not checkpoint_exists(out):
+        reference.result()
         return Outcome(sc, ["no checkpoint after the interruption"], first.sent,
                        time.monotonic() - start)
     saved = load(out / "checkpoint.pth.tar")
     if first.code in (0, -signal.SIGTERM) and saved["epoch"] == sc.first.epochs:
         # The signal came after the trainer had finished (its handlers gone): nothing to test.
+        reference.result()
         return Outcome(sc, [], f"{first.sent}: after the end", time.monotonic() - start,
                        missed=True)
     at = f"resumed at epoch {saved['epoch']} step {saved['step_in_epoch']}"
     resume = "auto" if sc.resume == "auto" else str(out / "checkpoint.pth.tar")
     code, output = run_to_end(command(sc.final, data, out, resume), folder / "resumed.txt")
-    ref, problem = refs.get(sc.final, data)
+    ref, problem = reference.result()
     if problem:
         return Outcome(sc, [problem], f"{first.sent}; {at}", time.monotonic() - start)
     bad = check(sc, data, out, first, (code, output, saved["epoch"]), ref, folder)

@@ -290,7 +290,7 @@ def test_workers_of_a_killed_torchrun_agent_stop_saving_within_seconds(data, tmp
     out = tmp_path / "out"
     args = [str(data), *FLAGS, "-b", "4", "--seed", "0", "--output-dir", str(out)]
     leg = Leg([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               "2", "--monitor-interval", "0.5", MAIN, *args, "--epochs", "30"],
+               "2", "--monitor-interval", "0.5", MAIN, *args, "--epochs", "300"],
               tmp_path / "torchrun.txt")
     seen, deadline = 0, time.monotonic() + 300
     while (line := leg.next_line(seen, deadline)) is not None and "Epoch: [1][2/" not in line:
