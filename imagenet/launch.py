@@ -273,6 +273,11 @@ def launcher_pid(launch: Launch, env: Mapping[str, str], parent: int) -> int | N
     return None
 
 
+def agent_hosts_store(env: Mapping[str, str]) -> bool:
+    """True when torchrun's agent hosts the rendezvous store the workers share."""
+    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
 def elastic_restart_count(env: Mapping[str, str] = os.environ) -> int:
     """How often torchrun has restarted this worker group (0 outside torchrun)."""
     return env_int(env, "TORCHELASTIC_RESTART_COUNT") or 0

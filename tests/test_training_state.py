@@ -306,6 +306,7 @@ def test_workers_of_a_killed_torchrun_agent_stop_saving_within_seconds(data, tmp
     assert not left, f"workers still running 15 s after their agent was killed:\n{leg.output}"
     assert "the launcher of this process (pid" in leg.output, leg.output
     assert "stopped by SIGTERM" in leg.output and "Traceback" not in leg.output, leg.output
+    assert "frame #" not in leg.output, leg.output  # torch's C++ warnings of a broken store
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert (ckpt["epoch"], ckpt["step_in_epoch"]) >= (1, 2), leg.output
     # The folder is free: the run resumes (here on one process, to the end of that epoch).
