@@ -387,9 +387,10 @@ def build_data(cfg: Config, data_root: str | Path, rank: int, world_size: int, l
     # A private generator: creating loader iterators must not consume the global RNG, which the
     # training step uses (MixUp/CutMix, dropout) and the checkpoint restores.
     seeded = SeededDataset(train, aug_seed)
-    train_loader = StopSafeLoader(seeded, batch_sampler=NoSingleImageBatches(sampler, batch_size),
-                              num_workers=workers, pin_memory=pin_memory,
-                              generator=torch.Generator().manual_seed(aug_seed), **extra)
+    train_loader = StopSafeLoader(seeded,
+                                  batch_sampler=NoSingleImageBatches(sampler, batch_size),
+                                  num_workers=workers, pin_memory=pin_memory,
+                                  generator=torch.Generator().manual_seed(aug_seed), **extra)
     val_loader = StopSafeLoader(val, batch_size=batch_size,
                                 sampler=ShardSampler(len(val), rank, world_size),
                                 num_workers=workers, pin_memory=pin_memory,

@@ -484,6 +484,8 @@ def check(sc: Scenario, data: Path, out: Path, first: Interrupted, resumed: tupl
     for name, text in (("interrupted", first.output), ("resumed", output)):
         bad += [f"traceback in the {name} run: {last}"
                 for last in tracebacks(text, torchrun_term and name == "interrupted")]
+        if re.search(r"^frame #\d+: ", text, flags=re.M):
+            bad.append(f"C++ stack frames in the {name} run's output")
     if code != 0:
         return bad
     bad += check_records(sc, out, ref, resumed_at)
