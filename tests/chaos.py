@@ -219,6 +219,15 @@ class Leg:
                     return None
             return self.lines[seen] or None
 
+    def wait_for(self, text: str, timeout: float = LEG_TIMEOUT) -> bool:
+        """Whether a line containing ``text`` is printed (False: the output ended first)."""
+        seen, deadline = 0, time.monotonic() + timeout
+        while (line := self.next_line(seen, deadline)) is not None:
+            if text in line:
+                return True
+            seen += 1
+        return False
+
     def send(self, sig: int, group: bool) -> None:
         try:
             (os.killpg if group else os.kill)(self.proc.pid, sig)

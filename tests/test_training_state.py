@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from chaos import Leg
 from helpers import MAIN, child_env, load_checkpoint, main_cmd, run_main, write_image_folder
 
 from imagenet.data import shutdown_workers
@@ -42,22 +43,12 @@ def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def signal_when(cmd: list[str], text: str, sig: int) -> tuple[int, str]:
+def signal_when(cmd: list[str], text: str, sig: int, log: Path) -> tuple[int | None, str]:
     """Run ``cmd`` in its own process group; send ``sig`` to the group when ``text`` prints."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=child_env(PYTHONUNBUFFERED="1"), start_new_session=True)
-    lines = []
-    try:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            lines.append(line)
-            if text in line:
-                os.killpg(proc.pid, sig)
-                break
-        lines.extend(proc.stdout)  # type: ignore[arg-type]
-        return proc.wait(timeout=300), "".join(lines)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    leg = Leg(cmd, log)
+    if leg.wait_for(text):
+        leg.send(sig, group=True)
+    return leg.wait(), leg.output
 
 
 def evaluated_acc1(*args: str) -> str:
@@ -77,7 +68,8 @@ def ema_run(data, tmp_path_factory) -> dict:
     cmd = main_cmd(str(data), *FLAGS, "--model-ema", "--model-ema-steps", "1", "--epochs", "2",
                    "--output-dir", str(out))
     # The model's own summary line is printed; the EMA's validation is next.
-    code, stopped = signal_when([*cmd, "--seed", "0"], " * Acc@1", signal.SIGTERM)
+    code, stopped = signal_when([*cmd, "--seed", "0"], " * Acc@1", signal.SIGTERM,
+                                out.parent / "stopped.txt")
     ckpt = load_checkpoint(out / "checkpoint.pth.tar") if code == 143 else None
     resumed = subprocess.run([*cmd, "--seed", "1", "--resume", "auto"], capture_output=True,
                              text=True, env=child_env(), timeout=300)
@@ -285,17 +277,12 @@ def test_a_signal_while_loader_workers_start_does_not_kill_them(data, monkeypatc
 
 @pytest.mark.slow
 def test_workers_of_a_killed_torchrun_agent_stop_saving_within_seconds(data, tmp_path):
-    from chaos import Leg
-
     out = tmp_path / "out"
     args = [str(data), *FLAGS, "-b", "4", "--seed", "0", "--output-dir", str(out)]
     leg = Leg([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                "2", "--monitor-interval", "0.5", MAIN, *args, "--epochs", "300"],
               tmp_path / "torchrun.txt")
-    seen, deadline = 0, time.monotonic() + 300
-    while (line := leg.next_line(seen, deadline)) is not None and "Epoch: [1][2/" not in line:
-        seen += 1
-    assert line is not None, leg.output
+    assert leg.wait_for("Epoch: [1][2/"), leg.output
     leg.send(signal.SIGKILL, group=False)  # the agent alone (its workers have own sessions)
     killed = time.monotonic()
     assert leg.wait() == -signal.SIGKILL
