@@ -34,6 +34,7 @@ PREEMPT_EXIT_CODE = Preempted.exit_code  # "saved on a signal; requeue to resume
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 DUPLICATE_WINDOW = 1.0  # seconds
 LAUNCHER_POLL = 0.5  # seconds between checks that the launcher (parent) is alive
+_training: StopFlag | None = None  # the training loop's flag while it is installed
 
 
 def ignore_stop_signals(_worker_id: int = 0) -> None:
@@ -59,16 +60,26 @@ def stop_signals_blocked() -> Iterator[None]:
 
 
 def stop_when_orphaned(launcher: int, poll: float = LAUNCHER_POLL) -> threading.Thread:
-    """Send this process SIGTERM once ``launcher`` is no longer its parent (it died: SIGKILL,
-    out of memory): it then stops as if preempted, saving, instead of training on alone in a
-    session of its own while holding the output folder's lock."""
+    """Stop this process as if preempted (finish the step, save, exit 143) once ``launcher`` is
+    no longer its parent (it died: SIGKILL, out of memory), instead of training on alone in a
+    session of its own while holding the output folder's lock.
+
+    A stop is asked of the training loop's flag, not by a signal: a second signal would end a
+    stop already under way (torch's own parent-death SIGINT to mp.spawn's children) unsaved.
+    Outside the loop (starting up, finished) there is nothing to save: SIGTERM ends it.
+    """
 
     def watch() -> None:
         while os.getppid() == launcher:
             time.sleep(poll)
-        log.warning("the launcher of this process (pid %d) is gone: stopping as if preempted",
-                    launcher)
-        os.kill(os.getpid(), signal.SIGTERM)
+        flag = _training
+        if flag is None:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        log.warning("the launcher of this process (pid %d) is gone: finishing this step, "
+                    "saving a checkpoint, then exiting with code %d", launcher,
+                    PREEMPT_EXIT_CODE)
+        flag.request("the loss of its launcher")
 
     thread = threading.Thread(target=watch, name="launcher-watch", daemon=True)
     thread.start()
@@ -93,6 +104,8 @@ class StopFlag:
 
     def install(self) -> None:
         """Catch the preemption signals in this process."""
+        global _training
+        _training = self
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -115,6 +128,11 @@ class StopFlag:
         self.requested = name
         log.warning("%s received: finishing this step, saving a checkpoint, then exiting "
                     "with code %d", name, PREEMPT_EXIT_CODE)
+
+    def request(self, reason: str) -> None:
+        """Ask for a stop as a first signal would, without one; nothing if one was asked for."""
+        if self.requested is None:
+            self.requested = reason
 
     def should_stop(self) -> bool:
         """True on every rank once any rank was signalled (agreed one step later)."""
@@ -160,6 +178,8 @@ class StopFlag:
         Not once a stop was asked for: until the process exits, a signal must still end it
         with PREEMPT_EXIT_CODE (a requeue checks for it), never as a KeyboardInterrupt.
         """
+        global _training
+        _training = None
         if self.requested is not None or self.stopping:
             self._stopped = True
             return

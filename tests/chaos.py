@@ -235,15 +235,19 @@ class Leg:
             pass
 
     def wait(self, timeout: float = LEG_TIMEOUT) -> int | None:
-        """The exit code; None (everything killed) after ``timeout`` seconds."""
+        """The exit code; None (everything killed) after ``timeout`` seconds. The log is
+        written now and again by ``write_log`` (orphans may print after their launcher)."""
         try:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill_all()
             code = None
         self.reader.join(timeout=10)
-        self.log.write_text(f"$ {' '.join(self.cmd)}\n{self.output}\n[exit {code}]\n")
+        self.write_log(code)
         return code
+
+    def write_log(self, code: int | None) -> None:
+        self.log.write_text(f"$ {' '.join(self.cmd)}\n{self.output}\n[exit {code}]\n")
 
     def pids(self) -> list[int]:
         """The live processes started by this leg (orphans included)."""
@@ -335,6 +339,7 @@ def interrupt(sc: Scenario, cmd: list[str], out: Path, log: Path) -> Interrupted
         time.sleep(0.2)
     orphans = leg.pids()
     leg.kill_all()
+    leg.write_log(code)
     return Interrupted(code, leg.output, f"{signal.Signals(sig).name} {sent}" if sent else "",
                        orphans)
 

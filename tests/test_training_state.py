@@ -292,10 +292,41 @@ def test_workers_of_a_killed_torchrun_agent_stop_saving_within_seconds(data, tmp
     leg.kill_all()
     assert not left, f"workers still running 15 s after their agent was killed:\n{leg.output}"
     assert "the launcher of this process (pid" in leg.output, leg.output
-    assert "stopped by SIGTERM" in leg.output and "Traceback" not in leg.output, leg.output
+    assert "stopped by the loss of its launcher" in leg.output, leg.output
+    assert "Traceback" not in leg.output, leg.output
     assert "frame #" not in leg.output, leg.output  # torch's C++ warnings of a broken store
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert (ckpt["epoch"], ckpt["step_in_epoch"]) >= (1, 2), leg.output
     # The folder is free: the run resumes (here on one process, to the end of that epoch).
     proc = run_main(*args, "--epochs", str(ckpt["epoch"] + 1), "--resume", "auto")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+ORPHAN = """
+import os, signal, sys, time
+import torch.multiprocessing
+from imagenet.preemption import StopFlag, stop_when_orphaned
+torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGINT)  # as mp.spawn's children have
+flag = StopFlag()
+flag.install()
+stop_when_orphaned(os.getppid(), poll=0.05)
+print("training", flush=True)
+while not flag.should_stop():
+    time.sleep(0.01)
+time.sleep(1.0)  # the checkpoint is written: a second signal now would lose it
+print("saved after", flag.requested, flush=True)
+"""
+
+
+def test_a_launcher_death_that_also_signals_its_children_is_one_stop(tmp_path):
+    # torch's mp.spawn children get SIGINT when their parent dies; the launcher watch must not
+    # add a second signal, which would end the stop already under way without its save.
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys; "
+         f"subprocess.run([sys.executable, '-c', {ORPHAN!r}])"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
+    assert launcher.stdout.readline() == "training\n"  # type: ignore[union-attr]
+    launcher.kill()
+    launcher.wait()
+    rest = launcher.stdout.read()  # type: ignore[union-attr]  # until the orphan exits
+    assert "saved after SIGINT" in rest and "second signal" not in rest, rest
