@@ -34,7 +34,9 @@ PREEMPT_EXIT_CODE = Preempted.exit_code  # "saved on a signal; requeue to resume
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 DUPLICATE_WINDOW = 1.0  # seconds
 LAUNCHER_POLL = 0.5  # seconds between checks that the launcher (parent) is alive
-_training: StopFlag | None = None  # the training loop's flag while it is installed
+ORPHANED = "the loss of its launcher"  # the reason of a stop asked by stop_when_orphaned
+_training: StopFlag | None = None  # the training loop's flag, installed or stopping
+_orphaned: int | None = None  # the pid of this process's launcher once it died
 
 
 def ignore_stop_signals(_worker_id: int = 0) -> None:
@@ -64,26 +66,30 @@ def stop_when_orphaned(launcher: int, poll: float = LAUNCHER_POLL) -> threading.
     no longer its parent (it died: SIGKILL, out of memory), instead of training on alone in a
     session of its own while holding the output folder's lock.
 
-    A stop is asked of the training loop's flag, not by a signal: a second signal would end a
-    stop already under way (torch's own parent-death SIGINT to mp.spawn's children) unsaved.
-    Outside the loop (starting up, finished) there is nothing to save: SIGTERM ends it.
+    The stop is asked of the training loop's flag (``StopFlag.request``), now or when the loop
+    starts, never by a signal: a signal would end a stop already under way (torch's own
+    parent-death SIGINT to mp.spawn's children, or one agreed with another rank) unsaved.
     """
 
     def watch() -> None:
+        global _orphaned
         while os.getppid() == launcher:
             time.sleep(poll)
-        flag = _training
-        if flag is None:
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        log.warning("the launcher of this process (pid %d) is gone: finishing this step, "
-                    "saving a checkpoint, then exiting with code %d", launcher,
-                    PREEMPT_EXIT_CODE)
-        flag.request("the loss of its launcher")
+        _orphaned = launcher
+        if _training is not None:
+            _stop_orphan(_training)
 
     thread = threading.Thread(target=watch, name="launcher-watch", daemon=True)
     thread.start()
     return thread
+
+
+def _stop_orphan(flag: StopFlag) -> None:
+    """Ask ``flag`` to stop for the launcher's death (once; not if a stop is under way)."""
+    if _orphaned is not None and flag.request(ORPHANED):
+        log.warning("the launcher of this process (pid %d) is gone: finishing this step, "
+                    "saving a checkpoint, then exiting with code %d", _orphaned,
+                    PREEMPT_EXIT_CODE)
 
 
 class StopRequested(Exception):
@@ -106,6 +112,7 @@ class StopFlag:
         """Catch the preemption signals in this process."""
         global _training
         _training = self
+        _stop_orphan(self)  # the launcher died before training began
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -129,10 +136,13 @@ class StopFlag:
         log.warning("%s received: finishing this step, saving a checkpoint, then exiting "
                     "with code %d", name, PREEMPT_EXIT_CODE)
 
-    def request(self, reason: str) -> None:
-        """Ask for a stop as a first signal would, without one; nothing if one was asked for."""
-        if self.requested is None:
-            self.requested = reason
+    def request(self, reason: str) -> bool:
+        """Ask for a stop as a first signal would, without one; False (nothing done) if a stop
+        was asked for already."""
+        if self.requested is not None or self.stopping:
+            return False
+        self.requested = reason
+        return True
 
     def should_stop(self) -> bool:
         """True on every rank once any rank was signalled (agreed one step later)."""
@@ -178,11 +188,11 @@ class StopFlag:
         Not once a stop was asked for: until the process exits, a signal must still end it
         with PREEMPT_EXIT_CODE (a requeue checks for it), never as a KeyboardInterrupt.
         """
-        global _training
-        _training = None
         if self.requested is not None or self.stopping:
             self._stopped = True
             return
+        global _training
+        _training = None
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()

@@ -302,11 +302,13 @@ def test_workers_of_a_killed_torchrun_agent_stop_saving_within_seconds(data, tmp
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-ORPHAN = """
-import os, signal, sys, time
+ORPHANS = {
+    # torch's mp.spawn children get SIGINT when their parent dies (PR_SET_PDEATHSIG).
+    "signalled by torch": """
+import os, signal, time
 import torch.multiprocessing
 from imagenet.preemption import StopFlag, stop_when_orphaned
-torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGINT)  # as mp.spawn's children have
+torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGINT)
 flag = StopFlag()
 flag.install()
 stop_when_orphaned(os.getppid(), poll=0.05)
@@ -315,18 +317,35 @@ while not flag.should_stop():
     time.sleep(0.01)
 time.sleep(1.0)  # the checkpoint is written: a second signal now would lose it
 print("saved after", flag.requested, flush=True)
-"""
+""",
+    # A stop agreed with another rank is saved; the process then leaves with the other ranks.
+    "already stopping": """
+import os, time
+from imagenet.preemption import StopFlag, stop_when_orphaned
+flag = StopFlag()
+flag.install()
+stop_when_orphaned(os.getppid(), poll=0.05)
+flag.stopping = True  # as should_stop's all-reduce sets it for a signal on another rank
+flag.uninstall()
+print("training", flush=True)
+time.sleep(1.0)
+print("saved after", flag.requested, flush=True)
+""",
+}
 
 
-def test_a_launcher_death_that_also_signals_its_children_is_one_stop(tmp_path):
-    # torch's mp.spawn children get SIGINT when their parent dies; the launcher watch must not
-    # add a second signal, which would end the stop already under way without its save.
+@pytest.mark.parametrize("case, requested", [("signalled by torch", "SIGINT"),
+                                             ("already stopping", "None")])
+def test_a_launcher_death_during_a_stop_lets_it_finish(case, requested):
+    # The launcher watch must not add a signal of its own: a second signal ends a stop under
+    # way without its save, and a signal after a saved stop ends the process at once, before
+    # it can leave with the other ranks (the chaos matrix found both).
     launcher = subprocess.Popen(
         [sys.executable, "-c", "import subprocess, sys; "
-         f"subprocess.run([sys.executable, '-c', {ORPHAN!r}])"],
+         f"subprocess.run([sys.executable, '-c', {ORPHANS[case]!r}])"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
     assert launcher.stdout.readline() == "training\n"  # type: ignore[union-attr]
     launcher.kill()
     launcher.wait()
     rest = launcher.stdout.read()  # type: ignore[union-attr]  # until the orphan exits
-    assert "saved after SIGINT" in rest and "second signal" not in rest, rest
+    assert f"saved after {requested}" in rest and "second signal" not in rest, rest
