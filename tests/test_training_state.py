@@ -334,6 +334,7 @@ print("saved after", flag.requested, flush=True)
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, requested", [("signalled by torch", "SIGINT"),
                                              ("already stopping", "None")])
 def test_a_launcher_death_during_a_stop_lets_it_finish(case, requested):
