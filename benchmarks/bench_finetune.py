@@ -87,10 +87,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="the classes of the small data set; the others pretrain")
     parser.add_argument("--shots", type=int, default=10,
                         help="training images per class of the small data set (default: 10)")
-    parser.add_argument("--pretrain-epochs", type=int, default=20)
-    parser.add_argument("--epochs", type=int, default=30, help="epochs on the small set")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--pretrain-epochs", type=int, default=20,
+                        help="epochs of the pretraining on the other classes (default: 20)")
+    parser.add_argument("--epochs", type=int, default=30,
+                        help="epochs on the small set (default: 30)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="--seed of each repetition of the small-set runs (default: 0)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="which small-set runs to compare (default: all)")
     parser.add_argument("--workdir", type=Path,
                         help="keep the data and runs here; a pretrained model there is reused")
     args = parser.parse_args(argv)

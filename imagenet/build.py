@@ -10,6 +10,7 @@ import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,8 +23,8 @@ from imagenet.checkpoint import files
 from imagenet.config import Config
 from imagenet.console import slow_stage
 from imagenet.data import Data, build_data
-from imagenet.distributed import DistInfo
-from imagenet.engine import Engine, Options, Parts, Step
+from imagenet.distributed import DistInfo, from_rank0
+from imagenet.engine import Engine, EpochTotals, Options, Parts, Step
 from imagenet.errors import UsageError
 from imagenet.finetune import classifier_names, prepare_model
 from imagenet.gpu_data import use_device_decoding
@@ -71,6 +72,10 @@ class Run:
     aug_seed: int  # augmentation randomness is a function of (aug_seed, epoch, sample)
     epoch_start: EpochStart = field(default_factory=EpochStart)  # a resume inside an epoch
     outputs: Outputs = field(default_factory=Outputs)  # object storage, imagenet.train's caller
+    # What the epoch's metrics.jsonl record needs, checkpointed: its training so far, and (once
+    # done) the whole record, written again if a kill came between the save and the log line.
+    train_totals: EpochTotals | None = None
+    last_record: dict[str, Any] | None = None
 
     def images_trained(self) -> int:
         """Images of the current epoch's order trained so far, whatever layout trained them."""
@@ -162,7 +167,12 @@ def build_run(cfg: Config, dist: DistInfo, layout: Layout) -> Run:
     output_dir = Path(cfg.output_dir)  # made, checked and locked by preflight.claim_output_dir
     # Model init uses the same seed on every rank; augmentation gets its own per-sample seeds.
     seed_process(cfg.seed)
-    aug_seed = cfg.seed if cfg.seed is not None else random.SystemRandom().randrange(2**31)
+    # Rank 0's seed (unseeded: its draw) is the job's augmentation seed: a sample's
+    # augmentation does not depend on the rank that loads it, and the checkpoint's seed is
+    # every rank's. Every rank broadcasts, seeded or not, so that flags differing across ranks
+    # are reported (checkpoint.changes), not stuck in a collective only some ranks call.
+    aug_seed = from_rank0(cfg.seed if cfg.seed is not None else
+                          random.SystemRandom().randrange(2**31))
     evaluation.check_outputs(cfg, dist)  # -e's report folder, --predictions
     root = data_root(cfg, output_dir)
     with slow_stage(f"reading the data set {root} (listing every image)") as stage:

@@ -22,6 +22,7 @@ from imagenet.launch import (
     check_gpu_flag,
     check_sync_bn,
     choose_backend,
+    launcher_pid,
     overridden_flags,
     plan_launch,
     plan_layout,
@@ -30,7 +31,7 @@ from imagenet.launch import (
     unlaunched_slurm_tasks,
 )
 from imagenet.logger import setup_logging
-from imagenet.preemption import PREEMPT_EXIT_CODE
+from imagenet.preemption import PREEMPT_EXIT_CODE, stop_when_orphaned
 from imagenet.timelimit import STARTED_ENV, process_start
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -51,6 +52,9 @@ def _worker(local_index: int, cfg: Config, launch: Launch, master: dict[str, str
     setup_logging(rank, cfg.debug)
     for note in startup_notes(cfg):
         log.info("%s", note)
+    launcher = launcher_pid(launch, os.environ, os.getppid())
+    if launcher is not None:  # killed, it cannot stop us: we stop, saving, on our own
+        stop_when_orphaned(launcher)
     from imagenet.trainer import run_training  # heavy imports only where training happens
 
     try:

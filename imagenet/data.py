@@ -28,7 +28,7 @@ from imagenet import transforms as T
 from imagenet.config import Config
 from imagenet.errors import DataError, UsageError
 from imagenet.launch import Layout
-from imagenet.preemption import ignore_stop_signals
+from imagenet.preemption import ignore_stop_signals, stop_signals_blocked
 from imagenet.resolution import (
     CornerCrop,
     crop_schedule,
@@ -324,6 +324,16 @@ class Data:
         return self.train.loader
 
 
+class StopSafeLoader(DataLoader):
+    """A DataLoader whose workers start with the stop signals blocked: SIGTERM to the whole
+    process group (scancel, Ctrl-C) while one starts must not kill it. torch's worker sets a
+    SIGTERM handler of its own before ``worker_init_fn`` can ignore the signal."""
+
+    def _get_iterator(self):  # where the workers are started (once, when persistent)
+        with stop_signals_blocked():
+            return super()._get_iterator()
+
+
 def loader_options(workers: int, prefetch: int = 4) -> dict[str, Any]:
     """DataLoader options shared by every loader with worker processes (``prefetch``: batches
     queued per worker)."""
@@ -524,11 +534,12 @@ def folder_loaders(cfg: Config, train: Dataset, val: Dataset, rank: int, world_s
     # A private generator: creating loader iterators must not consume the global RNG, which the
     # training step uses (MixUp/CutMix, dropout) and the checkpoint restores.
     seeded = SeededDataset(train, aug_seed)
-    train_loader = DataLoader(seeded, batch_sampler=NoSingleImageBatches(sampler, batch_size),
-                              num_workers=workers, pin_memory=pin_memory,
-                              generator=torch.Generator().manual_seed(aug_seed), **extra)
-    val_loader = DataLoader(val, batch_size=batch_size,
-                            sampler=ShardSampler(len(val), rank, world_size),  # type: ignore
-                            num_workers=workers, pin_memory=pin_memory,
-                            generator=torch.Generator().manual_seed(aug_seed), **extra)
+    train_loader = StopSafeLoader(seeded,
+                                  batch_sampler=NoSingleImageBatches(sampler, batch_size),
+                                  num_workers=workers, pin_memory=pin_memory,
+                                  generator=torch.Generator().manual_seed(aug_seed), **extra)
+    val_loader = StopSafeLoader(val, batch_size=batch_size,
+                                sampler=ShardSampler(len(val), rank, world_size),  # type: ignore
+                                num_workers=workers, pin_memory=pin_memory,
+                                generator=torch.Generator().manual_seed(aug_seed), **extra)
     return FolderTrain(train_loader, sampler, seeded, finish[0]), val_loader, finish

@@ -16,6 +16,7 @@ import socket
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
@@ -313,6 +314,15 @@ def cleanup(failed: bool = False) -> None:
 def teardown(backend: str, failed: bool) -> str:
     """How to leave a process group: "abort" for NCCL on an error path, else "destroy"."""
     return "abort" if failed and backend == "nccl" else "destroy"
+
+
+def from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (``value`` without a process group). Collective."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
 
 
 def barrier() -> None:

@@ -85,25 +85,59 @@ class Hooks:
     after_step: Callable[[Step, Callable[[], None]], bool] | None = None
 
 
+SUMS = ("loss", "correct1", "correct5", "count")  # loss x images, top-1 / top-5 hits, images
+
+
+@dataclass
+class EpochTotals:
+    """An epoch's training so far in this process: the sums on the device and the seconds.
+
+    A resumed epoch starts from what the checkpoint says every rank had trained of it, on rank 0
+    only (the ranks' sums are added up at the epoch's end: the earlier runs count once).
+    """
+
+    sums: DeviceSums
+    seconds: float = 0.0
+
+    @classmethod
+    def starting(cls, device: torch.device, saved: dict[str, float] | None = None
+                 ) -> EpochTotals:
+        """Totals from zero, or from a checkpoint's ``of_job()``."""
+        totals = cls(DeviceSums(SUMS, device), (saved or {}).get("seconds", 0.0))
+        if saved:
+            totals.sums.add(*(float(saved[name]) for name in SUMS))
+        return totals
+
+    def of_job(self) -> dict[str, float]:
+        """The sums of every rank added up, and this rank's seconds (collective)."""
+        return {**self.sums.summed(), "seconds": self.seconds}
+
+
+def epoch_metrics(job: dict[str, float]) -> dict[str, float]:
+    """An epoch's training metrics from ``EpochTotals.of_job()``."""
+    count = max(job["count"], 1)
+    return {"loss": job["loss"] / count, "acc1": 100 * job["correct1"] / count,
+            "acc5": 100 * job["correct5"] / count, "images": job["count"],
+            "time": job["seconds"], "images_per_sec": job["count"] / max(job["seconds"], 1e-9)}
+
+
 @dataclass
 class _Sums:
     """Sums since the last progress record, and since the epoch began."""
 
     device: torch.device
-    names: tuple[str, ...] = ("loss", "correct1", "correct5", "count")
-    epoch: DeviceSums = field(init=False)
+    epoch: DeviceSums
     window: DeviceSums = field(init=False)
 
     def __post_init__(self) -> None:
-        self.epoch = DeviceSums(self.names, self.device)
-        self.window = DeviceSums(self.names, self.device)
+        self.window = DeviceSums(SUMS, self.device)
 
     def add(self, *values) -> None:
         self.epoch.add(*values)
         self.window.add(*values)
 
     def restart(self) -> None:
-        self.window = DeviceSums(self.names, self.device)
+        self.window = DeviceSums(SUMS, self.device)
 
 
 @dataclass
@@ -196,17 +230,20 @@ def _optimizer_step(engine: Engine, step: Step) -> None:
             parts.ema.n_averaged.fill_(0)
 
 
-def train_one_epoch(engine: Engine, loader: Iterable, step: Step,
-                    hooks: Hooks = Hooks()) -> dict[str, float]:
-    """Train from ``step.step_in_epoch`` to the end of the epoch; return the epoch's metrics.
+def train_one_epoch(engine: Engine, loader: Iterable, step: Step, hooks: Hooks = Hooks(),
+                    totals: EpochTotals | None = None) -> dict[str, float]:
+    """Train from ``step.step_in_epoch`` to the end of the epoch; return the epoch's metrics,
+    every rank's together.
 
-    ``loader`` yields the epoch's remaining micro-batches; ``step`` is advanced in place.
+    ``loader`` yields the epoch's remaining micro-batches; ``step`` is advanced in place, and so
+    are ``totals`` (the epoch so far, which a checkpoint may read after any step).
     """
     opts = engine.opts
     engine.parts.model.train()
-    sums = _Sums(opts.device)
+    totals = totals if totals is not None else EpochTotals.starting(opts.device)
+    sums = _Sums(opts.device, totals.sums)
     bad_step = torch.full((), -1, dtype=torch.long, device=opts.device)
-    start = time.perf_counter()
+    start, seconds_before = time.perf_counter(), totals.seconds
     clock = _Clock(start, start, step.step_in_epoch)
     loss = torch.zeros((), device=opts.device)
     tick = start
@@ -218,6 +255,7 @@ def train_one_epoch(engine: Engine, loader: Iterable, step: Step,
         _optimizer_step(engine, step)
         step.step_in_epoch += 1
         step.global_step += 1
+        totals.seconds = seconds_before + time.perf_counter() - start
         check = partial(check_finite, bad_step, step.epoch)
         stop = hooks.after_step(step, check) if hooks.after_step is not None else False
         if step.step_in_epoch % opts.print_freq == 0 or step.step_in_epoch == opts.steps_per_epoch:
@@ -230,13 +268,11 @@ def train_one_epoch(engine: Engine, loader: Iterable, step: Step,
             break
         tick = time.perf_counter()
     check_finite(bad_step, step.epoch)
-    totals = sums.epoch.read()
-    count = max(totals["count"], 1)
     elapsed = time.perf_counter() - start
-    return {"loss": totals["loss"] / count, "acc1": 100 * totals["correct1"] / count,
-            "acc5": 100 * totals["correct5"] / count, "images": totals["count"],
-            "time": elapsed, "data_wait": clock.epoch_data_time / max(elapsed, 1e-9),
-            "images_per_sec": totals["count"] * opts.world_size / max(elapsed, 1e-9)}
+    totals.seconds = seconds_before + elapsed
+    # data_wait: this process's share of the time it trained the epoch, spent waiting for data
+    return {**epoch_metrics(totals.of_job()),
+            "data_wait": clock.epoch_data_time / max(elapsed, 1e-9)}
 
 
 def check_finite(bad_step: torch.Tensor, epoch: int) -> None:

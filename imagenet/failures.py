@@ -10,8 +10,9 @@ with that peer's message too, not with a traceback.
 
 A rank on the same host as the failing one exits only after it (plus ``GRACE`` seconds), so that
 mp.spawn's parent and torchrun's agent report the rank that failed, not the first that followed.
-Rank 0 hosts the store (unless torchrun's agent does): it leaves last, once every rank has said
-it is done, so nobody loses its connection mid-message.
+Rank 0 hosts the store (under torchrun, whose agent hosts the rendezvous store and may be killed
+first, a store of its own for the mailboxes): it leaves last, once every rank has said it is
+done, so nobody loses its connection mid-message.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from imagenet.config import Config
-from imagenet.distributed import DistInfo, master_address
+from imagenet.distributed import DistInfo, from_rank0, master_address
 from imagenet.errors import DistributedError, Preempted, RunError, TrainerError, say_error
-from imagenet.launch import elastic_restart_count
+from imagenet.launch import agent_hosts_store, elastic_restart_count
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class SharedFate:
 
     def __init__(self, info: DistInfo, host: str, port: int, prefix: str,
                  timeout: float) -> None:
+        self.server: dist.TCPStore | None = None  # the mailboxes' store, when rank 0 hosts it
         self.rank, self.world = info.rank, info.world_size
         self.prefix = prefix
         self.store = dist.TCPStore(host, port, is_master=False,
@@ -189,6 +191,26 @@ def follow(failure: Failure) -> None:
     time.sleep(GRACE)
 
 
+def rank0_store(info: DistInfo, host: str, timeout: float) -> tuple[dist.TCPStore | None,
+                                                                    int | None]:
+    """A store on rank 0 for the mailboxes, and its port on every rank (None: use the
+    rendezvous store). Collective.
+
+    torchrun's agent hosts the rendezvous store, and a SIGKILL to the agent leaves its workers
+    to stop on their own (``preemption.stop_when_orphaned``): on the agent's store, every
+    mailbox would break at once, with torch's C++ warnings. Rank 0 leaves last, as the store's
+    host does without torchrun. ``host`` (MASTER_ADDR) is rank 0's node under torchrun.
+    """
+    server = None
+    if info.is_main:
+        try:
+            server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout))
+        except Exception as exc:  # e.g. no free port: the rendezvous store will do
+            log.debug("no store of rank 0's for the failure mailboxes: %s", exc)
+    return server, from_rank0(server.port if server is not None else None)
+
+
 def start(cfg: Config, info: DistInfo) -> SharedFate | None:
     """This rank's mailbox on the rendezvous store; None without a process group or TCP store."""
     if not info.distributed:
@@ -197,8 +219,15 @@ def start(cfg: Config, info: DistInfo) -> SharedFate | None:
     if not host or port is None:
         return None
     prefix = f"imagenet/failures/attempt_{elastic_restart_count()}"
+    timeout = min(cfg.dist_timeout, 60.0)
+    server = None
+    if agent_hosts_store(os.environ):
+        server, own_port = rank0_store(info, host, timeout)
+        port = own_port or port
     try:
-        return SharedFate(info, host, port, prefix, timeout=min(cfg.dist_timeout, 60.0))
+        fate = SharedFate(info, host, port, prefix, timeout=timeout)
+        fate.server = server  # kept open until this process ends
+        return fate
     except Exception as exc:  # no TCP store to reach: fall back to the launchers' own handling
         log.debug("no failure mailbox: %s", exc)
         return None

@@ -353,6 +353,19 @@ def rendezvous(cfg: Config, launch: Launch, env: dict[str, str]) -> str:
     return "env://"
 
 
+def launcher_pid(launch: Launch, env: Mapping[str, str], parent: int) -> int | None:
+    """``parent`` when it launched this training process and must outlive it (mp.spawn's
+    parent, torchrun's agent), else None (a shell, srun's step daemon)."""
+    if launch.mode == "spawn" or (launch.mode == "env" and "TORCHELASTIC_RUN_ID" in env):
+        return parent
+    return None
+
+
+def agent_hosts_store(env: Mapping[str, str]) -> bool:
+    """True when torchrun's agent hosts the rendezvous store the workers share."""
+    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
 def elastic_restart_count(env: Mapping[str, str] = os.environ) -> int:
     """How often torchrun has restarted this worker group (0 outside torchrun)."""
     return env_int(env, "TORCHELASTIC_RESTART_COUNT") or 0

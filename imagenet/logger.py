@@ -133,6 +133,14 @@ class RunLogger:
             with open(self.output_dir / METRICS, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    def has_epoch(self, epoch: int) -> bool:
+        """Whether metrics.jsonl has a line for ``epoch`` (True off rank 0: nothing to write)."""
+        path = self.output_dir / METRICS
+        if not self.enabled:
+            return True
+        return path.is_file() and any(_epoch_of(line) == epoch
+                                      for line in path.read_text().splitlines())
+
     def drop_epochs_from(self, epoch: int) -> None:
         """Remove metrics.jsonl lines of ``epoch`` and later: this run writes them again."""
         path = self.output_dir / METRICS

@@ -33,6 +33,13 @@ class DeviceSums:
         for slot, value in zip(self.values, values):
             slot.add_(value)
 
+    def summed(self) -> dict[str, float]:
+        """Every rank's sums added up, as a dict; this rank's stay as they are (collective)."""
+        values = self.values.clone()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(values)
+        return dict(zip(self.names, values.tolist()))
+
     def all_reduce(self) -> None:
         """Sum across ranks, once."""
         if dist.is_available() and dist.is_initialized():

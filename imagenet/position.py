@@ -24,7 +24,9 @@ from typing import Any
 import torch
 
 from imagenet.config import Config
+from imagenet.data import train_batches
 from imagenet.engine import Step
+from imagenet.launch import Layout
 from imagenet.optim import build_scheduler
 
 
@@ -47,9 +49,12 @@ def images_trained(step: Step, start: EpochStart, global_batch: int, size: int) 
     return min(done, size)
 
 
-def steps_to_train(images: int, global_batch: int) -> int:
-    """Optimizer steps that train ``images`` images (the last one possibly partial)."""
-    return -(-images // global_batch)
+def steps_to_train(images: int, layout: Layout) -> int:
+    """Optimizer steps in which ``layout`` trains ``images`` images of an epoch's order, counted
+    as the loader counts them: each rank takes every world-size-th image (padded), its last
+    batch is dropped when it would hold one image, and steps group --grad-accum-steps batches."""
+    per_rank = -(-images // layout.world_size)
+    return -(-train_batches(per_rank, layout.batch_size) // layout.grad_accum_steps)
 
 
 @dataclass(frozen=True)
@@ -77,7 +82,7 @@ def saved_images(ckpt: dict[str, Any]) -> int:
     return 0
 
 
-def resume_point(ckpt: dict[str, Any], steps_per_epoch: int, global_batch: int,
+def resume_point(ckpt: dict[str, Any], steps_per_epoch: int, layout: Layout,
                  same_layout: bool, order_size: int | None) -> ResumePoint:
     """Where training continues in this layout.
 
@@ -94,11 +99,12 @@ def resume_point(ckpt: dict[str, Any], steps_per_epoch: int, global_batch: int,
         return last  # a signal stopped the epoch's last step: only its validation is left
     if same_layout or images == 0:
         return ResumePoint(epoch, step, images, float(step))
+    global_batch = layout.global_batch
     if order_size is None:
         return ResumePoint(epoch, 0, 0, images / global_batch)
     if images >= order_size:
         return last
-    step = steps_per_epoch - steps_to_train(order_size - images, global_batch)
+    step = steps_per_epoch - steps_to_train(order_size - images, layout)
     return ResumePoint(epoch, step, images, images / global_batch)
 
 

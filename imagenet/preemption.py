@@ -10,11 +10,13 @@ exits at once.
 The same signal can arrive twice within milliseconds (SLURM signals every process of a job step
 and the --multiprocessing-distributed parent forwards it too); a repeat within
 ``DUPLICATE_WINDOW`` seconds counts as one delivery. DataLoader workers ignore these signals: the
-training process decides when to stop and shuts them down itself.
+training process decides when to stop and shuts them down itself. A training process whose
+launcher (torchrun's agent, mp.spawn's parent) dies stops the same way (``stop_when_orphaned``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -40,12 +42,63 @@ DUPLICATE_WINDOW = 1.0  # seconds
 TIME_LIMIT = "the time limit"  # StopFlag.requested when --time-limit asked for the stop
 # What each rank contributes to the agreement (the largest wins): go on, a signal, the time limit.
 GO_ON, SIGNALLED, TIMED_OUT = 0, 1, 2
+LAUNCHER_POLL = 0.5  # seconds between checks that the launcher (parent) is alive
+ORPHANED = "the loss of its launcher"  # the reason of a stop asked by stop_when_orphaned
+_training: StopFlag | None = None  # the training loop's flag, installed or stopping
+_orphaned: int | None = None  # the pid of this process's launcher once it died
 
 
 def ignore_stop_signals(_worker_id: int = 0) -> None:
-    """DataLoader ``worker_init_fn``: a signal to the process group must not kill the workers."""
+    """DataLoader ``worker_init_fn``: a signal to the process group must not kill the workers.
+
+    They start with these signals blocked (``stop_signals_blocked``): one sent before this runs
+    stays pending, and is discarded once ignored.
+    """
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Hold SIGTERM/SIGUSR1/SIGINT back in this thread (they arrive on leaving); processes
+    started inside begin with them blocked."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def stop_when_orphaned(launcher: int, poll: float = LAUNCHER_POLL) -> threading.Thread:
+    """Stop this process as if preempted (finish the step, save, exit 143) once ``launcher`` is
+    no longer its parent (it died: SIGKILL, out of memory), instead of training on alone in a
+    session of its own while holding the output folder's lock.
+
+    The stop is asked of the training loop's flag (``StopFlag.request``), now or when the loop
+    starts, never by a signal: a signal would end a stop already under way (torch's own
+    parent-death SIGINT to mp.spawn's children, or one agreed with another rank) unsaved.
+    """
+
+    def watch() -> None:
+        global _orphaned
+        while os.getppid() == launcher:
+            time.sleep(poll)
+        _orphaned = launcher
+        if _training is not None:
+            _stop_orphan(_training)
+
+    thread = threading.Thread(target=watch, name="launcher-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def _stop_orphan(flag: StopFlag) -> None:
+    """Ask ``flag`` to stop for the launcher's death (once; not if a stop is under way)."""
+    if _orphaned is not None and flag.request(ORPHANED):
+        log.warning("the launcher of this process (pid %d) is gone: finishing this step, "
+                    "saving a checkpoint, then exiting with code %d", _orphaned,
+                    PREEMPT_EXIT_CODE)
 
 
 class StopRequested(Exception):
@@ -69,6 +122,9 @@ class StopFlag:
     def install(self) -> None:
         """Catch the preemption signals in this process (from its main thread only: a caller
         that runs training in another thread, such as Ray Train, handles stops itself)."""
+        global _training
+        _training = self
+        _stop_orphan(self)  # the launcher died before training began
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -122,6 +178,13 @@ class StopFlag:
         """A save took ``seconds`` (the time limit's estimate of the next one)."""
         if self.deadline is not None:
             self.deadline.saved(seconds)
+    def request(self, reason: str) -> bool:
+        """Ask for a stop as a first signal would, without one; False (nothing done) if a stop
+        was asked for already."""
+        if self.requested is not None or self.stopping:
+            return False
+        self.requested = reason
+        return True
 
     def should_stop(self) -> bool:
         """True on every rank once any rank was signalled (agreed one step later)."""
@@ -170,6 +233,8 @@ class StopFlag:
         if self.requested is not None or self.stopping:
             self._stopped = True
             return
+        global _training
+        _training = None
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()

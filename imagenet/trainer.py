@@ -16,7 +16,7 @@ import torchvision
 from torch import nn
 
 from imagenet import configfile, disk, resolution, timelimit
-from imagenet.build import Best, Run, build_run
+from imagenet.build import Run, build_run
 from imagenet.checkpoint.guard import last_good
 from imagenet.checkpoint.state import resume, save
 from imagenet.compiling import graphs_compiled, new_graphs
@@ -25,7 +25,14 @@ from imagenet.console import FirstBatch, describe_evaluation, finished, slow_sta
 from imagenet.cpu_features import native_bf16, slow_bf16_warning
 from imagenet.data import shutdown_workers
 from imagenet.distributed import DistInfo
-from imagenet.engine import Hooks, Step, evaluate, train_one_epoch
+from imagenet.engine import (
+    EpochTotals,
+    Hooks,
+    Step,
+    epoch_metrics,
+    evaluate,
+    train_one_epoch,
+)
 from imagenet.errors import NonFiniteLossError, Preempted, on_every_rank
 from imagenet.evaluation import Report, for_validation
 from imagenet.gpu_data import device_batches
@@ -81,6 +88,8 @@ def resume_and_train(run: Run) -> dict[str, float]:
     with RunLogger(run.output_dir, run.dist.is_main, purge_step=step + 1 if step else 0,
                    log_to=run.cfg.log_to) as logger:
         logger.drop_epochs_from(run.step.epoch)
+        if run.last_record is not None and not logger.has_epoch(run.last_record["epoch"]):
+            log_epoch(logger, run.step, run.last_record)  # killed between its save and line
         started = datetime.datetime.now().isoformat(timespec="seconds")
         logger.write_config(run.cfg.to_dict(), {**derived, "started": started,
                                                 "torchvision_models": torchvision.__version__,
@@ -104,6 +113,7 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
             new_crop = crop.get("train_crop_px") not in crops_seen
             crops_seen.add(crop.get("train_crop_px"))
             # Train the rest of the epoch (all of it, unless resumed mid-epoch).
+            steps_before = run.step.global_step
             trained = train_rest_of_epoch(run, hooks)
             record = {"epoch": epoch, "lr": run.engine.parts.optimizer.param_groups[0]["lr"],
                       **prefixed("train_", trained), **crop}
@@ -111,21 +121,23 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
             if stop.stopping:
                 stop.drain()
                 raise stopped(run, stop)
+            # The trained epoch is saved before it is validated: a signal or an error during
+            # validation loses none of it (a resume then only validates).
+            if run.step.global_step > steps_before:
+                stop.saved(save(run, is_best=False))
             # Validate the model (and its EMA) on every image once; track the best of each.
             try:
                 # After the last epoch: predictions, per-class accuracy, confusion matrix.
                 report = Report(run, logger) if epoch == run.cfg.epochs - 1 else None
-                is_best = validate_and_track(run, run.engine.parts.model, run.best, "", record,
-                                             stop, report)
-                is_best_ema = run.best_ema is not None and validate_and_track(
-                    run, run.engine.parts.ema, run.best_ema, "ema_", record, stop)
+                validated = validate_epoch(run, stop, report)
             except StopRequested:  # validation is not saved state; the trained epoch is
                 stop.drain()
-                stop.saved(save(run, is_best=False))
                 raise stopped(run, stop, "during the validation of") from None
             if run.cfg.compile:  # in the first epoch only (compiling); a warning otherwise
                 record["compiled_graphs"] = new_graphs(graphs, epoch, expected=new_crop)
-            # Save (best files first), then log the epoch.
+            is_best, is_best_ema = track_best(run, validated, record)
+            # Save (best files first, the record with it), then log the epoch.
+            run.last_record, run.train_totals = record, None
             stop.saved(save(run, is_best, epoch_done=True, is_best_ema=is_best_ema,
                             score=record["val_acc1"]))
             run.step.step_in_epoch = 0
@@ -148,13 +160,17 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
 
 
 def train_rest_of_epoch(run: Run, hooks: Hooks) -> dict[str, float]:
-    """Train the epoch from ``run.step.step_in_epoch`` on, continuing the same data order."""
+    """Train the epoch from ``run.step.step_in_epoch`` on, continuing the same data order;
+    the metrics of the whole epoch, every rank's (a resume's checkpoint holds the earlier part)."""
+    if run.train_totals is None:
+        run.train_totals = EpochTotals.starting(run.dist.device)
     if run.step.step_in_epoch >= run.engine.opts.steps_per_epoch:
-        return {}  # resumed after the last step: only the validation is left
+        # Resumed after the last step: only the validation is left.
+        return epoch_metrics(run.train_totals.of_job())
     run.data.train.continue_after(run.step.epoch, run.images_trained())
     loader = device_batches(FirstBatch(run.data.train_loader, run.layout.workers, "training"),
                             run.dist.device, run.data.train_finish)
-    return train_one_epoch(run.engine, loader, run.step, hooks)
+    return train_one_epoch(run.engine, loader, run.step, hooks, run.train_totals)
 
 
 def saver(run: Run, stop: StopFlag) -> Callable[[Step, Callable[[], None]], bool]:
@@ -208,15 +224,29 @@ def validate(run: Run, model: nn.Module, name: str = "", stop: StopFlag | None =
     return metrics
 
 
-def validate_and_track(run: Run, model: nn.Module, best: Best, prefix: str,
-                       record: dict[str, Any], stop: StopFlag,
-                       report: Report | None = None) -> bool:
-    """Validate, add ``{prefix}val_*`` and ``best_{prefix}acc1`` to ``record``; True if best."""
-    metrics = validate(run, model, prefix.upper().replace("_", " "), stop, report)
-    record.update(prefixed(f"{prefix}val_", metrics))
-    is_best = best.update(metrics["acc1"])
-    record[f"best_{prefix}acc1"] = best.acc1
-    return is_best
+def validate_epoch(run: Run, stop: StopFlag, report: Report | None = None
+                   ) -> dict[str, dict[str, float]]:
+    """The model's validation metrics (key ""), and its EMA's ("ema_") with --model-ema;
+    ``report``: the model's per-image and per-class results."""
+    validated = {"": validate(run, run.engine.parts.model, "", stop, report)}
+    if run.engine.parts.ema is not None:
+        validated["ema_"] = validate(run, run.engine.parts.ema, "EMA ", stop)
+    return validated
+
+
+def track_best(run: Run, validated: dict[str, dict[str, float]],
+               record: dict[str, Any]) -> tuple[bool, bool]:
+    """Add ``{prefix}val_*`` and ``best_{prefix}acc1`` to ``record``; whether the model and the
+    EMA are the best so far. Only once every validation is done: a best recorded before a stop
+    would be saved without its file."""
+    improved = {}
+    for prefix, best in (("", run.best), ("ema_", run.best_ema)):
+        if best is None or prefix not in validated:
+            continue
+        record.update(prefixed(f"{prefix}val_", validated[prefix]))
+        improved[prefix] = best.update(validated[prefix]["acc1"])
+        record[f"best_{prefix}acc1"] = best.acc1
+    return improved.get("", False), improved.get("ema_", False)
 
 
 def prefixed(prefix: str, metrics: dict[str, float]) -> dict[str, float]:
@@ -231,17 +261,18 @@ def log_epoch(logger: RunLogger, step: Step, record: dict[str, Any]) -> None:
     ones: a resume purges every tag from the checkpoint's step on, so no curve gets a duplicate
     or backwards point.
     """
+    logger.epoch(record)  # first: a resume that finds no line writes the scalars too
     for prefix in ("train_", "val_", "ema_val_"):  # "val_" does not match "ema_val_"
         values = {k[len(prefix):]: v for k, v in record.items() if k.startswith(prefix)}
         logger.scalars(f"epoch/{prefix[:-1]}", values, step.global_step)
     logger.scalars("epoch", {k: record[k] for k in ("epoch", "lr", "best_acc1", "best_ema_acc1")
                              if k in record}, step.global_step)
     if "train_images_per_sec" in record:
-        compiled = record.get("compiled_graphs")
-        log.info("=> epoch %d trained at %.1f img/s, waiting for data %.0f%% of the time%s",
-                 step.epoch, record["train_images_per_sec"], 100 * record["train_data_wait"],
+        wait, compiled = record.get("train_data_wait"), record.get("compiled_graphs")
+        log.info("=> epoch %d trained at %.1f img/s%s%s", step.epoch,
+                 record["train_images_per_sec"],
+                 "" if wait is None else f", waiting for data {100 * wait:.0f}% of the time",
                  "" if compiled is None else f"; {compiled} graph(s) compiled")
-    logger.epoch(record)
     logger.flush()
 
 

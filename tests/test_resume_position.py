@@ -14,7 +14,8 @@ from helpers import tiny_net
 
 from imagenet.checkpoint.state import restore_optimizer
 from imagenet.config import parse_config
-from imagenet.data import ResumableDistributedSampler
+from imagenet.data import NoSingleImageBatches, ResumableDistributedSampler, train_batches
+from imagenet.launch import Layout
 from imagenet.optim import build_optimizer, build_scheduler
 from imagenet.position import rebuild_schedule, resume_point
 
@@ -67,26 +68,57 @@ def ckpt(epoch: int, step: int, images: int, steps: int, global_step: int = 1) -
             "steps_per_epoch": steps, "sampler": {"images": images}}
 
 
+W1B8, W1B16 = Layout(1, 8, 1, 0), Layout(1, 16, 1, 0)
+
+
 def test_resume_point_in_the_new_layout():
     # Same layout: the same step, exactly.
-    point = resume_point(ckpt(2, 5, 40, 12), 12, 8, same_layout=True, order_size=96)
+    point = resume_point(ckpt(2, 5, 40, 12), 12, W1B8, same_layout=True, order_size=96)
     assert (point.epoch, point.step_in_epoch, point.images, point.approximated) == \
         (2, 5, 40, False)
     # 40 images in steps of 16 are 2.5 steps: the rest (56 images) takes 4 steps of 6.
-    point = resume_point(ckpt(2, 5, 40, 12), 6, 16, same_layout=False, order_size=96)
+    point = resume_point(ckpt(2, 5, 40, 12), 6, W1B16, same_layout=False, order_size=96)
     assert (point.step_in_epoch, point.exact_step, point.approximated) == (2, 2.5, True)
     assert abs(point.step_in_epoch - point.exact_step) < 1
     # Tar shards: another layout starts the epoch over.
-    shards = resume_point(ckpt(2, 5, 40, 12), 6, 16, same_layout=False, order_size=None)
+    shards = resume_point(ckpt(2, 5, 40, 12), 6, W1B16, same_layout=False, order_size=None)
     assert (shards.step_in_epoch, shards.images, shards.approximated) == (0, 0, True)
     # Stopped at the epoch's last step: only the validation is left, in any layout.
-    assert resume_point(ckpt(1, 12, 96, 12), 6, 16, False, 96).step_in_epoch == 6
+    assert resume_point(ckpt(1, 12, 96, 12), 6, W1B16, False, 96).step_in_epoch == 6
     # pytorch/examples' checkpoint: epochs only.
-    classic = resume_point({"epoch": 31, "state_dict": {}}, 6, 16, False, 96)
+    classic = resume_point({"epoch": 31, "state_dict": {}}, 6, W1B16, False, 96)
     assert (classic.epoch, classic.step_in_epoch, classic.images) == (31, 0, 0)
     # Older checkpoints recorded each rank's samples ("start") and the world size.
     old = {**ckpt(0, 3, 0, 6), "sampler": {"start": 12}, "world_size": 2}
-    assert resume_point(old, 12, 8, False, 96).images == 24
+    assert resume_point(old, 12, W1B8, False, 96).images == 24
+
+
+def steps_the_loader_takes(size: int, layout: Layout, images: int) -> int:
+    """Optimizer steps of the real training batches left in an epoch after ``images``."""
+    batches = set()
+    for rank in range(layout.world_size):
+        sampler = ResumableDistributedSampler(size, rank, layout.world_size, seed=3)
+        sampler.continue_epoch(0, images)
+        batches.add(len(list(NoSingleImageBatches(sampler, layout.batch_size))))
+    assert len(batches) == 1  # every rank takes the same steps
+    return math.ceil(batches.pop() / layout.grad_accum_steps)
+
+
+@pytest.mark.parametrize("size, images, layout", [
+    (600, 140, Layout(1, 17, 1, 0)),  # 460 left: 27 batches of 17 and one of 1 (dropped)
+    (600, 150, Layout(2, 8, 1, 0)),  # 225 per rank: 28 batches of 8 and one of 1
+    (600, 134, Layout(1, 5, 3, 0)),  # 466 left: 93 batches of 5 (31 steps) and one of 1
+    (97, 46, Layout(3, 2, 2, 0)),  # 17 per rank: 8 batches of 2 (4 steps) and one of 1
+    (600, 140, Layout(2, 9, 1, 0)),  # 230 per rank: 25 batches of 9 and one of 5, all kept
+])
+def test_a_resumed_epoch_ends_on_the_last_step_of_the_new_layouts_epoch(size, images, layout):
+    # A last batch of one image is dropped: planning the rest as ceil(images / global batch)
+    # steps would leave every later learning rate one step behind the fresh run's.
+    per_rank = math.ceil(size / layout.world_size)
+    steps = math.ceil(train_batches(per_rank, layout.batch_size) / layout.grad_accum_steps)
+    point = resume_point(ckpt(0, 7, images, 30), steps, layout, False, size)
+    assert point.step_in_epoch + steps_the_loader_takes(size, layout, images) == steps
+    assert abs(point.step_in_epoch - point.exact_step) < 1
 
 
 def lrs_of(scheduler, optimizer, steps: int) -> list[float]:

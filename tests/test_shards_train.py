@@ -126,7 +126,7 @@ def test_two_processes_two_workers_locally_and_over_http(data, tmp_path):
         assert "4 batches of 10 per process and epoch (16 left out" in log, log
         assert "(30 images)" in log, log
         (record,) = epochs(outs[name])
-        assert record["val_count"] == 30 and record["train_images"] == 40, record  # rank 0
+        assert record["val_count"] == 30 and record["train_images"] == 80, record  # 2 ranks
     local, remote = (load_checkpoint(o / "checkpoint.pth.tar") for o in outs.values())
     assert local["steps_per_epoch"] == 4
     for key, value in local["state_dict"].items():

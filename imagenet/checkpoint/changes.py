@@ -47,13 +47,17 @@ def _show(value: Any) -> str:
     return "unset" if value is None else str(value)
 
 
+# Flags a resume keeps from the checkpoint whatever the command line says (state.keep_seed).
+KEPT = frozenset({"seed"})
+
+
 def changed_flags(saved: dict[str, Any], cfg: Config) -> Iterator[tuple[str, Any, Any]]:
     """(flag, old, new) for each run-defining flag that differs from the saved config."""
     now = cfg.to_dict()
     # With --global-batch-size on either side, -b decided nothing: the layout line shows the batch.
     by_global = now["global_batch_size"] is not None or saved.get("global_batch_size") is not None
     for name, new in now.items():
-        if name in OPERATIONAL or name not in saved or saved[name] == new:
+        if name in OPERATIONAL | KEPT or name not in saved or saved[name] == new:
             continue
         if name == "batch_size" and by_global:
             continue

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from imagenet.checkpoint.changes import check_ranks_agree, log_changes
 from imagenet.checkpoint.source import agreed_checkpoint, broadcast_weights
 from imagenet.config import Config
 from imagenet.distributed import barrier
-from imagenet.engine import Step
+from imagenet.engine import EpochTotals, Step
 from imagenet.errors import CheckpointError, TrainerError, on_every_rank
 from imagenet.launch import elastic_restart_count
 from imagenet.models import unwrap
@@ -48,6 +49,7 @@ def checkpoint_state(run: Run, epoch_done: bool, weights: bool = True) -> dict[s
     EMA tensors.
     """
     states = rng.gather_rng(run.dist.rank, run.dist.world_size)
+    trained = None if epoch_done else epoch_so_far(run)  # collective too
     parts, step, layout = run.engine.parts, run.step, run.layout
     epoch, step_in_epoch = (step.epoch + 1, 0) if epoch_done else (step.epoch, step.step_in_epoch)
     images = 0 if epoch_done else run.images_trained()
@@ -81,7 +83,19 @@ def checkpoint_state(run: Run, epoch_done: bool, weights: bool = True) -> dict[s
         "rng": states,  # python, numpy, torch CPU and CUDA states of every rank, by rank
         "comm_hook": comm_hooks.hook_state(parts.model),
         "config": run.cfg.to_dict(),
+        # What the epoch's metrics.jsonl record needs: the training so far (every rank's sums
+        # and seconds) and, once the epoch is done, the record itself (a kill before its line
+        # is written loses nothing).
+        "epoch_train": trained,
+        "last_epoch": run.last_record if epoch_done else None,
     }
+
+
+def epoch_so_far(run: Run) -> dict[str, float]:
+    """The current epoch's training totals, every rank's together (collective)."""
+    if run.train_totals is None:  # nothing trained yet in this process
+        run.train_totals = EpochTotals.starting(run.dist.device)
+    return run.train_totals.of_job()
 
 
 # ---- the model, optimizer and EMA states: plain, DDP and FSDP alike (FSDP gathers to rank 0)
@@ -216,8 +230,12 @@ def load_weights(run: Run, ckpt: dict[str, Any], path: Path) -> None:
     files.load_model_state(run.raw_model, ckpt, path, run.cfg.arch)
     guard.check_resumable(ckpt, path, run.data.classes)
     restore_optimizer(run.raw_model, parts.optimizer, ckpt, run.cfg)
-    if parts.ema is not None and ckpt.get("ema"):
+    if parts.ema is None:
+        return
+    if isinstance(ckpt.get("ema"), dict):  # model_best_ema.pth.tar says "ema": True instead
         load_ema_state(parts.ema, ckpt["ema"])
+    elif not fsdp.is_sharded(parts.ema):  # no EMA state: it starts from the loaded weights
+        parts.ema.module.load_state_dict(run.raw_model.state_dict())
 
 
 def resume(run: Run) -> Path | None:
@@ -254,21 +272,24 @@ def resume(run: Run) -> Path | None:
         run.best_ema.acc1 = resumed_best(ckpt, path, run.output_dir, "best_ema_acc1",
                                          run.best_ema.path.name)
     train, order_kept = run.data.train, same_order(ckpt, run.cfg)
-    point = resume_point(ckpt, steps_per_epoch, run.layout.global_batch,
-                         same_layout(run, ckpt) and order_kept,
+    point = resume_point(ckpt, steps_per_epoch, run.layout, same_layout(run, ckpt) and order_kept,
                          train.order_size if train.continues_any_layout and order_kept else None)
     global_step = int(ckpt.get("global_step", point.epoch * steps_per_epoch))
     run.step = Step(point.epoch, point.step_in_epoch, global_step)
     run.epoch_start = EpochStart(point.epoch, point.images, point.step_in_epoch)
     if not run.cfg.evaluate:  # -e has no schedule to continue
         place_schedule(run, point.epoch, point.step_in_epoch)
+    resume_epoch_record(run, ckpt, point)
     run.aug_seed = int(ckpt.get("aug_seed", run.aug_seed))
     # The data order of the epoch being continued, and its augmentation.
     order_seed = int(ckpt["sampler"]["seed"]) if ckpt.get("sampler") else run.data.train.order_seed
     run.data.train.reseed(order_seed, run.aug_seed)
     saved_rng = rng.rng_for_rank(ckpt.get("rng"), run.dist.rank)
-    if saved_rng is not None and same_layout(run, ckpt):
+    restored = saved_rng is not None and same_layout(run, ckpt)
+    if restored:
         rng.restore_rng(saved_rng)
+    if not run.cfg.evaluate:
+        keep_seed(run, ckpt, restored)
     if not fsdp.is_sharded(run.raw_model):  # sharded: loaded from rank 0's state already
         broadcast_weights(run.raw_model, parts.ema)
     log.info("=> loaded checkpoint '%s' (epoch %d, step %d, best Acc@1 %.3f)", path,
@@ -276,6 +297,34 @@ def resume(run: Run) -> Path | None:
     if point.approximated:
         log_approximation(run, point, order_kept)
     return path
+
+
+def resume_epoch_record(run: Run, ckpt: dict[str, Any], point: ResumePoint) -> None:
+    """What the checkpoint holds of the epoch's record: the training so far, counted once (on
+    rank 0) unless the epoch starts over; the last finished epoch's record."""
+    continues = point.step_in_epoch > 0 or point.images > 0
+    saved = ckpt.get("epoch_train") if continues and run.dist.is_main else None
+    run.train_totals = EpochTotals.starting(run.dist.device, saved) if continues else None
+    run.last_record = ckpt.get("last_epoch")
+
+
+def keep_seed(run: Run, ckpt: dict[str, Any], rng_restored: bool) -> None:
+    """A resume keeps the checkpoint's --seed, and says so when the flag differs.
+
+    The data order, augmentation and training-step streams continue the checkpoint's: the run
+    ends as a fresh run with that seed would. Another seed would describe another run from its
+    first step, which no resume can give; half of each would reproduce neither.
+    """
+    config = ckpt.get("config") or {}
+    if "seed" not in config or config["seed"] == run.cfg.seed:
+        return
+    saved = config["seed"]
+    log.info("=> --seed %s is not applied: a resumed run keeps the checkpoint's seed %s (data "
+             "order, augmentation, dropout); start a fresh run for another seed",
+             "unset" if run.cfg.seed is None else run.cfg.seed, saved)
+    run.cfg = dataclasses.replace(run.cfg, seed=saved)  # config.json and checkpoints say so
+    if saved is not None and not rng_restored:  # as build_run seeds this rank's stream
+        torch.manual_seed(saved + run.dist.rank)
 
 
 def restore_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -19,10 +19,9 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch.utils.data import DataLoader
 
 from imagenet.config import Config
-from imagenet.data import Data, build_transforms, loader_options
+from imagenet.data import Data, StopSafeLoader, build_transforms, loader_options
 from imagenet.errors import DataError, UsageError
 from imagenet.launch import Layout
 from imagenet.shards.plan import STREAMS, train_batches_per_rank
@@ -50,17 +49,17 @@ def build_shard_data(cfg: Config, data: str, rank: int, world_size: int, layout:
     train_tf, val_tf = build_transforms(cfg)
     where = {"world_size": world_size, "rank": rank, "batch_size": batch}
     splits = ((shards.train, train_tf, True), (shards.val, val_tf, False))
-    loaders = [DataLoader(ShardSamples(tf, cfg.image_backend, len(shards.classes), train),
-                          # validation needs no mixing: one stream, fewer starts inside shards
-                          batch_sampler=ShardBatchSampler(split, shuffle=train, seed=cfg.seed or 0,
-                                                          aug_seed=aug_seed, **where,
-                                                          streams=STREAMS if train else 1),
-                          num_workers=workers, pin_memory=pin_memory,
-                          # private: making an iterator must not consume the global RNG
-                          generator=torch.Generator().manual_seed(aug_seed),
-                          # 2, not 4: an "index" here is a read batch, and a new epoch's first
-                          # batch waits until all of them are queued
-                          **loader_options(workers, prefetch=2))
+    loaders = [StopSafeLoader(ShardSamples(tf, cfg.image_backend, len(shards.classes), train),
+                              # validation needs no mixing: one stream, fewer starts in shards
+                              batch_sampler=ShardBatchSampler(
+                                  split, shuffle=train, seed=cfg.seed or 0, aug_seed=aug_seed,
+                                  **where, streams=STREAMS if train else 1),
+                              num_workers=workers, pin_memory=pin_memory,
+                              # private: making an iterator must not consume the global RNG
+                              generator=torch.Generator().manual_seed(aug_seed),
+                              # 2, not 4: an "index" here is a read batch, and a new epoch's
+                              # first batch waits until all of them are queued
+                              **loader_options(workers, prefetch=2))
                for split, tf, train in splits]
     left_out = shards.train.total - steps * batch * world_size
     log.info("=> shards: %d training images in %d shards, %d batches of %d per process and "

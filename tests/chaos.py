@@ -1,0 +1,674 @@
+"""The chaos matrix (issue 18): seeded scenarios of launches, interruptions and resumes.
+
+A scenario starts a tiny real training run (one process, --multiprocessing-distributed or
+torchrun; 1 to 3 processes), interrupts it (SIGKILL at a random step after a checkpoint, SIGTERM
+in training or validation, SIGKILL while a checkpoint is written; to the main process or to its
+whole process group), resumes it with a changed command line (or the same one), and holds the
+result against an uninterrupted run of that final command line (docs/chaos.md lists the checks).
+
+    python tests/chaos.py --seed S -n N [--first I] [--workdir DIR] [--keep]
+
+prints one line per scenario and a summary; the exit code is 1 if any scenario deviates. The
+uninterrupted reference runs are kept in WORKDIR/refs, keyed by their command line and the
+trainer's source, and shared by the scenarios whose final command lines coincide.
+tests/test_chaos.py runs a fixed slice in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import MAIN, ROOT, child_env, write_image_folder  # noqa: E402
+
+CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS = 3, 17, 5  # 51 training images: last batches of one
+VAL_IMAGES = CLASSES * VAL_PER_CLASS
+# Training at 32 px is quick; validation at 128 px lasts long enough for a signal to land in it.
+MODEL = ["-a", "squeezenet1_1", "--train-crop-size", "32", "--val-resize-size", "146",
+         "--val-crop-size", "128", "-p", "1", "--wd", "1e-4", "--dist-timeout", "60"]
+LEG_TIMEOUT = 300.0  # seconds for one command
+ORPHAN_GRACE = 30.0  # seconds the processes of a killed launcher may take to stop (and save)
+PROGRESS = re.compile(r"^Epoch: \[(\d+)\]\[\s*(\d+)/(\d+)\]")
+TEMP_FILE = re.compile(r"^\..*\.tmp")
+
+
+# ---------------------------------------------------------------- what a scenario runs
+
+@dataclass(frozen=True)
+class Setup:
+    """One command line of a scenario, as the flags a user would change."""
+
+    launcher: str = "single"  # single | spawn (--multiprocessing-distributed) | torchrun
+    world: int = 1  # processes
+    batch: int = 8  # images per process and micro-batch
+    accum: int = 1  # --grad-accum-steps
+    epochs: int = 2
+    lr: float = 0.02
+    scheduler: str = "cosine"  # step | multistep | cosine
+    warmup: int = 0  # --lr-warmup-epochs
+    ema: bool = False
+    shards: bool = False
+    workers: int = 0  # loader workers per process
+    save_every: int = 0  # --save-every (0: at epoch ends only)
+
+    def describe(self) -> str:
+        parts = [f"{self.launcher}x{self.world}", f"-b {self.batch}", f"--epochs {self.epochs}",
+                 self.scheduler, f"accum {self.accum}" if self.accum > 1 else "",
+                 f"warmup {self.warmup}" if self.warmup else "", "ema" if self.ema else "",
+                 "shards" if self.shards else "folder", f"-j {self.workers}",
+                 f"--save-every {self.save_every}" if self.save_every else ""]
+        return " ".join(p for p in parts if p)
+
+
+def schedule_flags(s: Setup) -> list[str]:
+    """--lr-scheduler and its shape; milestones after the warm-up (the config insists)."""
+    if s.scheduler == "step":
+        return ["--lr-scheduler", "step", "--lr-step-size", "1", "--lr-gamma", "0.5"]
+    if s.scheduler == "multistep":
+        return ["--lr-scheduler", "multistep", "--lr-milestones", str(s.warmup + 1),
+                "--lr-gamma", "0.3"]
+    return ["--lr-scheduler", "cosine"]
+
+
+def flags(s: Setup) -> list[str]:
+    """main.py's flags for ``s`` (without the data, the output folder and --resume)."""
+    per_node = s.world if s.launcher == "spawn" else 1  # spawn splits -b and -j per node
+    out = [*MODEL, "-b", str(s.batch * per_node), "-j", str(s.workers * per_node),
+           "--grad-accum-steps", str(s.accum), "--epochs", str(s.epochs), "--lr", str(s.lr),
+           *schedule_flags(s), "--lr-warmup-epochs", str(s.warmup), "--seed", "0"]
+    if s.ema:
+        out += ["--model-ema", "--model-ema-steps", "2"]
+    if s.save_every:
+        out += ["--save-every", str(s.save_every)]
+    if s.launcher == "spawn":
+        out += ["--multiprocessing-distributed", "--nproc-per-node", str(s.world)]
+    return out
+
+
+def command(s: Setup, data: Path, out: Path, resume: str | None = None) -> list[str]:
+    """The whole command line of ``s``, writing to ``out``."""
+    args = [str(data), *flags(s), "--output-dir", str(out)]
+    if resume:
+        args += ["--resume", resume]
+    if s.launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(s.world), "--monitor-interval", "0.5", MAIN, *args]
+    return [sys.executable, MAIN, *args]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A first command line, how it is interrupted, and the command line that resumes it."""
+
+    name: str  # "seed:index"
+    first: Setup
+    final: Setup
+    change: str  # what differs on resume ("none", "-b 8->5", ...)
+    interrupt: str  # kill (at a step after a checkpoint) | term | kill-save
+    target: str  # main (the launcher's process) | group (every process of its session)
+    when: float  # where in the run (0-1 of its steps) the interruption is aimed
+    where: str  # train | validation | ema-validation (the phase a SIGTERM is aimed at)
+    delay: float  # seconds after the aimed-at line
+    resume: str  # auto | path
+
+    def describe(self) -> str:
+        aim = f"{self.where}@{self.when:.2f}+{self.delay:.2f}s"
+        return (f"{self.name} {self.first.describe()} | {self.interrupt}->{self.target} {aim} | "
+                f"change {self.change} | --resume {self.resume}")
+
+
+# ---------------------------------------------------------------- the seeded generator
+
+LAUNCHES = [("single", 1)] * 4 + [("spawn", 2)] * 3 + [("torchrun", 2)] * 2 + \
+    [("torchrun", 1), ("spawn", 1), ("spawn", 3)]
+CHANGES = ["none"] * 4 + ["launch", "batch", "accum", "epochs", "lr", "schedule"]
+
+
+def scenario(seed: int, index: int) -> Scenario:
+    """Scenario ``index`` of the matrix of ``seed``: the same pair always gives the same one."""
+    rng = random.Random(f"chaos:{seed}:{index}")
+    launcher, world = rng.choice(LAUNCHES)
+    first = Setup(launcher=launcher, world=world, batch=rng.choice([4, 5, 8]),
+                  accum=rng.choice([1, 1, 2]), epochs=rng.choice([2, 3]),
+                  lr=rng.choice([0.01, 0.02]), scheduler=rng.choice(["step", "multistep",
+                                                                      "cosine"]),
+                  warmup=rng.choice([0, 0, 1]), ema=rng.random() < 0.5,
+                  shards=rng.random() < 0.3, workers=rng.choice([0, 0, 1]),
+                  save_every=rng.choice([0, 2, 3]))
+    change = rng.choice(CHANGES)
+    final, said = changed(first, change, rng)
+    interrupt = rng.choice(["kill", "kill", "term", "term", "kill-save"])
+    where = "train" if interrupt != "term" else rng.choice(
+        ["train", "train", "validation"] + ["ema-validation"] * first.ema)
+    return Scenario(f"{seed}:{index}", first, final, said, interrupt,
+                    rng.choice(["main", "group"]), round(rng.uniform(0.05, 0.95), 2), where,
+                    round(rng.uniform(0, 0.3), 2), rng.choice(["auto", "path"]))
+
+
+def changed(s: Setup, change: str, rng: random.Random) -> tuple[Setup, str]:
+    """``s`` with one change a user makes on resume, and how to say it."""
+    if change == "launch":
+        options = [x for x in LAUNCHES if x != (s.launcher, s.world)]
+        launcher, world = rng.choice(options)
+        return dataclasses.replace(s, launcher=launcher, world=world), \
+            f"{s.launcher}x{s.world}->{launcher}x{world}"
+    if change == "batch":
+        batch = rng.choice([b for b in (4, 5, 6, 8) if b != s.batch])
+        return dataclasses.replace(s, batch=batch), f"-b {s.batch}->{batch}"
+    if change == "accum":
+        accum = 2 if s.accum == 1 else 1
+        return dataclasses.replace(s, accum=accum), f"--grad-accum-steps {s.accum}->{accum}"
+    if change == "epochs":
+        return dataclasses.replace(s, epochs=s.epochs + 1), f"--epochs {s.epochs}->{s.epochs + 1}"
+    if change == "lr":
+        return dataclasses.replace(s, lr=s.lr * 2), f"--lr {s.lr}->{s.lr * 2}"
+    if change == "schedule":
+        other = rng.choice([x for x in ("step", "multistep", "cosine") if x != s.scheduler])
+        return dataclasses.replace(s, scheduler=other), f"--lr-scheduler {s.scheduler}->{other}"
+    return s, "none"
+
+
+# ---------------------------------------------------------------- processes
+
+class Leg:
+    """One command in a session of its own; every process it starts is tagged, so that
+    torchrun's workers (in sessions of their own) and orphans are found too."""
+
+    def __init__(self, cmd: list[str], log: Path) -> None:
+        self.cmd, self.log, self.token = cmd, log, uuid.uuid4().hex
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True, cwd=ROOT,
+                                     env=child_env(PYTHONUNBUFFERED="1", CHAOS_TOKEN=self.token))
+        self.lines: list[str] = []
+        self.changed = threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            with self.changed:
+                self.lines.append(line)
+                self.changed.notify_all()
+        with self.changed:
+            self.lines.append("")  # end of output
+            self.changed.notify_all()
+
+    def next_line(self, seen: int, deadline: float) -> str | None:
+        """Line number ``seen`` once printed; None at the end of the output or the deadline."""
+        with self.changed:
+            while len(self.lines) <= seen:
+                if not self.changed.wait(timeout=max(deadline - time.monotonic(), 0)):
+                    return None
+            return self.lines[seen] or None
+
+    def wait_for(self, text: str, timeout: float = LEG_TIMEOUT) -> bool:
+        """Whether a line containing ``text`` is printed (False: the output ended first)."""
+        seen, deadline = 0, time.monotonic() + timeout
+        while (line := self.next_line(seen, deadline)) is not None:
+            if text in line:
+                return True
+            seen += 1
+        return False
+
+    def send(self, sig: int, group: bool) -> None:
+        try:
+            (os.killpg if group else os.kill)(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def wait(self, timeout: float = LEG_TIMEOUT) -> int | None:
+        """The exit code; None (everything killed) after ``timeout`` seconds. The log is
+        written now and again by ``write_log`` (orphans may print after their launcher)."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            code = None
+        self.reader.join(timeout=10)
+        self.write_log(code)
+        return code
+
+    def write_log(self, code: int | None) -> None:
+        self.log.write_text(f"$ {' '.join(self.cmd)}\n{self.output}\n[exit {code}]\n")
+
+    def pids(self) -> list[int]:
+        """The live processes started by this leg (orphans included)."""
+        return tagged(self.token)
+
+    def kill_all(self) -> None:
+        self.send(signal.SIGKILL, group=True)
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+def tagged(token: str) -> list[int]:
+    """Live (not zombie) processes whose CHAOS_TOKEN is ``token``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if f"CHAOS_TOKEN={token}".encode() not in (entry / "environ").read_bytes():
+                continue
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+        except OSError:
+            continue
+        pids.append(int(entry.name))
+    return pids
+
+
+class Background:
+    """``fn(*args)`` in a thread; ``result()`` waits for it (and raises what it raised)."""
+
+    def __init__(self, fn, *args) -> None:
+        self._result, self._error = None, None
+
+        def run() -> None:
+            try:
+                self._result = fn(*args)
+            except BaseException as exc:  # handed to result()
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def run_to_end(cmd: list[str], log: Path) -> tuple[int | None, str]:
+    leg = Leg(cmd, log)
+    code = leg.wait()
+    return code, leg.output
+
+
+# ---------------------------------------------------------------- the interruption
+
+@dataclass
+class Interrupted:
+    """What happened to the first command line."""
+
+    code: int | None
+    output: str
+    sent: str  # what was sent, when ("" if nothing was)
+    orphans: list[int] = field(default_factory=list)  # still running ORPHAN_GRACE s later
+
+
+def checkpoint_exists(out: Path) -> bool:
+    return (out / "checkpoint.pth.tar").is_file()
+
+
+def interrupt(sc: Scenario, cmd: list[str], out: Path, log: Path) -> Interrupted:
+    """Run the first command line and interrupt it as ``sc`` says."""
+    leg = Leg(cmd, log)
+    sig = signal.SIGKILL if sc.interrupt.startswith("kill") else signal.SIGTERM
+    group = sc.target == "group"
+    sent = aim(sc, leg, out, lambda: leg.send(sig, group))
+    code = leg.wait()
+    deadline = time.monotonic() + ORPHAN_GRACE
+    while leg.pids() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    orphans = leg.pids()
+    leg.kill_all()
+    leg.write_log(code)
+    return Interrupted(code, leg.output, f"{signal.Signals(sig).name} {sent}" if sent else "",
+                       orphans)
+
+
+def aim(sc: Scenario, leg: Leg, out: Path, fire) -> str | None:
+    """Follow the output to the aimed-at point (after the first checkpoint) and ``fire``;
+    where that was, or None if the run ended first."""
+    deadline = time.monotonic() + LEG_TIMEOUT
+    seen, epoch_val, saving = 0, None, None
+    while True:
+        line = leg.next_line(seen, deadline)
+        if saving is not None and saving.is_set():
+            return "during a save"
+        if line is None:
+            return None
+        seen += 1
+        match = PROGRESS.match(line)
+        if match:
+            epoch, step, steps = map(int, match.groups())
+            if (epoch * steps + step) / (sc.first.epochs * steps) < sc.when or \
+                    not checkpoint_exists(out):
+                continue
+            if sc.interrupt == "kill-save":
+                saving = saving or fire_during_a_save(out, fire, leg)
+            elif sc.where == "train":
+                time.sleep(sc.delay)
+                fire()
+                return f"after epoch {epoch} step {step}"
+            elif epoch_val is None:
+                epoch_val = epoch
+        elif epoch_val is not None and (
+                (sc.where == "validation" and line.startswith("Test: [")) or
+                (sc.where == "ema-validation" and line.startswith(" * Acc@1"))):
+            fire()  # no delay: a validation of 9 images is over in a blink
+            return f"in the {'EMA ' * (sc.where == 'ema-validation')}validation after epoch " \
+                f"{epoch_val}"
+
+
+def fire_during_a_save(out: Path, fire, leg: Leg) -> threading.Event:
+    """Poll ``out`` for a checkpoint's temp file and ``fire`` the moment one appears; the
+    returned event is set once it has."""
+    fired = threading.Event()
+
+    def poll() -> None:
+        while leg.proc.poll() is None:
+            try:
+                if any(TEMP_FILE.match(p.name) for p in out.iterdir()):
+                    fire()
+                    fired.set()
+                    return
+            except OSError:
+                pass
+            time.sleep(0.001)
+
+    threading.Thread(target=poll, daemon=True).start()
+    return fired
+
+
+# ---------------------------------------------------------------- references and checks
+
+def source_hash() -> str:
+    """The trainer's code: a reference run by other code is not a reference."""
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "imagenet").rglob("*.py")) + [Path(MAIN)]:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+class References:
+    """Uninterrupted runs of final command lines, run once and kept in ``folder``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.code = source_hash()
+        self.runs = 0
+
+    def get(self, s: Setup, data: Path) -> tuple[Path, str | None]:
+        """The output folder of ``s``'s uninterrupted run, and a problem with it (or None)."""
+        key = hashlib.sha256(json.dumps([self.code, str(data), flags(s), s.launcher,
+                                         s.world]).encode()).hexdigest()[:16]
+        out = self.folder / key
+        done = out / "chaos-reference-done"
+        if not done.is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir(parents=True)
+            self.runs += 1
+            code, output = run_to_end(command(s, data, out / "run"), out / "log.txt")
+            if code != 0:
+                return out / "run", f"the uninterrupted run exited {code} (see {out}/log.txt)"
+            done.write_text("ok\n")
+        return out / "run", None
+
+
+def records(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def tracebacks(output: str, torchrun_term: bool) -> list[str]:
+    """The last line of every Python traceback in ``output``; torchrun's own SignalException
+    (how its agent reports a SIGTERM) is not the trainer's."""
+    found = []
+    lines = output.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback (most recent call last)"):
+            last = next((x for x in lines[i + 1:] if x and not x.startswith(" ")), "?")
+            if not (torchrun_term and "SignalException" in last):
+                found.append(last)
+    return found
+
+
+def expected_first_codes(sc: Scenario) -> set[int]:
+    """The exit codes the interrupted command may end with."""
+    if sc.interrupt != "term":
+        return {-signal.SIGKILL}
+    if sc.first.launcher == "torchrun":
+        return {1}  # torchrun's agent ends with SignalException; its workers saved, exit 143
+    return {143}
+
+
+def equal_tensors(a: dict, b: dict, where: str) -> list[str]:
+    """Keys of two state dicts whose tensors differ (or are missing)."""
+    bad = [k for k in b if k not in a or not (isinstance(b[k], torch.Tensor) and
+                                              a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))
+           and not (not isinstance(b[k], torch.Tensor) and a[k] == b[k])]
+    return [f"{where}: {len(bad)} entries differ (e.g. {bad[0]})"] if bad else []
+
+
+def evaluated(data: Path, best: Path, ema: bool, log: Path) -> str | None:
+    """' * Acc@1' of ``main.py -e --resume best`` (one process; None if it failed)."""
+    cmd = [sys.executable, MAIN, str(data), *MODEL, "-b", "8", "-j", "0", "-e",
+           "--resume", str(best), *(["--model-ema"] if ema else [])]
+    code, output = run_to_end(cmd, log)
+    found = re.findall(r"^ \* Acc@1 (\S+) ", output, flags=re.M)
+    return found[0] if code == 0 and len(found) == 1 else None
+
+
+def check(sc: Scenario, data: Path, out: Path, first: Interrupted, resumed: tuple,
+          ref: Path, logs: Path) -> list[str]:
+    """Every deviation of the scenario from its uninterrupted reference."""
+    bad: list[str] = []
+    torchrun_term = sc.first.launcher == "torchrun" and sc.interrupt == "term"
+    if first.code not in expected_first_codes(sc):
+        bad.append(f"interrupted run exited {first.code}, expected "
+                   f"{sorted(expected_first_codes(sc))}")
+    if first.orphans:
+        bad.append(f"{len(first.orphans)} process(es) of the interrupted run still running "
+                   f"{ORPHAN_GRACE:.0f} s after it ended")
+    code, output, resumed_at = resumed
+    if code != 0:
+        bad.append(f"resumed run exited {code}")
+    for name, text in (("interrupted", first.output), ("resumed", output)):
+        bad += [f"traceback in the {name} run: {last}"
+                for last in tracebacks(text, torchrun_term and name == "interrupted")]
+        if re.search(r"^frame #\d+: ", text, flags=re.M):
+            bad.append(f"C++ stack frames in the {name} run's output")
+    if code != 0:
+        return bad
+    bad += check_records(sc, out, ref, resumed_at)
+    bad += check_files(sc, data, out, ref, logs)
+    return bad
+
+
+def check_records(sc: Scenario, out: Path, ref: Path, resumed_at: int) -> list[str]:
+    """metrics.jsonl: every epoch once, whole; the learning rate of the fresh run."""
+    bad = []
+    got, want = records(out), records(ref)
+    epochs = [r.get("epoch") for r in got]
+    if epochs != list(range(sc.final.epochs)):
+        bad.append(f"metrics.jsonl epochs {epochs}")
+    fields = ["train_loss", "train_images", "val_acc1", "val_count"] + \
+        ["ema_val_acc1", "ema_val_count"] * sc.final.ema
+    for record in got:
+        missing = [f for f in fields if f not in record]
+        if missing:
+            bad.append(f"epoch {record.get('epoch')} lacks {missing}")
+        for count in ("val_count", "ema_val_count"):
+            if count in record and record[count] != VAL_IMAGES:
+                bad.append(f"epoch {record['epoch']}: {count} {record[count]} != {VAL_IMAGES}")
+    by_epoch = {r.get("epoch"): r for r in want}
+    for record in got:
+        epoch = record.get("epoch")
+        if epoch is None or epoch < resumed_at or epoch not in by_epoch:
+            continue
+        if record.get("lr") != by_epoch[epoch].get("lr"):
+            bad.append(f"lr at the end of epoch {epoch}: {record.get('lr')} != the fresh "
+                       f"run's {by_epoch[epoch].get('lr')}")
+        if sc.change == "none" and record.get("train_images") != by_epoch[epoch].get(
+                "train_images"):
+            bad.append(f"epoch {epoch}: train_images {record.get('train_images')} != "
+                       f"{by_epoch[epoch].get('train_images')}")
+    return bad
+
+
+def check_files(sc: Scenario, data: Path, out: Path, ref: Path, logs: Path) -> list[str]:
+    """The checkpoints: bitwise the reference's when nothing changed; the best files
+    evaluate (-e) to the recorded best; no temp files left."""
+    bad = []
+    final = load(out / "checkpoint.pth.tar")
+    lines = records(out)
+    if sc.change == "none":
+        want = load(ref / "checkpoint.pth.tar")
+        bad += equal_tensors(final["state_dict"], want["state_dict"], "weights")
+        if sc.final.ema:
+            bad += equal_tensors(final["ema"], want["ema"], "EMA weights")
+        for file in ("model_best.pth.tar", "model_best_ema.pth.tar")[:1 + sc.final.ema]:
+            if (out / file).is_file() and (ref / file).is_file():
+                bad += equal_tensors(load(out / file)["state_dict"],
+                                     load(ref / file)["state_dict"], file)
+        for key in ("best_acc1", "best_ema_acc1", "global_step"):
+            if final.get(key) != want.get(key):
+                bad.append(f"{key} {final.get(key)} != the fresh run's {want.get(key)}")
+    evaluations = []
+    for best_key, file, prefix in (("best_acc1", "model_best.pth.tar", "val_"),
+                                   ("best_ema_acc1", "model_best_ema.pth.tar", "ema_val_")):
+        if best_key == "best_ema_acc1" and not sc.final.ema:
+            continue
+        recorded = final.get(best_key)
+        seen = max((r[f"{prefix}acc1"] for r in lines if f"{prefix}acc1" in r), default=None)
+        if recorded != seen:
+            bad.append(f"{best_key} {recorded} != the best of metrics.jsonl {seen}")
+        if not (out / file).is_file():
+            bad.append(f"no {file}")
+            continue
+        evaluations.append((file, recorded, Background(
+            evaluated, data, out / file, best_key == "best_ema_acc1", logs / f"eval-{file}.txt")))
+    for file, recorded, evaluation in evaluations:  # both at once
+        acc1 = evaluation.result()
+        if acc1 != f"{recorded:.3f}":
+            bad.append(f"-e --resume {file} gives Acc@1 {acc1}, recorded {recorded:.3f}")
+    left = [p.name for p in out.iterdir() if TEMP_FILE.match(p.name)]
+    if left:
+        bad.append(f"temp files left: {left}")
+    return bad
+
+
+# ---------------------------------------------------------------- one scenario, a matrix
+
+@dataclass
+class Outcome:
+    scenario: Scenario
+    deviations: list[str]
+    note: str  # what was sent, where the resume began
+    seconds: float
+    missed: bool = False  # the aimed-at point never came (the run ended first)
+
+    def line(self) -> str:
+        verdict = "missed (the run ended before the aimed-at point)" if self.missed else \
+            "ok" if not self.deviations else "DEVIATION: " + "; ".join(self.deviations)
+        return f"{self.scenario.describe()} | {self.note} | {verdict} ({self.seconds:.0f} s)"
+
+
+def prepare_data(workdir: Path) -> dict[str, Path]:
+    """The JPEG folder and its tar shards (made once in ``workdir``)."""
+    folder, shards = workdir / "data" / "folder", workdir / "data" / "shards"
+    if not (shards / "_info.json").is_file():
+        shutil.rmtree(workdir / "data", ignore_errors=True)
+        write_image_folder(folder, classes=CLASSES, train_per_class=TRAIN_PER_CLASS,
+                           val_per_class=VAL_PER_CLASS)
+        subprocess.run([sys.executable, "-m", "imagenet.tools.prepare", "--from-folder",
+                        str(folder), "--out", str(shards), "--shard-max-images", "12"],
+                       cwd=ROOT, env=child_env(), check=True, capture_output=True, timeout=300)
+    return {"folder": folder, "shards": shards}
+
+
+def run_scenario(sc: Scenario, workdir: Path, refs: References) -> Outcome:
+    """Interrupt, resume and check one scenario in ``workdir``/scenarios/<name>."""
+    start = time.monotonic()
+    data = prepare_data(workdir)["shards" if sc.first.shards else "folder"]
+    folder = workdir / "scenarios" / sc.name.replace(":", "-")
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    out = folder / "out"
+    # The reference (if not cached yet) runs meanwhile: on 2 cores the wall time halves.
+    reference = Background(refs.get, sc.final, data)
+    first = interrupt(sc, command(sc.first, data, out), out, folder / "first.txt")
+    if not first.sent:
+        reference.result()
+        return Outcome(sc, [], "never interrupted", time.monotonic() - start, missed=True)
+    if not checkpoint_exists(out):
+        reference.result()
+        return Outcome(sc, ["no checkpoint after the interruption"], first.sent,
+                       time.monotonic() - start)
+    saved = load(out / "checkpoint.pth.tar")
+    if first.code in (0, -signal.SIGTERM) and saved["epoch"] == sc.first.epochs:
+        # The signal came after the trainer had finished (its handlers gone): nothing to test.
+        reference.result()
+        return Outcome(sc, [], f"{first.sent}: after the end", time.monotonic() - start,
+                       missed=True)
+    at = f"resumed at epoch {saved['epoch']} step {saved['step_in_epoch']}"
+    resume = "auto" if sc.resume == "auto" else str(out / "checkpoint.pth.tar")
+    code, output = run_to_end(command(sc.final, data, out, resume), folder / "resumed.txt")
+    ref, problem = reference.result()
+    if problem:
+        return Outcome(sc, [problem], f"{first.sent}; {at}", time.monotonic() - start)
+    bad = check(sc, data, out, first, (code, output, saved["epoch"]), ref, folder)
+    return Outcome(sc, bad, f"{first.sent}; {at}", time.monotonic() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, required=True, help="the matrix's seed")
+    parser.add_argument("-n", type=int, default=10, help="scenarios to run (default 10)")
+    parser.add_argument("--first", type=int, default=0, help="index of the first scenario")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where runs and the reference cache go (default: /tmp/chaos)")
+    parser.add_argument("--keep", action="store_true", help="keep the output of ok scenarios")
+    args = parser.parse_args(argv)
+    workdir = args.workdir or Path("/tmp/chaos")
+    refs = References(workdir / "refs")
+    outcomes = []
+    for index in range(args.first, args.first + args.n):
+        outcome = run_scenario(scenario(args.seed, index), workdir, refs)
+        print(outcome.line(), flush=True)
+        if not outcome.deviations and not args.keep:
+            shutil.rmtree(workdir / "scenarios" / outcome.scenario.name.replace(":", "-"),
+                          ignore_errors=True)
+        outcomes.append(outcome)
+    deviating = [o for o in outcomes if o.deviations]
+    missed = sum(o.missed for o in outcomes)
+    print(f"{len(outcomes)} scenarios (seed {args.seed}): {len(outcomes) - len(deviating) - missed}"
+          f" ok, {len(deviating)} with deviations, {missed} missed; {refs.runs} reference "
+          f"run(s); {math.fsum(o.seconds for o in outcomes):.0f} s", flush=True)
+    return 1 if deviating else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
