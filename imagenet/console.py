@@ -132,7 +132,8 @@ def weights_source(run: Run, resumed: Path | None) -> str:
 def describe_evaluation(run: Run, resumed: Path | None) -> None:
     """What -e evaluates: the weights, the data, its images and classes, and how it runs."""
     cfg, d = run.cfg, run.dist
-    data = "synthetic --dummy data" if cfg.dummy else f"the validation split of {cfg.data}"
+    data = ("synthetic --dummy data" if cfg.dummy else f"the images of {cfg.val_data}"
+            if cfg.val_data else f"the validation split of {cfg.data}")
     log.info("=> evaluating %s with %s on %s: %d images, %d classes; batches of %d per process "
              "x %d process(es) on %s", cfg.arch, weights_source(run, resumed), data,
              run.data.val_size, run.data.num_classes, run.layout.batch_size, d.world_size,

@@ -1,4 +1,4 @@
-"""The chaos matrix (issue 18): seeded scenarios of launches, interruptions and resumes.
+"""The chaos matrix: seeded scenarios of launches, interruptions and resumes.
 
 A scenario starts a tiny real training run (one process, --multiprocessing-distributed or
 torchrun; 1 to 3 processes), interrupts it (SIGKILL at a random step after a checkpoint, SIGTERM

@@ -145,6 +145,7 @@ def test_eval_folder_of_a_checkpoint_without_class_names_takes_sorted_folders(tm
     out = capsys.readouterr().out
     assert code == 0, out
     assert "names no classes: label i is the i-th class folder" in out
+    assert f"on the images of {data / 'val'}: 4 images, 2 classes" in out  # not "imagenet"
     header, *rows = (tmp_path / "p.csv").read_text().splitlines()
     assert header == "path,target,pred,confidence,top5,top5_confidence" and len(rows) == 4
 
