@@ -109,9 +109,10 @@ def test_train_returns_metrics_and_resumes_a_callers_checkpoint_as_its_own(tmp_p
     first = imagenet.train([str(data), *RUN, "--epochs", "1", "--save-every", "1",
                             "--output-dir", str(out)], on_checkpoint=seen.append)
     assert first["val_count"] == 9 and first["epoch"] == 0 and "best_acc1" in first
-    # 3 steps: saves after steps 1 and 2, then the epoch's (after its metrics line)
+    # 3 steps: saves after steps 1 and 2, the trained epoch's before its validation, then the
+    # validated epoch's (after its metrics line)
     assert [(s.epoch, s.step_in_epoch, s.epoch_done) for s in seen] == \
-        [(0, 1, False), (0, 2, False), (1, 0, True)]
+        [(0, 1, False), (0, 2, False), (0, 3, False), (1, 0, True)]
     assert {s.path for s in seen} == {out / "checkpoint.pth.tar"}
     # The caller keeps the checkpoint (Ray's storage); the folder's own copy is gone (a node
     # that did not see it): without resume_from the run would start over.
@@ -165,7 +166,8 @@ def test_train_uses_the_callers_process_group_and_leaves_it_alive(tmp_path):
     mp.start_processes(_train_in_callers_group, args=(2, free_port(), str(data), str(out)),
                        nprocs=2, start_method="spawn")
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    assert [r["saves"] for r in ranks] == [1, 1] and ranks[0]["all_saves"] == 2
+    # every rank sees the same saves: the trained epoch's (before validation), the epoch's
+    assert [r["saves"] for r in ranks] == [2, 2] and ranks[0]["all_saves"] == 4
     assert ranks[0]["metrics"]["val_count"] == ranks[1]["metrics"]["val_count"] == 9
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert ckpt["world_size"] == 2 and ckpt["epoch"] == 1
