@@ -153,7 +153,8 @@ def test_two_ranks_stop_at_the_same_step_and_resume_bitwise(data, reference, tmp
     assert code == 0 and crops(output) == SIZES[1:], output
     assert "=> layout changed since the checkpoint: 2 process(es) x 4 images" in output, output
     assert f"(epoch 1, step {step}," in output and "approximated" not in output, output
-    assert [m["train_images"] for m in metrics_of(resumed)[1:]] == [48 - 8 * step, 48]
+    # the resumed epoch's record counts its whole training: the checkpoint's part and the rest
+    assert step > 0 and [m["train_images"] for m in metrics_of(resumed)[1:]] == [48, 48]
     assert lrs(resumed, killed["global_step"]) == lrs(reference["single"],
                                                       killed["global_step"])
 
