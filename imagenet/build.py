@@ -21,7 +21,6 @@ from imagenet import evaluation, shm
 from imagenet import transforms as T
 from imagenet.checkpoint import files
 from imagenet.config import Config
-from imagenet.console import slow_stage
 from imagenet.data import Data, build_data
 from imagenet.distributed import DistInfo, from_rank0
 from imagenet.engine import Engine, EpochTotals, Options, Parts, Step
@@ -34,6 +33,7 @@ from imagenet.optim import build_criterion, build_ema, build_optimizer, build_sc
 from imagenet.outputs import Outputs
 from imagenet.position import EpochStart, images_trained
 from imagenet.shards import build_shard_data, data_format
+from imagenet.stages import slow_stage
 
 log = logging.getLogger(__name__)
 

@@ -18,14 +18,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from imagenet.duration import parse_time_limit
 from imagenet.errors import UsageError
+from imagenet.timm_models import TIMM_PREFIX, check_timm_arch
 from imagenet.trackers import check_trackers_installed, parse_log_to
 
 GROUPS = ("recipe", "data", "model", "optimisation", "distributed", "checkpointing", "logging")
 AUTO_AUGMENT = ("ra", "ta_wide", "augmix", "imagenet")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 DATA_FORMATS = ("auto", "folder", "shards")
-TIMM_PREFIX = "timm/"  # -a timm/NAME: a timm model
 
 
 def _flag(*names: str, group: str, help: str, **kwargs: Any) -> Any:
@@ -556,11 +557,23 @@ def validate(cfg: Config) -> None:
 
 def check_training_controls(cfg: Config) -> None:
     """Progressive resizing and --time-limit (docs/training-controls.md)."""
-    from imagenet.resolution import check_crop_flags
-    from imagenet.timelimit import parse_time_limit
-
     check_crop_flags(cfg)
     parse_time_limit(cfg.time_limit)
+
+
+def check_crop_flags(cfg: Config) -> None:
+    """UsageError naming the flag when the progressive-resizing flags cannot work together."""
+    if (cfg.train_crop_start is None) != (cfg.train_crop_ramp is None):
+        given = "--train-crop-start" if cfg.train_crop_start is not None else "--train-crop-ramp"
+        raise UsageError(f"{given} needs the other flag of progressive resizing: give "
+                         "--train-crop-start PX and --train-crop-ramp START_EPOCH END_EPOCH")
+    if cfg.train_crop_start is not None and cfg.train_crop_start <= 0:
+        raise UsageError(f"--train-crop-start must be positive, got {cfg.train_crop_start}")
+    if cfg.train_crop_ramp is not None:
+        first, last = cfg.train_crop_ramp
+        if not 0 <= first <= last:
+            raise UsageError(f"--train-crop-ramp START_EPOCH END_EPOCH: epochs with 0 <= START "
+                             f"<= END, got {first} {last}")
 
 
 def check_finetune(cfg: Config) -> None:
@@ -640,8 +653,6 @@ def available_archs() -> list[str]:
 def check_arch(arch: str, weights: str | None = None, pretrained: bool = False) -> None:
     """Raise UsageError for an unknown architecture, suggesting close names."""
     if arch.startswith(TIMM_PREFIX):
-        from imagenet.timm_models import check_timm_arch
-
         check_timm_arch(arch, weights, pretrained)
         return
     names = available_archs()

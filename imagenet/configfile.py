@@ -150,14 +150,13 @@ def _toml(value: Any) -> str:
     return json.dumps(value, default=str)
 
 
-def record(path: str | None) -> dict[str, Any]:
-    """For config.json: the recipe file and what it set (the merged flags are beside it)."""
+def record(path: str | None, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """For config.json: the recipe file and what it set (the merged flags are beside it);
+    ``parser``: main.py's."""
     if path is None:
         return {}
-    from imagenet.config import get_args_parser
-
     try:
-        values = file_values(get_args_parser(), Path(path))
+        values = file_values(parser, Path(path))
     except UsageError as exc:  # changed or removed since the flags were parsed
         return {"config_file": {"path": str(Path(path).resolve()), "unreadable": str(exc)}}
     return {"config_file": {"path": str(Path(path).resolve()), "values": values}}

@@ -1,17 +1,13 @@
 """What the console tells a person around the training loop: the demo's settings and where
-outputs go (start), start-up stages that take a while, what -e evaluates, and where a finished
-run's results are. Every line goes through logging: rank 0 prints it, other ranks drop it.
+outputs go (start), what -e evaluates, and where a finished run's results are (start-up stages
+that take a while: ``stages``). Every line goes through logging: rank 0 prints it, other ranks
+drop it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import os
-import threading
-import time
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,12 +17,6 @@ if TYPE_CHECKING:
     from imagenet.build import Run
 
 log = logging.getLogger(__name__)
-
-# A start-up stage that lasts longer than this says what it is doing (seconds). 0 shows every
-# stage: useful to see where a start-up hangs.
-NOTICE_AFTER_ENV = "IMAGENET_NOTICE_AFTER"
-NOTICE_AFTER_DEFAULT = 5.0
-
 
 def _flag(name: str) -> str:
     """The flag of a Config field as a user types it: '-b', '--lr'."""
@@ -50,73 +40,6 @@ def startup_notes(cfg: Config) -> list[str]:
                      f"current folder {Path.cwd()} (--output-dir {cfg.output_dir}); give "
                      "--output-dir DIR to keep runs apart")
     return notes
-
-
-def notice_after() -> float:
-    """Seconds a start-up stage may take before it says what it does."""
-    value = os.environ.get(NOTICE_AFTER_ENV, "")
-    try:
-        return float(value) if value else NOTICE_AFTER_DEFAULT
-    except ValueError:
-        return NOTICE_AFTER_DEFAULT
-
-
-@dataclasses.dataclass
-class Stage:
-    """A start-up stage: ``done`` is printed at its end if its start was (the slow case)."""
-
-    what: str
-    done: str = ""
-    announced: bool = False
-
-
-@contextlib.contextmanager
-def slow_stage(what: str) -> Iterator[Stage]:
-    """Say '=> WHAT ...' once the body has run for ``notice_after()`` seconds, and then
-    ``stage.done`` with the time when it ends; a fast body prints nothing."""
-    stage, start, after = Stage(what), time.perf_counter(), notice_after()
-
-    def announce() -> None:
-        stage.announced = True
-        log.info("=> %s ...", stage.what)
-
-    timer = threading.Timer(after, announce)
-    timer.daemon = True
-    if after <= 0:
-        announce()
-    else:
-        timer.start()
-    try:
-        yield stage
-    finally:
-        timer.cancel()
-        if timer.is_alive():
-            timer.join()  # an announcement under way is printed before the end line
-    if stage.announced and stage.done:
-        log.info("=> %s (%.1f s)", stage.done, time.perf_counter() - start)
-
-
-class FirstBatch:
-    """``loader``'s batches; starting its workers and waiting for its first batch are stages."""
-
-    def __init__(self, loader: Iterable, workers: int, name: str) -> None:
-        self.loader, self.workers, self.name = loader, workers, name
-
-    def __len__(self) -> int:
-        return len(self.loader)  # type: ignore[arg-type]
-
-    def __iter__(self) -> Iterator:
-        with slow_stage(f"starting the {self.name} loader ({self.workers} worker process(es))"
-                        if self.workers else f"starting the {self.name} loader") as stage:
-            batches = iter(self.loader)
-            stage.done = f"{self.name} loader started"
-        with slow_stage(f"waiting for the first {self.name} batch (reading and decoding its "
-                        "images)") as stage:
-            first = next(batches, None)
-            stage.done = f"first {self.name} batch ready"
-        if first is not None:
-            yield first
-            yield from batches
 
 
 def weights_source(run: Run, resumed: Path | None) -> str:

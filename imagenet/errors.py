@@ -91,3 +91,9 @@ class TimeLimitReached(Preempted):
 
 class NonFiniteStateError(RunError):
     """Weights, BatchNorm statistics or optimizer state became NaN or infinite."""
+
+
+def first_line(exc: BaseException) -> str:
+    """``exc`` as one line: its type and the first line of its message."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

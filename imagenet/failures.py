@@ -33,7 +33,14 @@ import torch.distributed as dist
 
 from imagenet.config import Config
 from imagenet.distributed import DistInfo, from_rank0, master_address
-from imagenet.errors import DistributedError, Preempted, RunError, TrainerError, say_error
+from imagenet.errors import (
+    DistributedError,
+    Preempted,
+    RunError,
+    TrainerError,
+    first_line,
+    say_error,
+)
 from imagenet.launch import agent_hosts_store, elastic_restart_count
 
 log = logging.getLogger(__name__)
@@ -238,12 +245,6 @@ def exit_code_of(exc: BaseException) -> int:
     if isinstance(exc, TrainerError):
         return exc.exit_code
     return 130 if isinstance(exc, KeyboardInterrupt) else 1
-
-
-def first_line(exc: BaseException) -> str:
-    """``exc`` as one line: its type and the first line of its message."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def describe(exc: BaseException) -> str:

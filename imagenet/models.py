@@ -17,10 +17,11 @@ from torch.optim.swa_utils import AveragedModel
 
 from imagenet import comm_hooks, fsdp
 from imagenet.compiling import compile_ddp, compile_model, evaluation_twin
-from imagenet.config import TIMM_PREFIX, Config
+from imagenet.config import Config
 from imagenet.distributed import DistInfo
 from imagenet.errors import RunError, UsageError
 from imagenet.resolution import crop_sizes
+from imagenet.timm_models import TIMM_PREFIX
 
 log = logging.getLogger(__name__)
 

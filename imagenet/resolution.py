@@ -27,8 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from imagenet.errors import UsageError
-
 if TYPE_CHECKING:
     from imagenet.config import Config
 
@@ -70,21 +68,6 @@ def crop_schedule(cfg: Config) -> CropSchedule | None:
     first, last = cfg.train_crop_ramp
     return CropSchedule(cfg.train_crop_start, cfg.train_crop_size, first, last,
                         cfg.train_crop_multiple)
-
-
-def check_crop_flags(cfg: Config) -> None:
-    """UsageError naming the flag when the progressive-resizing flags cannot work together."""
-    if (cfg.train_crop_start is None) != (cfg.train_crop_ramp is None):
-        given = "--train-crop-start" if cfg.train_crop_start is not None else "--train-crop-ramp"
-        raise UsageError(f"{given} needs the other flag of progressive resizing: give "
-                         "--train-crop-start PX and --train-crop-ramp START_EPOCH END_EPOCH")
-    if cfg.train_crop_start is not None and cfg.train_crop_start <= 0:
-        raise UsageError(f"--train-crop-start must be positive, got {cfg.train_crop_start}")
-    if cfg.train_crop_ramp is not None:
-        first, last = cfg.train_crop_ramp
-        if not 0 <= first <= last:
-            raise UsageError(f"--train-crop-ramp START_EPOCH END_EPOCH: epochs with 0 <= START "
-                             f"<= END, got {first} {last}")
 
 
 def train_sizes(cfg: Config) -> list[int]:

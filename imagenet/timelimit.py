@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-import math
 import os
-import re
 import subprocess
 import time
 from collections import deque
@@ -34,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from imagenet.distributed import raise_agreed
+from imagenet.duration import parse_duration
 from imagenet.errors import RunError, TimeLimitReached, TrainerError, UsageError
 
 if TYPE_CHECKING:
@@ -47,31 +46,6 @@ EXIT_SECONDS = 10.0  # after the last save: loader workers, the process group, t
 STEPS_REMEMBERED = 20  # the longest of the last 20 intervals between checks is "a step"
 WRITE_BYTES_PER_SECOND = 50e6  # assumed for the first save, until one is measured
 SQUEUE_TIMEOUT = 30.0  # seconds
-_DURATION = re.compile(r"(?:(\d+)-)?(\d+):(\d\d):(\d\d)")
-FORMATS = "seconds (5400), HH:MM:SS (01:30:00), D-HH:MM:SS (1-12:00:00) or 'slurm'"
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in ``text`` (seconds, HH:MM:SS or D-HH:MM:SS); UsageError naming --time-limit."""
-    match = _DURATION.fullmatch(text.strip())
-    if match:
-        days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
-        if minutes < 60 and seconds < 60:
-            return ((days * 24 + hours) * 60 + minutes) * 60.0 + seconds
-    else:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if math.isfinite(value) and value > 0:
-            return value
-    raise UsageError(f"--time-limit '{text}' is not a duration: give {FORMATS}")
-
-
-def parse_time_limit(value: str | None) -> None:
-    """Check --time-limit's format (the flag's validation)."""
-    if value is not None and value != "slurm":
-        parse_duration(value)
 
 
 def process_start(env: Mapping[str, str] = os.environ) -> float:

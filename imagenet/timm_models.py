@@ -12,16 +12,16 @@ import logging
 import os
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+from imagenet.errors import RunError, UsageError, first_line
 
-from imagenet.config import TIMM_PREFIX
-from imagenet.errors import RunError, UsageError
-from imagenet.failures import first_line
+if TYPE_CHECKING:
+    from torch import nn
 
 log = logging.getLogger(__name__)
 
+TIMM_PREFIX = "timm/"  # -a timm/NAME: a timm model
 INSTALL = "pip install 'imagenet-trainer[timm]' (or pip install timm)"
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # what we normalise by
 
@@ -94,6 +94,8 @@ def offline_advice(weights) -> str:
         return (f"Put them in the Hugging Face cache {HF_HUB_CACHE} (HF_HOME="
                 f"{os.environ.get('HF_HOME', '~/.cache/huggingface')}): copy it from a machine "
                 f"that ran `hf download {weights.hf_hub_id}`")
+    import torch
+
     file = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(weights.url or "")
     return (f"Put the file at {file} (TORCH_HOME={os.environ.get('TORCH_HOME', '~/.cache/torch')}"
             f"), downloaded elsewhere from {weights.url}")

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from imagenet.errors import RunError, UsageError
+from imagenet.errors import RunError, UsageError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class Trackers:
                 getattr(tracker, method)(*args)
             except Exception as exc:
                 log.warning("--log-to %s stopped working (%s); training goes on without it "
-                            "(metrics.jsonl has every epoch)", name, _first_line(exc))
+                            "(metrics.jsonl has every epoch)", name, first_line(exc))
                 del self._open[name]
 
 
@@ -227,9 +227,6 @@ def start_tracker(name: str, run_id: str | None, run_name: str, output_dir: Path
     except ImportError as exc:
         raise RunError(f"{install_hint(name)} ({exc})") from None
     except Exception as exc:  # a server that cannot be reached, a bad URI, no credentials
-        raise RunError(f"--log-to {name}: cannot start the run ({_first_line(exc)})") from None
+        raise RunError(f"--log-to {name}: cannot start the run ({first_line(exc)})") from None
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

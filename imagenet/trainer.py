@@ -20,8 +20,8 @@ from imagenet.build import Run, build_run
 from imagenet.checkpoint.guard import last_good
 from imagenet.checkpoint.state import resume, save
 from imagenet.compiling import graphs_compiled, new_graphs
-from imagenet.config import Config
-from imagenet.console import FirstBatch, describe_evaluation, finished, slow_stage
+from imagenet.config import Config, get_args_parser
+from imagenet.console import describe_evaluation, finished
 from imagenet.cpu_features import native_bf16, slow_bf16_warning
 from imagenet.data import shutdown_workers
 from imagenet.distributed import DistInfo
@@ -42,6 +42,7 @@ from imagenet.models import for_evaluation
 from imagenet.outputs import Outputs
 from imagenet.preemption import StopBetweenBatches, StopFlag, StopRequested
 from imagenet.preflight import check_before_training, checkpoint_bytes, claim_output_dir
+from imagenet.stages import FirstBatch, slow_stage
 from imagenet.storage import stage
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,8 @@ def resume_and_train(run: Run) -> dict[str, float]:
         started = datetime.datetime.now().isoformat(timespec="seconds")
         logger.write_config(run.cfg.to_dict(), {**derived, "started": started,
                                                 "torchvision_models": torchvision.__version__,
-                                                **configfile.record(run.cfg.config)})
+                                                **configfile.record(run.cfg.config,
+                                                                    get_args_parser())})
         log_augmented_samples(run, logger)
         return train(run, logger)
 
