@@ -20,7 +20,7 @@ from imagenet.compiling import compile_ddp, compile_model, evaluation_twin
 from imagenet.config import Config
 from imagenet.distributed import DistInfo
 from imagenet.errors import RunError, UsageError
-from imagenet.resolution import crop_sizes
+from imagenet.resolution import crop_sizes, train_sizes
 from imagenet.timm_models import TIMM_PREFIX
 
 log = logging.getLogger(__name__)
@@ -129,11 +129,33 @@ def wrap(raw: nn.Module, cfg: Config, dist: DistInfo, ema: AveragedModel | None 
     # Gradients are views into DDP's all-reduce buckets: no second copy of them in memory.
     model = DDP(model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb,
                 gradient_as_bucket_view=True)
+    settle_buckets(model, train_sizes(cfg)[0])  # before a comm hook: it would count this step
     comm_hooks.register_comm_hook(model, raw, cfg, dist.backend or "gloo")
     if dist.is_main:
         comm_hooks.log_payload(raw, cfg, dist.world_size)
     # Compiled from the outside: Dynamo splits the graph at DDP's buckets (see compiling).
     return compile_ddp(model, compile_backend, crop_sizes(cfg)) if cfg.compile else model
+
+
+def settle_buckets(model: DDP, crop_size: int) -> None:
+    """Let DDP fix its gradient buckets now, with a backward that changes nothing.
+
+    DDP all-reduces a process's first backward as one bucket and regroups the gradients after
+    it, by the order they arrived. With 3+ processes the rounding of a sum depends on that
+    grouping, so a resumed process's first step would end a few bits away from the uninterrupted
+    run's (long regrouped) step. This backward of a zero loss gives every process, fresh or
+    resumed, the same grouping for all its steps; the weights, buffers and RNG stay as they were.
+    """
+    module = model.module
+    device = next(module.parameters()).device
+    buffers = [b.detach().clone() for b in module.buffers()]  # BatchNorm statistics
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # dropout
+        (model(torch.zeros(2, 3, crop_size, crop_size, device=device)).sum() * 0).backward()
+    with torch.no_grad():
+        for buffer, saved in zip(module.buffers(), buffers):
+            buffer.copy_(saved)
+    for param in module.parameters():
+        param.grad = None
 
 
 def for_evaluation(model: nn.Module) -> nn.Module:
