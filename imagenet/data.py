@@ -9,6 +9,7 @@ resume. Tar shards (``imagenet.shards``) follow the same rules.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import multiprocessing
@@ -330,6 +331,10 @@ class StopSafeLoader(DataLoader):
     SIGTERM handler of its own before ``worker_init_fn`` can ignore the signal."""
 
     def _get_iterator(self):  # where the workers are started (once, when persistent)
+        # Registered after multiprocessing's exit handler, so run before it (atexit is LIFO);
+        # the same function registered twice runs once.
+        atexit.unregister(kill_stray_workers)
+        atexit.register(kill_stray_workers)
         with stop_signals_blocked():
             return super()._get_iterator()
 
@@ -490,11 +495,12 @@ def kill_stray_workers() -> None:
     """Kill this process's DataLoader workers that are still alive (its daemonic children: a
     training process starts no others).
 
-    A loader whose first batches fail while its iterator is being built (its batch sampler
-    raised: a truncated validation shard) is left without an iterator, and its started workers
-    with nobody to stop them. They ignore SIGTERM (``loader_options``), so multiprocessing's
-    exit handler, which terminates its daemonic children and then joins them, would wait for
-    them forever: the process printed its error and never exited.
+    They ignore SIGTERM (``loader_options``), so multiprocessing's exit handler, which
+    terminates its daemonic children and then joins them, would wait for them forever. Called
+    when the loaders are shut down, and at exit for any path that never got there: a loader
+    whose first batches failed while its iterator was being built (a truncated validation
+    shard: the process printed its error and never exited), or a rank interrupted before its
+    loaders were shut down (a late SIGINT when mp.spawn's parent died as training ended).
     """
     for child in multiprocessing.active_children():
         if child.daemon:

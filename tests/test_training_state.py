@@ -273,6 +273,35 @@ def test_a_signal_while_loader_workers_start_does_not_kill_them(data, monkeypatc
     assert images == 9
 
 
+EXIT_WITH_LIVE_WORKERS = """
+import torch
+from torch.utils.data import TensorDataset
+from imagenet.data import StopSafeLoader, loader_options
+loader = StopSafeLoader(TensorDataset(torch.zeros(8, 1)), batch_size=2, num_workers=1,
+                        **loader_options(1))
+next(iter(loader))  # the persistent worker is up
+print("worker started", flush=True)
+raise KeyboardInterrupt  # as a late SIGINT (mp.spawn's parent died) before the workers stop
+"""
+
+
+def test_a_process_left_before_its_loader_workers_stop_still_exits(tmp_path):
+    # Chaos 18006:36: mp.spawn's parent SIGKILLed as training ended; a rank interrupted before
+    # its workers were shut down sat forever in multiprocessing's exit handler, joining a worker
+    # that ignores the SIGTERM it sends.
+    proc = subprocess.Popen([sys.executable, "-c", EXIT_WITH_LIVE_WORKERS],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=child_env(), start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"still running 60 s after its main thread ended:\n{output}")
+    assert "worker started" in output and "KeyboardInterrupt" in output, output
+    assert proc.returncode == -signal.SIGINT, output  # how Python ends on KeyboardInterrupt
+
+
 # ---- item 16: SIGKILL to torchrun's agent
 
 @pytest.mark.slow
