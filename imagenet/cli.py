@@ -31,7 +31,11 @@ from imagenet.launch import (
     unlaunched_slurm_tasks,
 )
 from imagenet.logger import setup_logging
-from imagenet.preemption import PREEMPT_EXIT_CODE, stop_when_orphaned
+from imagenet.preemption import (
+    PREEMPT_EXIT_CODE,
+    ignore_interrupts_after_training,
+    stop_when_orphaned,
+)
 from imagenet.timelimit import STARTED_ENV, process_start
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -55,6 +59,7 @@ def _worker(local_index: int, cfg: Config, launch: Launch, master: dict[str, str
     launcher = launcher_pid(launch, os.environ, os.getppid())
     if launcher is not None:  # killed, it cannot stop us: we stop, saving, on our own
         stop_when_orphaned(launcher)
+    ignore_interrupts_after_training()
     from imagenet.trainer import run_training  # heavy imports only where training happens
 
     try:

@@ -9,10 +9,10 @@ resume. Tar shards (``imagenet.shards``) follow the same rules.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import math
 import multiprocessing
+import multiprocessing.util
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -331,10 +331,7 @@ class StopSafeLoader(DataLoader):
     SIGTERM handler of its own before ``worker_init_fn`` can ignore the signal."""
 
     def _get_iterator(self):  # where the workers are started (once, when persistent)
-        # Registered after multiprocessing's exit handler, so run before it (atexit is LIFO);
-        # the same function registered twice runs once.
-        atexit.unregister(kill_stray_workers)
-        atexit.register(kill_stray_workers)
+        kill_workers_at_exit()
         with stop_signals_blocked():
             return super()._get_iterator()
 
@@ -489,6 +486,18 @@ def shutdown_workers(*loaders: DataLoader) -> None:
             iterator._shutdown_workers()
         loader._iterator = None
     kill_stray_workers()
+
+
+_kill_at_exit: multiprocessing.util.Finalize | None = None
+
+
+def kill_workers_at_exit() -> None:
+    """Have multiprocessing's exit handler kill this process's loader workers before it
+    terminates and joins them (``kill_stray_workers``). A finalizer of its own, not atexit: in
+    an mp.spawn child that handler runs when the child's function returns, before atexit."""
+    global _kill_at_exit
+    if _kill_at_exit is None:
+        _kill_at_exit = multiprocessing.util.Finalize(None, kill_stray_workers, exitpriority=100)
 
 
 def kill_stray_workers() -> None:

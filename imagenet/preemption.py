@@ -46,6 +46,19 @@ LAUNCHER_POLL = 0.5  # seconds between checks that the launcher (parent) is aliv
 ORPHANED = "the loss of its launcher"  # the reason of a stop asked by stop_when_orphaned
 _training: StopFlag | None = None  # the training loop's flag, installed or stopping
 _orphaned: int | None = None  # the pid of this process's launcher once it died
+_quiet_after_training = False  # main.py's processes: SIGINT is ignored once training ended
+
+
+def ignore_interrupts_after_training() -> None:
+    """In a process of main.py's: once training has ended, SIGINT is ignored, not put back.
+
+    There is nothing left to stop then, and mp.spawn's children get SIGINT when their parent
+    dies: as a KeyboardInterrupt it broke the shutdown (a finished rank reported as failed,
+    tracebacks from exit handlers; chaos 18006:36, 18006:97). A library caller
+    (``imagenet.train``) keeps its own handler.
+    """
+    global _quiet_after_training
+    _quiet_after_training = True
 
 
 def ignore_stop_signals(_worker_id: int = 0) -> None:
@@ -236,6 +249,8 @@ class StopFlag:
         global _training
         _training = None
         for sig, previous in self._previous.items():
+            if sig == signal.SIGINT and _quiet_after_training:
+                previous = signal.SIG_IGN
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
 

@@ -274,32 +274,74 @@ def test_a_signal_while_loader_workers_start_does_not_kill_them(data, monkeypatc
 
 
 EXIT_WITH_LIVE_WORKERS = """
+import multiprocessing, sys
 import torch
 from torch.utils.data import TensorDataset
 from imagenet.data import StopSafeLoader, loader_options
-loader = StopSafeLoader(TensorDataset(torch.zeros(8, 1)), batch_size=2, num_workers=1,
-                        **loader_options(1))
-next(iter(loader))  # the persistent worker is up
-print("worker started", flush=True)
-raise KeyboardInterrupt  # as a late SIGINT (mp.spawn's parent died) before the workers stop
+
+def body():
+    loader = StopSafeLoader(TensorDataset(torch.zeros(8, 1)), batch_size=2, num_workers=1,
+                            **loader_options(1))
+    next(iter(loader))  # the persistent worker is up
+    print("worker started", flush=True)
+    raise KeyboardInterrupt  # as a late SIGINT before the workers were shut down
+
+if __name__ == "__main__":
+    if sys.argv[1] == "main process":
+        body()
+    child = multiprocessing.get_context("spawn").Process(target=body)  # as mp.spawn's ranks
+    child.start()
+    child.join()
+    print("child exit code", child.exitcode, flush=True)
 """
 
 
-def test_a_process_left_before_its_loader_workers_stop_still_exits(tmp_path):
+@pytest.mark.parametrize("where", ["main process", "spawned child"])
+def test_a_process_left_before_its_loader_workers_stop_still_exits(tmp_path, where):
     # Chaos 18006:36: mp.spawn's parent SIGKILLed as training ended; a rank interrupted before
     # its workers were shut down sat forever in multiprocessing's exit handler, joining a worker
     # that ignores the SIGTERM it sends.
-    proc = subprocess.Popen([sys.executable, "-c", EXIT_WITH_LIVE_WORKERS],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=child_env(), start_new_session=True)
+    script = tmp_path / "leave.py"
+    script.write_text(EXIT_WITH_LIVE_WORKERS)
+    proc = subprocess.Popen([sys.executable, str(script), where], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=child_env(),
+                            start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        pytest.fail(f"still running 60 s after its main thread ended:\n{output}")
+        pytest.fail(f"still running 60 s after its main function ended:\n{output}")
     assert "worker started" in output and "KeyboardInterrupt" in output, output
-    assert proc.returncode == -signal.SIGINT, output  # how Python ends on KeyboardInterrupt
+    if where == "main process":
+        assert proc.returncode == -signal.SIGINT, output  # how Python ends on KeyboardInterrupt
+    else:
+        assert "child exit code 1" in output and proc.returncode == 0, output
+
+
+@pytest.mark.slow
+def test_a_spawned_job_whose_parent_dies_as_it_ends_ends_quietly(data, tmp_path):
+    # Chaos 18006:36/62/90/97: mp.spawn's parent SIGKILLed as the run ended. Its children get
+    # SIGINT (torch's parent-death signal) while they shut down: that reported a finished rank
+    # as failed ("rank 1 failed: KeyboardInterrupt"), printed tracebacks from exit handlers,
+    # or left a rank joining its loader worker forever.
+    out = tmp_path / "out"
+    leg = Leg([sys.executable, MAIN, str(data), *FLAGS, "-j", "2", "--epochs", "1",
+               "--multiprocessing-distributed", "--nproc-per-node", "2",
+               "--output-dir", str(out)], tmp_path / "spawn.txt")
+    assert leg.wait_for("=> curves:"), leg.output
+    leg.send(signal.SIGKILL, group=False)  # the parent alone, as the run ends
+    assert leg.wait() == -signal.SIGKILL
+    deadline = time.monotonic() + 20
+    while leg.pids() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = leg.pids()
+    leg.kill_all()
+    assert not left, f"{len(left)} process(es) still running 20 s after the parent died:\n" \
+        f"{leg.output}"
+    ending = leg.output.split("=> curves:")[1]
+    for noise in ("interrupted", "failed", "Traceback", "KeyboardInterrupt"):
+        assert noise not in ending, leg.output
 
 
 # ---- item 16: SIGKILL to torchrun's agent
