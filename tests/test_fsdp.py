@@ -76,8 +76,8 @@ def train(info, name: str, mode: str) -> dict:
     from imagenet.optim import build_ema
 
     arch, flags, fsdp_flags = RUNS[name]
-    cfg = parse_config(["data", "--lr", "0.02", *flags, *(["--fsdp", *fsdp_flags]
-                                                         if mode == "fsdp" else [])])
+    cfg = parse_config(["data", "--lr", "0.02", "--train-crop-size", str(IMAGE), *flags,
+                        *(["--fsdp", *fsdp_flags] if mode == "fsdp" else [])])
     layout = Layout(info.world_size, BATCH, cfg.grad_accum_steps, 0)
     raw = MODELS[arch]()
     ema = build_ema(raw, cfg, layout)
