@@ -46,6 +46,18 @@ log = logging.getLogger(__name__)
 
 def _worker(local_index: int, cfg: Config, launch: Launch, master: dict[str, str]) -> None:
     """One training process: join the others, then train (the body of every mp.spawn child)."""
+    try:
+        _train_here(local_index, cfg, launch, master)
+    except KeyboardInterrupt:
+        if launch.mode != "spawn":
+            raise
+        # Ctrl-C before the stop handlers were installed (importing the trainer, joining the
+        # others): mp.spawn's wrapper would swallow it and exit 0, as if training had completed.
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.exit(INTERRUPTED_EXIT_CODE)
+
+
+def _train_here(local_index: int, cfg: Config, launch: Launch, master: dict[str, str]) -> None:
     os.environ.update(master)  # the parent's rendezvous choice (spawn mode only)
     rank, local_rank, world, local_world = resolve_ranks(launch, local_index, cfg, os.environ)
     if launch.mode == "spawn":
@@ -80,13 +92,6 @@ def _worker(local_index: int, cfg: Config, launch: Launch, master: dict[str, str
             raise  # main() reports it
         # A spawned child dies with the message, not a traceback; mp.spawn stops its siblings.
         sys.exit(report(exc, cfg.debug, rank))
-    except KeyboardInterrupt:
-        if launch.mode != "spawn":
-            raise
-        # Ctrl-C before the stop handlers were installed: mp.spawn's wrapper would swallow it
-        # and exit 0, as if training had completed.
-        print("interrupted", file=sys.stderr, flush=True)
-        sys.exit(INTERRUPTED_EXIT_CODE)
 
 
 def _spawn(cfg: Config, launch: Launch, announce: str) -> int:

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -424,15 +425,19 @@ def test_spawned_rank_killed_before_its_handlers_still_exits_with_the_preemption
 
 
 @pytest.mark.slow
-def test_ctrl_c_while_a_spawn_job_starts_exits_130(tmp_path):
+@pytest.mark.parametrize("after", [0, 1, 2, 3])
+def test_ctrl_c_while_a_spawn_job_starts_exits_130(tmp_path, after):
     # Ctrl-C reaches every process of the terminal's group. A rank still starting up dies of it,
     # or (in main.py's code) gets KeyboardInterrupt, which mp.spawn's wrapper would turn into
     # exit code 0: either way the job reports the interrupt, as main.py does in one process.
+    # ``after`` seconds: the rank starting Python, importing the trainer (that window exited 0),
+    # waiting for its peer.
     cmd = waiting_for_a_missing_node(tmp_path / "out")
     # A rank already waiting in the rendezvous sees the interrupt only when that times out.
     cmd[cmd.index("--dist-timeout") + 1] = "20"
     live = Live(cmd, timeout=120)
     live.wait_for("per node ->")
+    time.sleep(after)
     live.signal_group(signal.SIGINT)
     code = live.finish()
     assert code == 130, live.output
