@@ -44,8 +44,12 @@ class Live:
 
     def __init__(self, cmd: list[str], timeout: float = 600, **env: str) -> None:
         self.token = uuid.uuid4().hex  # finds this run's processes in /proc
+        # SIGINT as in a terminal, even when the tests run as a background job (a
+        # non-interactive shell starts those with SIGINT ignored, and children inherit it).
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                      signal.SIG_DFL),
                                      env=child_env(PYTHONUNBUFFERED="1", FT_TOKEN=self.token,
                                                    **env))
         self.lines: list[str] = []
