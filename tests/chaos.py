@@ -473,9 +473,11 @@ def equal_tensors(a: dict, b: dict, where: str) -> list[str]:
 
 
 def evaluated(data: Path, best: Path, ema: bool, log: Path) -> str | None:
-    """' * Acc@1' of ``main.py -e --resume best`` (one process; None if it failed)."""
+    """' * Acc@1' of ``main.py -e --resume best`` (one process; None if it failed). Its report
+    files go beside the log, not into the working directory."""
     cmd = [sys.executable, MAIN, str(data), *MODEL, "-b", "8", "-j", "0", "-e",
-           "--resume", str(best), *(["--model-ema"] if ema else [])]
+           "--resume", str(best), *(["--model-ema"] if ema else []),
+           "--output-dir", str(log.with_suffix(""))]
     code, output = run_to_end(cmd, log)
     found = re.findall(r"^ \* Acc@1 (\S+) ", output, flags=re.M)
     return found[0] if code == 0 and len(found) == 1 else None

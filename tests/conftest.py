@@ -3,10 +3,33 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import write_image_folder
+from helpers import ROOT, write_image_folder
+
+
+def untracked(root: Path) -> set[str]:
+    """The files in the checkout that git does not track, ignored ones too (caches aside)."""
+    listed = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"],
+                            cwd=root, capture_output=True, text=True, check=True).stdout
+    return {line[3:] for line in listed.splitlines()
+            if line[:2] in ("??", "!!") and "__pycache__" not in line
+            and not line[3:].startswith((".pytest_cache", ".ruff_cache", ".venv"))}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def the_checkout_is_left_as_it_was():
+    """No test writes into the repository: a run left with the default ``--output-dir .`` put
+    its reports and tb/ there once (and checkpoints, which .gitignore hides)."""
+    if not (ROOT / ".git").exists():
+        yield
+        return
+    before = untracked(ROOT)
+    yield
+    new = sorted(untracked(ROOT) - before)
+    assert not new, f"the tests wrote into the checkout {ROOT}: {new[:10]}"
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -51,9 +51,10 @@ def signal_when(cmd: list[str], text: str, sig: int, log: Path) -> tuple[int | N
     return leg.wait(), leg.output
 
 
-def evaluated_acc1(*args: str) -> str:
-    """The ' * Acc@1' value that ``main.py -e`` prints (3 decimals, as the log has it)."""
-    proc = run_main(*args, "-e")
+def evaluated_acc1(out: Path, *args: str) -> str:
+    """The ' * Acc@1' value that ``main.py -e`` prints (3 decimals, as the log has it); its
+    reports go to ``out``."""
+    proc = run_main(*args, "-e", "--output-dir", str(out))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     (acc1,) = re.findall(r"^ \* Acc@1 (\S+) ", proc.stdout, flags=re.M)
     return acc1
@@ -123,11 +124,13 @@ def test_the_best_files_evaluate_and_resume(ema_run, data, tmp_path):
     out, cmd = ema_run["out"], ema_run["cmd"]
     final = load_checkpoint(out / "checkpoint.pth.tar")
     flags = [str(data), *FLAGS]
-    assert evaluated_acc1(*flags, "--resume", str(out / "model_best.pth.tar")) == \
+    reports = tmp_path / "reports"
+    assert evaluated_acc1(reports, *flags, "--resume", str(out / "model_best.pth.tar")) == \
         f"{final['best_acc1']:.3f}"
     ema_best = f"{final['best_ema_acc1']:.3f}"
-    assert evaluated_acc1(*flags, "--resume", str(out / "model_best_ema.pth.tar")) == ema_best
-    assert evaluated_acc1(*flags, "--model-ema", "--resume",
+    assert evaluated_acc1(reports, *flags, "--resume", str(out / "model_best_ema.pth.tar")) == \
+        ema_best
+    assert evaluated_acc1(reports, *flags, "--model-ema", "--resume",
                           str(out / "model_best_ema.pth.tar")) == ema_best
     # Training goes on from the EMA's weights (a whole-epoch file, as the classic's).
     more = tmp_path / "more"
