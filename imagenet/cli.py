@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from multiprocessing import resource_tracker
 
 import torch
 import torch.multiprocessing as mp
@@ -44,20 +45,49 @@ PREEMPTED_BY = {sig.name for sig in FORWARDED_SIGNALS}  # a child dead of these:
 log = logging.getLogger(__name__)
 
 
-def _worker(local_index: int, cfg: Config, launch: Launch, master: dict[str, str]) -> None:
+def _worker(local_index: int, cfg: Config, launch: Launch, master: dict[str, str],
+            start: SpawnStart | None = None) -> None:
     """One training process: join the others, then train (the body of every mp.spawn child)."""
     try:
-        _train_here(local_index, cfg, launch, master)
+        _train_here(local_index, cfg, launch, master, start)
     except KeyboardInterrupt:
         if launch.mode != "spawn":
             raise
-        # Ctrl-C before the stop handlers were installed (importing the trainer, joining the
-        # others): mp.spawn's wrapper would swallow it and exit 0, as if training had completed.
+        # Ctrl-C before the stop handlers were installed (joining the others): mp.spawn's
+        # wrapper would swallow it and exit 0, as if training had completed.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("interrupted", file=sys.stderr, flush=True)
         sys.exit(INTERRUPTED_EXIT_CODE)
 
 
-def _train_here(local_index: int, cfg: Config, launch: Launch, master: dict[str, str]) -> None:
+class SpawnStart:
+    """How a spawned child learns of a Ctrl-C that came while it was starting.
+
+    The children start with SIGINT ignored and blocked (the parent's state while it starts
+    them): a KeyboardInterrupt while Python imports torch and the trainer printed a traceback,
+    and inside a class definition it even became a RuntimeError (exit 1, not 130). A child
+    takes SIGINT back once its imports are done: one that reached it meanwhile is still pending
+    and is raised then. One sent before the child existed the parent notes in shared memory; a
+    child also stops if its parent died meanwhile (mp.spawn's parent-death signal is SIGINT).
+    """
+
+    def __init__(self) -> None:
+        self.parent = os.getpid()
+        self.flag = mp.get_context("spawn").RawValue("b", 0)
+
+    def note_interrupt(self, _signum: int = signal.SIGINT, _frame=None) -> None:
+        self.flag.value = 1  # a plain store into shared memory: safe in a signal handler
+
+    def take_interrupts(self) -> None:
+        """In the child: SIGINT raises KeyboardInterrupt again; raise it now if one came."""
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a pending one: raised
+        if self.flag.value or os.getppid() != self.parent:
+            raise KeyboardInterrupt
+
+
+def _train_here(local_index: int, cfg: Config, launch: Launch, master: dict[str, str],
+                start: SpawnStart | None) -> None:
     os.environ.update(master)  # the parent's rendezvous choice (spawn mode only)
     rank, local_rank, world, local_world = resolve_ranks(launch, local_index, cfg, os.environ)
     if launch.mode == "spawn":
@@ -74,6 +104,8 @@ def _train_here(local_index: int, cfg: Config, launch: Launch, master: dict[str,
     ignore_interrupts_after_training()
     from imagenet.trainer import run_training  # heavy imports only where training happens
 
+    if start is not None:
+        start.take_interrupts()
     try:
         info = init_distributed(cfg, launch, local_index)
         try:
@@ -116,18 +148,30 @@ def _spawn(cfg: Config, launch: Launch, announce: str) -> int:
                 os.kill(p.pid, signum)
 
     # SIGTERM/SIGUSR1 (SLURM, kill) are forwarded so every rank saves. Python-level handlers
-    # do not reach the spawned children (a fresh interpreter each), unlike SIG_IGN: SIGINT is
-    # ignored only once they run, and Ctrl-C reaches them from the terminal already.
+    # do not reach the spawned children (a fresh interpreter each), unlike SIG_IGN and the
+    # blocked-signal mask: the children start with SIGINT ignored and blocked and take it back
+    # when they are ready (SpawnStart). Ctrl-C reaches every process of the terminal's group by
+    # itself; this process only notes it, and keeps one that comes while it starts the children
+    # pending (a blocked signal is kept, even an ignored one; main.py blocks SIGINT in the
+    # threads that imports start, or one of them would take it and drop it).
     handlers = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    start = SpawnStart()
+    # Started now, not by the first child: starting it unblocks SIGINT in this thread.
+    resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handlers[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
     code = 0
     try:
         log.info("%s", announce)
-        ctx = mp.start_processes(_worker, args=(cfg, launch, master),
-                                 nprocs=launch.nprocs, join=False, start_method="spawn")
+        try:
+            ctx = mp.start_processes(_worker, args=(cfg, launch, master, start),
+                                     nprocs=launch.nprocs, join=False, start_method="spawn")
+        finally:
+            signal.signal(signal.SIGINT, start.note_interrupt)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         children.extend(ctx.processes)
         for signum in pending:
             forward(signum, None)
-        handlers[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
         while not ctx.join():
             pass
     except mp.ProcessExitedException as exc:
@@ -142,9 +186,14 @@ def _spawn(cfg: Config, launch: Launch, announce: str) -> int:
     finally:
         # Preempted: a further Ctrl-C or SIGTERM until this process exits must not turn the
         # exit code a requeue waits for (PREEMPT_EXIT_CODE) into 130.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if code != PREEMPT_EXIT_CODE:
             for sig, previous in handlers.items():
                 signal.signal(sig, previous)
+    if start.flag.value and code not in (0, PREEMPT_EXIT_CODE, INTERRUPTED_EXIT_CODE):
+        print("interrupted (Ctrl-C) while the job was starting or stopping", file=sys.stderr,
+              flush=True)
+        return INTERRUPTED_EXIT_CODE
     return code
 
 
@@ -172,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command line entry point: returns the process exit code."""
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
+        # main.py blocks SIGINT while it imports; a Ctrl-C that came meanwhile is raised here.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         cfg = parse_config(argv)
         if cfg.env_check:
             from imagenet.tools.envcheck import run_env_check

@@ -14,6 +14,7 @@ import select
 import signal
 import socket
 import struct
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -146,6 +147,8 @@ def init_distributed(cfg: Config, launch: Launch, local_index: int) -> DistInfo:
             probe_master_store(host, port, timeout, where, cfg.dist_timeout)  # type: ignore[arg-type]
         set_device(device)
         store = elastic_store(env, host, port, world, timeout)  # type: ignore[arg-type]
+        if store is None and port is not None:
+            store = gather(host, port, rank, world, timeout, where)  # type: ignore[arg-type]
         dist.init_process_group(backend, init_method=None if store else init_method, store=store,
                                 rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
@@ -208,6 +211,46 @@ def elastic_store(env: Mapping[str, str], host: str, port: int | None, world: in
         return None
     shared = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
     return dist.PrefixStore(f"imagenet/attempt_{elastic_restart_count(env)}", shared)
+
+
+ARRIVED, EVERYONE = "imagenet/arrived", "imagenet/everyone"
+GATHER_POLL = 0.2  # seconds between looks at who has arrived (a Ctrl-C waits no longer)
+
+
+def gather(host: str, port: int, rank: int, world: int, timeout: datetime.timedelta,
+           where: str) -> dist.Store:
+    """Rank 0's store, once every rank has arrived at it; the store the process group uses.
+
+    torch's own rendezvous waits for the missing ranks inside C++, deaf to Ctrl-C until
+    --dist-timeout ends (600 s by default); here the waiting is Python's, in short steps, so an
+    interrupt stops it at once, and a timeout names the ranks that never came.
+    """
+    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False)
+    store.set(f"{ARRIVED}/{rank}", "1")
+    store.add(ARRIVED, 1)
+    seconds = timeout.total_seconds()
+    deadline = time.monotonic() + seconds
+    while not (store.add(ARRIVED, 0) >= world if rank == 0 else store.check([EVERYONE])):
+        if time.monotonic() > deadline:
+            missing = [r for r in range(world) if not store.check([f"{ARRIVED}/{r}"])]
+            raise DistributedError(
+                f"could not form the process group at {where} within --dist-timeout "
+                f"{seconds:g}s: {world - len(missing)} of {world} processes arrived ("
+                f"{_ranks(missing)} did not). Check that every rank started, that the address "
+                "is reachable from every host, and that --world-size matches the number of "
+                "processes")
+        time.sleep(GATHER_POLL)
+    if rank == 0:
+        store.set(EVERYONE, "1")
+    return store
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 3', 'ranks 1, 2, 5', or the first few of many."""
+    shown = ", ".join(map(str, ranks[:8])) + (f", ... ({len(ranks)} in all)"
+                                              if len(ranks) > 8 else "")
+    return f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}"
 
 
 def probe_master_store(host: str, port: int, timeout: datetime.timedelta, where: str,

@@ -429,23 +429,33 @@ def test_spawned_rank_killed_before_its_handlers_still_exits_with_the_preemption
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("after", [0, 1, 2, 3])
-def test_ctrl_c_while_a_spawn_job_starts_exits_130(tmp_path, after):
-    # Ctrl-C reaches every process of the terminal's group. A rank still starting up dies of it,
-    # or (in main.py's code) gets KeyboardInterrupt, which mp.spawn's wrapper would turn into
-    # exit code 0: either way the job reports the interrupt, as main.py does in one process.
-    # ``after`` seconds: the rank starting Python, importing the trainer (that window exited 0),
-    # waiting for its peer.
-    cmd = waiting_for_a_missing_node(tmp_path / "out")
-    # A rank already waiting in the rendezvous sees the interrupt only when that times out.
-    cmd[cmd.index("--dist-timeout") + 1] = "20"
-    live = Live(cmd, timeout=120)
-    live.wait_for("per node ->")
+@pytest.mark.parametrize("spawn", [True, False], ids=["spawn", "one process"])
+@pytest.mark.parametrize("after", [0, 0.5, 1.5, 3, 6])
+def test_ctrl_c_while_a_job_starts_or_waits_for_its_peers_exits_130_at_once(tmp_path, after,
+                                                                             spawn):
+    # Ctrl-C reaches every process of the terminal's group. ``after`` seconds: a rank starting
+    # Python and importing torch and the trainer (a KeyboardInterrupt there printed a traceback;
+    # inside a class definition it became a RuntimeError and exit 1; in main.py's code mp.spawn's
+    # wrapper turned it into exit 0), or waiting for its missing peer (torch's rendezvous heard
+    # the interrupt only when --dist-timeout ended).
+    cmd = waiting_for_a_missing_node(tmp_path / "out")  # --dist-timeout 300
+    if not spawn:
+        cmd.remove("--multiprocessing-distributed")
+        del cmd[cmd.index("--nproc-per-node"):cmd.index("--nproc-per-node") + 2]
+    live = Live(cmd, timeout=200)
+    if spawn:
+        live.wait_for("per node ->")  # the parent is starting its child
     time.sleep(after)
     live.signal_group(signal.SIGINT)
+    sent = time.monotonic()
     code = live.finish()
+    if code == -signal.SIGINT:  # before Python's own handler existed: the shell says 130 too
+        assert not spawn and after == 0 and not live.output, live.output
+        return
     assert code == 130, live.output
     assert "interrupted" in live.output, live.output
+    assert "Traceback" not in live.output and "RuntimeError" not in live.output, live.output
+    assert time.monotonic() - sent < 60, live.output  # at once, not after --dist-timeout
 
 
 def test_child_exit_codes():
