@@ -17,8 +17,9 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
-from imagenet import evaluation, shm
-from imagenet import transforms as T
+import imagenet.evaluation as evaluation
+import imagenet.shm as shm
+import imagenet.transforms as T
 from imagenet.checkpoint import files
 from imagenet.config import Config
 from imagenet.data import Data, build_data

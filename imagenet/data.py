@@ -24,8 +24,8 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, get_worker_info
 from torchvision import datasets
 
-from imagenet import gpu_data
-from imagenet import transforms as T
+import imagenet.gpu_data as gpu_data
+import imagenet.transforms as T
 from imagenet.config import Config
 from imagenet.errors import DataError, UsageError
 from imagenet.launch import Layout

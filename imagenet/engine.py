@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from imagenet import fsdp
+import imagenet.fsdp as fsdp
 from imagenet.errors import NonFiniteLossError, RunError, on_every_rank
 from imagenet.metrics import DeviceSums, topk_correct
 from imagenet.models import no_sync

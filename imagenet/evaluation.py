@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from imagenet import reports, rundir
+import imagenet.reports as reports
+import imagenet.rundir as rundir
 from imagenet.checkpoint import files
 from imagenet.config import Config
 from imagenet.data import Data, build_transforms, folder_loaders, other_val_folder

@@ -30,7 +30,7 @@ import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
-from imagenet import transforms as T
+import imagenet.transforms as T
 from imagenet.config import Config
 from imagenet.errors import DataError, UsageError
 

@@ -15,7 +15,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel
 
-from imagenet import comm_hooks, fsdp
+import imagenet.comm_hooks as comm_hooks
+import imagenet.fsdp as fsdp
 from imagenet.compiling import compile_ddp, compile_model, evaluation_twin
 from imagenet.config import Config
 from imagenet.distributed import DistInfo

@@ -16,8 +16,9 @@ from typing import TypeVar
 import torch
 from torchvision.datasets import DatasetFolder
 
-from imagenet import disk, rundir
-from imagenet import transforms as T
+import imagenet.disk as disk
+import imagenet.rundir as rundir
+import imagenet.transforms as T
 from imagenet.build import Run
 from imagenet.checkpoint import files
 from imagenet.config import Config

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from imagenet import objectstore, rundir
+import imagenet.objectstore as objectstore
+import imagenet.rundir as rundir
 from imagenet.checkpoint import files
 from imagenet.config import Config
 from imagenet.errors import RunError, UsageError

@@ -15,7 +15,10 @@ from typing import Any
 import torchvision
 from torch import nn
 
-from imagenet import configfile, disk, resolution, timelimit
+import imagenet.configfile as configfile
+import imagenet.disk as disk
+import imagenet.resolution as resolution
+import imagenet.timelimit as timelimit
 from imagenet.build import Run, build_run
 from imagenet.checkpoint.guard import last_good
 from imagenet.checkpoint.state import resume, save

@@ -13,7 +13,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-from imagenet import disk, fsdp
+import imagenet.disk as disk
+import imagenet.fsdp as fsdp
 from imagenet.checkpoint import whole
 from imagenet.errors import CheckpointError, UsageError
 

@@ -15,7 +15,7 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -28,11 +28,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from imagenet import fsdp
-from imagenet.build import Run
+import imagenet.fsdp as fsdp
 from imagenet.checkpoint import files, guard
 from imagenet.distributed import barrier, raise_agreed
 from imagenet.errors import CheckpointError, on_every_rank
+
+if TYPE_CHECKING:
+    from imagenet.build import Run
 
 SHARDED = ("state_dict", "optimizer", "ema")  # the keys whose tensors DCP holds
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from imagenet import errors
+import imagenet.errors as errors
 from imagenet.checkpoint import files
 from imagenet.distributed import DistInfo
 from imagenet.errors import TrainerError

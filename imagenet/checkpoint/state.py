@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
-from imagenet import comm_hooks, fsdp
+import imagenet.comm_hooks as comm_hooks
+import imagenet.fsdp as fsdp
 from imagenet.build import Run
 from imagenet.checkpoint import files, guard, history, rng, sharded
 from imagenet.checkpoint.changes import check_ranks_agree, log_changes

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from imagenet import transforms as T
+import imagenet.transforms as T
 from imagenet.data import seeded_call
 from imagenet.errors import RunError
 from imagenet.resolution import follow_epoch

@@ -29,7 +29,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import BinaryIO
 
-from imagenet import objectstore
+import imagenet.objectstore as objectstore
 from imagenet.shards.tarreader import ShardError
 
 ATTEMPTS = 3  # tries per download

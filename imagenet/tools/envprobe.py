@@ -93,7 +93,7 @@ def _fsdp_step(device: torch.device, out: dict[str, Any],
 
     import torchvision
 
-    from imagenet import fsdp
+    import imagenet.fsdp as fsdp
     from imagenet.config import parse_config
 
     enter("FSDP step")
