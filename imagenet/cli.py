@@ -31,7 +31,7 @@ from imagenet.launch import (
     resolve_ranks,
     unlaunched_slurm_tasks,
 )
-from imagenet.logger import setup_logging
+from imagenet.logger import preload_writers, setup_logging
 from imagenet.preemption import (
     PREEMPT_EXIT_CODE,
     ignore_interrupts_after_training,
@@ -43,6 +43,22 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PREEMPTED_BY = {sig.name for sig in FORWARDED_SIGNALS}  # a child dead of these: preempted
 
 log = logging.getLogger(__name__)
+
+
+def hold_interrupts() -> None:
+    """Hold SIGINT back in this thread (and in the threads it starts) while Python imports.
+
+    A KeyboardInterrupt inside an import printed a traceback, became a RuntimeError inside a
+    class definition (a failure: exit 1, not 130; one Ctrl-C in 100 during the trainer's
+    imports), or went unseen in code that swallows exceptions. main.py holds SIGINT from its
+    first line, before torch is imported; a spawned child starts with it held (SpawnStart).
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+def take_interrupts() -> None:
+    """The imports are done: a Ctrl-C raises KeyboardInterrupt again, one held back now."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _worker(local_index: int, cfg: Config, launch: Launch, master: dict[str, str],
@@ -102,10 +118,14 @@ def _train_here(local_index: int, cfg: Config, launch: Launch, master: dict[str,
     if launcher is not None:  # killed, it cannot stop us: we stop, saving, on our own
         stop_when_orphaned(launcher)
     ignore_interrupts_after_training()
-    from imagenet.trainer import run_training  # heavy imports only where training happens
+    hold_interrupts()  # heavy imports only where training happens
+    from imagenet.trainer import run_training
 
+    preload_writers(cfg.log_to, rank == 0)
     if start is not None:
         start.take_interrupts()
+    else:
+        take_interrupts()
     try:
         info = init_distributed(cfg, launch, local_index)
         try:
@@ -219,14 +239,21 @@ def child_exit(index: int, exit_code: int | None, signal_name: str | None) -> tu
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line entry point: returns the process exit code."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # main.py's already
+    try:
+        return _main(argv)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # an in-process caller's as it was
+
+
+def _main(argv: Sequence[str] | None) -> int:
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
-        # main.py blocks SIGINT while it imports; a Ctrl-C that came meanwhile is raised here.
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        cfg = parse_config(argv)
+        cfg = parse_config(argv)  # imports torchvision (-a)
         if cfg.env_check:
             from imagenet.tools.envcheck import run_env_check
 
+            take_interrupts()
             return run_env_check(cfg)
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         check_gpu_flag(cfg.gpu, cfg.no_accel, cuda_count)
@@ -249,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 plan_layout(cfg, launch, *resolve_ranks(launch, 0, cfg, os.environ)[2:])
             _worker(0, cfg, launch, {})
             return 0
+        take_interrupts()  # _spawn holds them again while it starts the children
         setup_logging(0, cfg.debug)
         layout = plan_layout(cfg, launch, launch.nnodes * launch.nprocs, launch.nprocs)
         given = "auto" if cfg.workers is None else f"{cfg.workers} per node"

@@ -35,6 +35,7 @@ from imagenet.launch import (
     rendezvous,
     resolve_ranks,
 )
+from imagenet.stages import notice_after
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +216,7 @@ def elastic_store(env: Mapping[str, str], host: str, port: int | None, world: in
 
 ARRIVED, EVERYONE = "imagenet/arrived", "imagenet/everyone"
 GATHER_POLL = 0.2  # seconds between looks at who has arrived (a Ctrl-C waits no longer)
+GATHER_REMIND = 60.0  # seconds between the lines of a long wait (the first after notice_after)
 
 
 def gather(host: str, port: int, rank: int, world: int, timeout: datetime.timedelta,
@@ -230,14 +232,26 @@ def gather(host: str, port: int, rank: int, world: int, timeout: datetime.timede
     store.set(f"{ARRIVED}/{rank}", "1")
     store.add(ARRIVED, 1)
     seconds = timeout.total_seconds()
-    deadline = time.monotonic() + seconds
+    start = time.monotonic()
+    deadline, say_at = start + seconds, start + notice_after()
+
+    def missing() -> list[int]:
+        return [r for r in range(world) if not store.check([f"{ARRIVED}/{r}"])]
+
     while not (store.add(ARRIVED, 0) >= world if rank == 0 else store.check([EVERYONE])):
-        if time.monotonic() > deadline:
-            missing = [r for r in range(world) if not store.check([f"{ARRIVED}/{r}"])]
+        now = time.monotonic()
+        if now >= say_at and rank == 0:  # a start-up that seems to hang says why
+            absent = missing()
+            log.info("=> waiting at %s:%s for %s (%d of %d processes arrived; --dist-timeout "
+                     "%gs, %.0f s left)", host, port, _ranks(absent), world - len(absent), world,
+                     seconds, deadline - now)
+            say_at = now + GATHER_REMIND
+        if now > deadline:
+            absent = missing()
             raise DistributedError(
                 f"could not form the process group at {where} within --dist-timeout "
-                f"{seconds:g}s: {world - len(missing)} of {world} processes arrived ("
-                f"{_ranks(missing)} did not). Check that every rank started, that the address "
+                f"{seconds:g}s: {world - len(absent)} of {world} processes arrived ("
+                f"{_ranks(absent)} did not). Check that every rank started, that the address "
                 "is reachable from every host, and that --world-size matches the number of "
                 "processes")
         time.sleep(GATHER_POLL)

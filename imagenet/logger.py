@@ -93,6 +93,13 @@ def _epoch_of(line: str) -> float:
         return float("inf")
 
 
+def preload_writers(log_to: str, main_rank: bool) -> None:
+    """Import TensorBoard's writer now if this process will write events (rank 0): the
+    import takes a second or two, and the start-up does it while Ctrl-C is held back."""
+    if main_rank and "tensorboard" in tracker_names(log_to):
+        import torch.utils.tensorboard  # noqa: F401
+
+
 class RunLogger:
     """Writes metrics on rank 0 (and to the --log-to trackers); a no-op on the others.
 

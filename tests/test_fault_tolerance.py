@@ -404,11 +404,12 @@ print("still alive", flush=True)
 # ---- --multiprocessing-distributed: the parent's exit code when a child dies of a signal
 
 
-def waiting_for_a_missing_node(out: Path) -> list[str]:
-    """A spawn job whose one rank waits for node 1 of 2, which never comes: the rank sits in
-    the rendezvous, before any stop handler is installed, until the signal arrives."""
-    return [sys.executable, MAIN, "--dummy", "--multiprocessing-distributed",
-            "--nproc-per-node", "1", "--world-size", "2", "--rank", "0",
+def waiting_for_a_missing_node(out: Path, spawn: bool = True) -> list[str]:
+    """A job whose one rank waits for node 1 of 2, which never comes: the rank sits in the
+    rendezvous, before any stop handler is installed, until the signal arrives. ``spawn``:
+    started by main.py's mp.spawn, else main.py's own process is the rank."""
+    started = ["--multiprocessing-distributed", "--nproc-per-node", "1"] if spawn else []
+    return [sys.executable, MAIN, "--dummy", *started, "--world-size", "2", "--rank", "0",
             "--dist-url", f"tcp://127.0.0.1:{free_port()}", "--dist-timeout", "300",
             "--output-dir", str(out)]
 
@@ -438,10 +439,7 @@ def test_ctrl_c_while_a_job_starts_or_waits_for_its_peers_exits_130_at_once(tmp_
     # inside a class definition it became a RuntimeError and exit 1; in main.py's code mp.spawn's
     # wrapper turned it into exit 0), or waiting for its missing peer (torch's rendezvous heard
     # the interrupt only when --dist-timeout ended).
-    cmd = waiting_for_a_missing_node(tmp_path / "out")  # --dist-timeout 300
-    if not spawn:
-        cmd.remove("--multiprocessing-distributed")
-        del cmd[cmd.index("--nproc-per-node"):cmd.index("--nproc-per-node") + 2]
+    cmd = waiting_for_a_missing_node(tmp_path / "out", spawn)  # --dist-timeout 300
     live = Live(cmd, timeout=200)
     if spawn:
         live.wait_for("per node ->")  # the parent is starting its child
@@ -456,6 +454,39 @@ def test_ctrl_c_while_a_job_starts_or_waits_for_its_peers_exits_130_at_once(tmp_
     assert "interrupted" in live.output, live.output
     assert "Traceback" not in live.output and "RuntimeError" not in live.output, live.output
     assert time.monotonic() - sent < 60, live.output  # at once, not after --dist-timeout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spawn", [True, False], ids=["spawn", "one process"])
+def test_ctrl_c_while_python_imports_the_trainer_waits_for_the_import(tmp_path, spawn):
+    # A KeyboardInterrupt inside an import can land in a class definition (a RuntimeError from
+    # __set_name__: a traceback and exit 1; seen at 2.2 s into a one-process job) or in code
+    # that swallows it. Python reports every finished import (-X importtime); the signal is
+    # sent once torchvision has begun importing (parsing -a, or on the way to the trainer).
+    cmd = waiting_for_a_missing_node(tmp_path / "out", spawn)
+    live = Live(cmd, timeout=200, PYTHONPROFILEIMPORTTIME="1")
+    if spawn:
+        live.wait_for("per node ->")  # the parent's imports are done; the child's begin
+    live.wait_for(" torchvision.extension\n")
+    live.signal_group(signal.SIGINT)
+    code = live.finish()
+    assert code == 130, live.output
+    assert "Traceback" not in live.output and "RuntimeError" not in live.output, live.output
+    imported = re.search(r"\|\s+imagenet\.trainer$", live.output, re.M)
+    assert imported, live.output[-3000:]  # the import finished, then the interrupt came
+    assert "interrupted" in live.output[imported.end():], live.output[-3000:]
+
+
+@pytest.mark.slow
+def test_rank_0_waiting_for_a_missing_rank_says_which_and_stops_on_ctrl_c(tmp_path):
+    cmd = waiting_for_a_missing_node(tmp_path / "out", spawn=False)
+    port = cmd[cmd.index("--dist-url") + 1].rsplit(":", 1)[1]
+    live = Live(cmd, timeout=120, IMAGENET_NOTICE_AFTER="1")
+    live.wait_for("=> waiting at")
+    assert f"=> waiting at 127.0.0.1:{port} for rank 1 (1 of 2 processes arrived; " \
+           "--dist-timeout 300s, 29" in live.lines[-1], live.output
+    live.signal_group(signal.SIGINT)
+    assert live.finish() == 130, live.output
 
 
 def test_child_exit_codes():
