@@ -145,7 +145,8 @@ def init_distributed(cfg: Config, launch: Launch, local_index: int) -> DistInfo:
         if rank != 0 and port is not None and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             # Before set_device: the probe forks, and a fork must not copy a CUDA context (CUDA
             # 12's cudaSetDevice creates one).
-            probe_master_store(host, port, timeout, where, cfg.dist_timeout)  # type: ignore[arg-type]
+            probe_master_store(host, port, timeout, where,  # type: ignore[arg-type]
+                               cfg.dist_timeout, say=local_rank == 0)
         set_device(device)
         store = elastic_store(env, host, port, world, timeout)  # type: ignore[arg-type]
         if store is None and port is not None:
@@ -268,7 +269,7 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def probe_master_store(host: str, port: int, timeout: datetime.timedelta, where: str,
-                       seconds: float) -> None:
+                       seconds: float, say: bool = False) -> None:
     """Connect to rank 0's store as a client, in a forked child we can stop waiting for.
 
     torch's TCPStore client waits without limit when the address accepts the connection but
@@ -280,18 +281,29 @@ def probe_master_store(host: str, port: int, timeout: datetime.timedelta, where:
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: connect, write torch's error (if any), leave without cleanup
-        os.close(read_end)
-        message = b""
-        try:
-            dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
-        except Exception as exc:  # torch raises several types; reported in its words
-            message = (str(exc) or type(exc).__name__).encode()[:4096]
-        os.write(write_end, message)
-        os._exit(0)
+        try:  # a Ctrl-C to the group is the parent's to answer, never this copy's
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            os.close(read_end)
+            message = b""
+            try:
+                dist.TCPStore(host, port, is_master=False, timeout=timeout,
+                              wait_for_workers=False)
+            except Exception as exc:  # torch raises several types; reported in its words
+                message = (str(exc) or type(exc).__name__).encode()[:4096]
+            os.write(write_end, message)
+        finally:
+            os._exit(0)
     os.close(write_end)
     answered = False
     try:
-        answered = bool(select.select([read_end], [], [], seconds + PROBE_GRACE)[0])
+        first = min(notice_after(), seconds + PROBE_GRACE)
+        answered = bool(select.select([read_end], [], [], first)[0])
+        if not answered:  # rank 0 not up yet: one line from each node, not one per process
+            if say:
+                log.warning("waiting for rank 0's rendezvous store at %s:%s (--dist-timeout "
+                            "%gs); is rank 0 started?", host, port, seconds)
+            answered = bool(select.select([read_end], [], [],
+                                          seconds + PROBE_GRACE - first)[0])
         message = os.read(read_end, 4096).decode(errors="replace") if answered else None
     finally:
         os.close(read_end)

@@ -478,15 +478,21 @@ def test_ctrl_c_while_python_imports_the_trainer_waits_for_the_import(tmp_path, 
 
 
 @pytest.mark.slow
-def test_rank_0_waiting_for_a_missing_rank_says_which_and_stops_on_ctrl_c(tmp_path):
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_waiting_for_the_others_says_for_whom_and_stops_on_ctrl_c(tmp_path, rank):
     cmd = waiting_for_a_missing_node(tmp_path / "out", spawn=False)
+    cmd[cmd.index("--rank") + 1] = str(rank)
     port = cmd[cmd.index("--dist-url") + 1].rsplit(":", 1)[1]
     live = Live(cmd, timeout=120, IMAGENET_NOTICE_AFTER="1")
-    live.wait_for("=> waiting at")
-    assert f"=> waiting at 127.0.0.1:{port} for rank 1 (1 of 2 processes arrived; " \
-           "--dist-timeout 300s, 29" in live.lines[-1], live.output
+    live.wait_for("waiting ")
+    said = {0: f"=> waiting at 127.0.0.1:{port} for rank 1 (1 of 2 processes arrived; "
+               "--dist-timeout 300s, 29",
+            1: f"[rank 1] WARNING: waiting for rank 0's rendezvous store at 127.0.0.1:{port} "
+               "(--dist-timeout 300s); is rank 0 started?"}[rank]
+    assert said in live.lines[-1], live.output
     live.signal_group(signal.SIGINT)
     assert live.finish() == 130, live.output
+    assert live.output.count("interrupted") == 1 and "Traceback" not in live.output, live.output
 
 
 def test_child_exit_codes():

@@ -113,7 +113,7 @@ def test_the_master_probe_forks_before_any_cuda_context(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append("set_device"))
 
-    def probe(*args) -> None:
+    def probe(*args, **kwargs) -> None:
         calls.append("probe")
         raise DistributedError("stop here")
 
