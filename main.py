@@ -6,8 +6,9 @@ Same command line as pytorch/examples' imagenet/main.py; see README.md.
 import signal
 import sys
 
-# Threads that libraries start while they are imported (import torch starts one) inherit this
-# mask, so a Ctrl-C always reaches the main thread; main() takes it back (see cli._spawn).
+# Ctrl-C is held back while Python imports (see cli.hold_interrupts); threads that libraries
+# start meanwhile (import torch starts one) inherit this mask, so it always reaches the main
+# thread. main() takes it back once the imports are done.
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 from imagenet.cli import main  # noqa: E402
