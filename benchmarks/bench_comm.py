@@ -145,9 +145,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torchvision
 
-    from imagenet.config import parse_config
     from imagenet.distributed import DistInfo, set_socket_interface
     from imagenet.models import wrap
+    from imagenet.settings.flags import parse_config
 
     logging.basicConfig(level=logging.INFO if args.rank == 0 else logging.WARNING,
                         format="%(message)s", stream=sys.stdout)

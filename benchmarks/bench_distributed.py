@@ -32,10 +32,10 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from imagenet.build import build_engine  # noqa: E402
-from imagenet.config import parse_config  # noqa: E402
 from imagenet.data import DummyDataset, ResumableDistributedSampler, SeededDataset  # noqa: E402
 from imagenet.engine import Step, train_one_epoch  # noqa: E402
-from imagenet.launch import Layout, free_port  # noqa: E402
+from imagenet.settings.flags import parse_config  # noqa: E402
+from imagenet.settings.launch import Layout, free_port  # noqa: E402
 
 
 def join(rank: int, world: int, port: int) -> None:

@@ -46,11 +46,11 @@ def worker(args: argparse.Namespace) -> None:
     import torchvision
 
     from imagenet.build import build_engine
-    from imagenet.config import parse_config
     from imagenet.distributed import DistInfo
     from imagenet.engine import Step, train_one_epoch
-    from imagenet.launch import Layout
     from imagenet.models import wrap
+    from imagenet.settings.flags import parse_config
+    from imagenet.settings.launch import Layout
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
@@ -96,7 +96,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def launch(args: argparse.Namespace, mode: str, world: int) -> list[dict]:
     """Start ``world`` processes of configuration ``mode``; their RESULT lines."""
-    from imagenet.launch import free_port
+    from imagenet.settings.launch import free_port
 
     def cap() -> None:
         if args.cap_gb:

@@ -33,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from imagenet import fsdp  # noqa: E402
 from imagenet.build import build_engine  # noqa: E402
-from imagenet.config import parse_config  # noqa: E402
 from imagenet.distributed import DistInfo  # noqa: E402
 from imagenet.engine import Step, train_one_epoch  # noqa: E402
-from imagenet.launch import Layout, free_port  # noqa: E402
 from imagenet.models import wrap  # noqa: E402
+from imagenet.settings.flags import parse_config  # noqa: E402
+from imagenet.settings.launch import Layout, free_port  # noqa: E402
 
 
 def async_prefetch(model: torch.nn.Module) -> None:

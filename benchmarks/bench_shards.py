@@ -64,9 +64,9 @@ def loaders(data: str, workers: int, world: int = 1):
     import torch
 
     from imagenet.build import load_data
-    from imagenet.config import parse_config
     from imagenet.distributed import DistInfo
-    from imagenet.launch import Layout
+    from imagenet.settings.flags import parse_config
+    from imagenet.settings.launch import Layout
 
     cfg = parse_config([data, "--seed", "0"])
     dist = DistInfo(0, 0, world, 1, torch.device("cpu"), "gloo")

@@ -21,9 +21,9 @@ import torchvision
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from imagenet.build import build_engine  # noqa: E402
-from imagenet.config import parse_config  # noqa: E402
 from imagenet.engine import Step, train_one_epoch  # noqa: E402
-from imagenet.launch import Layout  # noqa: E402
+from imagenet.settings.flags import parse_config  # noqa: E402
+from imagenet.settings.launch import Layout  # noqa: E402
 
 VARIANTS = {"fp32": ([], None), "channels_last": (["--channels-last"], None),
             "bf16": (["--amp", "bf16"], torch.bfloat16),

@@ -33,11 +33,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from imagenet.config import Config, parse_config
 from imagenet.distributed import cleanup, init_distributed, owns_group
 from imagenet.errors import UsageError
 from imagenet.failures import stop_together
-from imagenet.launch import (
+from imagenet.outputs import Outputs, Saved
+from imagenet.settings.flags import Config, parse_config
+from imagenet.settings.launch import (
     Launch,
     check_gpu_flag,
     check_sync_bn,
@@ -46,7 +47,6 @@ from imagenet.launch import (
     plan_layout,
     resolve_ranks,
 )
-from imagenet.outputs import Outputs, Saved
 
 __all__ = ["Saved", "train"]
 

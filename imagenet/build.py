@@ -21,18 +21,18 @@ import imagenet.evaluation as evaluation
 import imagenet.shm as shm
 import imagenet.transforms as T
 from imagenet.checkpoint import files
-from imagenet.config import Config
 from imagenet.data import Data, build_data
 from imagenet.distributed import DistInfo, from_rank0
 from imagenet.engine import Engine, EpochTotals, Options, Parts, Step
 from imagenet.errors import UsageError
 from imagenet.finetune import classifier_names, prepare_model
 from imagenet.gpu_data import use_device_decoding
-from imagenet.launch import Layout
 from imagenet.models import build_model, wrap
 from imagenet.optim import build_criterion, build_ema, build_optimizer, build_scheduler
 from imagenet.outputs import Outputs
 from imagenet.position import EpochStart, images_trained
+from imagenet.settings.flags import Config
+from imagenet.settings.launch import Layout
 from imagenet.shards import build_shard_data, data_format
 from imagenet.stages import slow_stage
 

@@ -12,13 +12,19 @@ from multiprocessing import resource_tracker
 import torch
 import torch.multiprocessing as mp
 
-from imagenet.config import Config, parse_config
 from imagenet.console import startup_notes
 from imagenet.distributed import cleanup, init_distributed
 from imagenet.errors import INTERRUPTED_EXIT_CODE, TrainerError, report
 from imagenet.failures import stop_together
 from imagenet.inputsize import check_crop_sizes
-from imagenet.launch import (
+from imagenet.logger import preload_writers, setup_logging
+from imagenet.preemption import (
+    PREEMPT_EXIT_CODE,
+    ignore_interrupts_after_training,
+    stop_when_orphaned,
+)
+from imagenet.settings.flags import Config, parse_config
+from imagenet.settings.launch import (
     Launch,
     check_gpu_flag,
     check_sync_bn,
@@ -30,12 +36,6 @@ from imagenet.launch import (
     rendezvous,
     resolve_ranks,
     unlaunched_slurm_tasks,
-)
-from imagenet.logger import preload_writers, setup_logging
-from imagenet.preemption import (
-    PREEMPT_EXIT_CODE,
-    ignore_interrupts_after_training,
-    stop_when_orphaned,
 )
 from imagenet.timelimit import STARTED_ENV, process_start
 

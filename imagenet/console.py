@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from imagenet.config import DEMO_DEFAULTS, Config
+from imagenet.settings.flags import DEMO_DEFAULTS, Config
 
 if TYPE_CHECKING:
     from imagenet.build import Run

@@ -26,9 +26,7 @@ from torchvision import datasets
 
 import imagenet.gpu_data as gpu_data
 import imagenet.transforms as T
-from imagenet.config import Config
 from imagenet.errors import DataError, UsageError
-from imagenet.launch import Layout
 from imagenet.preemption import ignore_stop_signals, stop_signals_blocked
 from imagenet.resolution import (
     CornerCrop,
@@ -37,6 +35,8 @@ from imagenet.resolution import (
     sized_by_epoch,
     train_sizes,
 )
+from imagenet.settings.flags import Config
+from imagenet.settings.launch import Layout
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from imagenet.config import Config
 from imagenet.errors import DistributedError, TrainerError, on_every_rank
-from imagenet.launch import (
+from imagenet.settings.flags import Config
+from imagenet.settings.launch import (
     Launch,
     choose_backend,
     choose_device,

@@ -26,11 +26,11 @@ from torch.utils.data import DataLoader
 import imagenet.reports as reports
 import imagenet.rundir as rundir
 from imagenet.checkpoint import files
-from imagenet.config import Config
 from imagenet.data import Data, build_transforms, folder_loaders, other_val_folder
 from imagenet.distributed import DistInfo, raise_agreed
 from imagenet.errors import RunError, TrainerError, UsageError
-from imagenet.launch import Layout
+from imagenet.settings.flags import Config
+from imagenet.settings.launch import Layout
 from imagenet.shards.reader import ShardBatchSampler
 
 if TYPE_CHECKING:

@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from imagenet.config import Config
 from imagenet.distributed import DistInfo, from_rank0, master_address
 from imagenet.errors import (
     DistributedError,
@@ -41,7 +40,8 @@ from imagenet.errors import (
     first_line,
     say_error,
 )
-from imagenet.launch import agent_hosts_store, elastic_restart_count
+from imagenet.settings.flags import Config
+from imagenet.settings.launch import agent_hosts_store, elastic_restart_count
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch import nn
 
 from imagenet.checkpoint import files
-from imagenet.config import Config
 from imagenet.distributed import raise_agreed
 from imagenet.errors import CheckpointError, TrainerError, UsageError
+from imagenet.settings.flags import Config
 
 log = logging.getLogger(__name__)
 

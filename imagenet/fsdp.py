@@ -37,8 +37,8 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
-from imagenet.config import Config
 from imagenet.errors import CheckpointError
+from imagenet.settings.flags import Config
 
 log = logging.getLogger(__name__)
 

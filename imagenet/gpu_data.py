@@ -31,8 +31,8 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
 import imagenet.transforms as T
-from imagenet.config import Config
 from imagenet.errors import DataError, UsageError
+from imagenet.settings.flags import Config
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import logging
 import torch
 from torch import nn
 
-from imagenet.config import Config
 from imagenet.errors import UsageError
+from imagenet.settings.flags import Config
 
 log = logging.getLogger(__name__)
 

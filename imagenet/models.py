@@ -18,10 +18,10 @@ from torch.optim.swa_utils import AveragedModel
 import imagenet.comm_hooks as comm_hooks
 import imagenet.fsdp as fsdp
 from imagenet.compiling import compile_ddp, compile_model, evaluation_twin
-from imagenet.config import Config
 from imagenet.distributed import DistInfo
 from imagenet.errors import RunError, UsageError
 from imagenet.resolution import crop_sizes, train_sizes
+from imagenet.settings.flags import Config
 from imagenet.timm_models import TIMM_PREFIX
 
 log = logging.getLogger(__name__)

@@ -9,11 +9,11 @@ import torch
 from torch import nn
 from torch.optim import lr_scheduler
 
-from imagenet.config import Config
 from imagenet.errors import UsageError
 from imagenet.finetune import Head, in_module
 from imagenet.fsdp import local_shards
-from imagenet.launch import Layout
+from imagenet.settings.flags import Config
+from imagenet.settings.launch import Layout
 
 log = logging.getLogger(__name__)
 

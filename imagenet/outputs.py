@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from imagenet.checkpoint import files
-from imagenet.launch import elastic_restart_count
+from imagenet.settings.launch import elastic_restart_count
 from imagenet.storage import Remote
 
 if TYPE_CHECKING:

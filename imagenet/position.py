@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from imagenet.config import Config
 from imagenet.data import train_batches
 from imagenet.engine import Step
-from imagenet.launch import Layout
 from imagenet.optim import build_scheduler
+from imagenet.settings.flags import Config
+from imagenet.settings.launch import Layout
 
 
 @dataclass(frozen=True)

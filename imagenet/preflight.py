@@ -21,9 +21,9 @@ import imagenet.rundir as rundir
 import imagenet.transforms as T
 from imagenet.build import Run
 from imagenet.checkpoint import files
-from imagenet.config import Config
 from imagenet.distributed import DistInfo, raise_agreed
 from imagenet.errors import DataError, RunError, TrainerError
+from imagenet.settings.flags import Config
 from imagenet.shards.check import first_bad_shard
 from imagenet.shards.reader import ShardBatchSampler
 from imagenet.storage import Remote

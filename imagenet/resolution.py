@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from imagenet.config import Config
+    from imagenet.settings.flags import Config
 
 log = logging.getLogger(__name__)
 

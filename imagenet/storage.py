@@ -44,9 +44,9 @@ from typing import Any
 import imagenet.objectstore as objectstore
 import imagenet.rundir as rundir
 from imagenet.checkpoint import files
-from imagenet.config import Config
 from imagenet.errors import RunError, UsageError
 from imagenet.logger import METRICS
+from imagenet.settings.flags import Config
 
 log = logging.getLogger(__name__)
 

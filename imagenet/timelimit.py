@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 
 from imagenet.distributed import raise_agreed
-from imagenet.duration import parse_duration
 from imagenet.errors import RunError, TimeLimitReached, TrainerError, UsageError
+from imagenet.settings.duration import parse_duration
 
 if TYPE_CHECKING:
-    from imagenet.config import Config
     from imagenet.distributed import DistInfo
+    from imagenet.settings.flags import Config
 
 log = logging.getLogger(__name__)
 

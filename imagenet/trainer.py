@@ -15,15 +15,14 @@ from typing import Any
 import torchvision
 from torch import nn
 
-import imagenet.configfile as configfile
 import imagenet.disk as disk
 import imagenet.resolution as resolution
+import imagenet.settings.recipe as recipe
 import imagenet.timelimit as timelimit
 from imagenet.build import Run, build_run
 from imagenet.checkpoint.guard import last_good
 from imagenet.checkpoint.state import resume, save
 from imagenet.compiling import graphs_compiled, new_graphs
-from imagenet.config import Config, get_args_parser
 from imagenet.console import describe_evaluation, finished
 from imagenet.cpu_features import native_bf16, slow_bf16_warning
 from imagenet.data import shutdown_workers
@@ -39,12 +38,13 @@ from imagenet.engine import (
 from imagenet.errors import NonFiniteLossError, Preempted, on_every_rank
 from imagenet.evaluation import Report, for_validation
 from imagenet.gpu_data import device_batches
-from imagenet.launch import Layout, elastic_restart_count
 from imagenet.logger import RunLogger, print_val_progress
 from imagenet.models import for_evaluation
 from imagenet.outputs import Outputs
 from imagenet.preemption import StopBetweenBatches, StopFlag, StopRequested
 from imagenet.preflight import check_before_training, checkpoint_bytes, claim_output_dir
+from imagenet.settings.flags import Config, get_args_parser
+from imagenet.settings.launch import Layout, elastic_restart_count
 from imagenet.stages import FirstBatch, slow_stage
 from imagenet.storage import stage
 
@@ -97,7 +97,7 @@ def resume_and_train(run: Run) -> dict[str, float]:
         started = datetime.datetime.now().isoformat(timespec="seconds")
         logger.write_config(run.cfg.to_dict(), {**derived, "started": started,
                                                 "torchvision_models": torchvision.__version__,
-                                                **configfile.record(run.cfg.config,
+                                                **recipe.record(run.cfg.config,
                                                                     get_args_parser())})
         log_augmented_samples(run, logger)
         return train(run, logger)

@@ -30,8 +30,8 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-from imagenet.config import AUTO_AUGMENT
 from imagenet.errors import DataError
+from imagenet.settings.flags import AUTO_AUGMENT
 
 log = logging.getLogger(__name__)
 

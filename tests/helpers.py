@@ -159,9 +159,9 @@ def tiny_engine(model: nn.Module, *flags: str, steps: int, world: int = 1, batch
                 classes: int = 3, device: str = "cpu"):
     """The trainer's own engine (build.build_engine) for ``model`` from main.py ``flags``."""
     from imagenet.build import build_engine
-    from imagenet.config import parse_config
-    from imagenet.launch import Layout
     from imagenet.models import unwrap
+    from imagenet.settings.flags import parse_config
+    from imagenet.settings.launch import Layout
 
     cfg = parse_config(["data", *flags])
     layout = Layout(world, batch, cfg.grad_accum_steps, 0)
@@ -176,9 +176,9 @@ def join_gloo(rank: int, world: int, port: int):
     does); returns its DistInfo. For the body of mp.spawn'ed test processes."""
     import torch
 
-    from imagenet.config import parse_config
     from imagenet.distributed import init_distributed
-    from imagenet.launch import plan_launch
+    from imagenet.settings.flags import parse_config
+    from imagenet.settings.launch import plan_launch
 
     torch.set_num_threads(1)
     cfg = parse_config(["data", "--dist-url", f"tcp://127.0.0.1:{port}", "--world-size",

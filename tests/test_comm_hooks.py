@@ -27,9 +27,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from imagenet import comm_hooks
-from imagenet.config import parse_config
-from imagenet.launch import free_port
 from imagenet.models import wrap
+from imagenet.settings.flags import parse_config
+from imagenet.settings.launch import free_port
 
 IMAGE, CLASSES, IMAGES, EPOCHS = 32, 3, 64, 6
 BUCKET_MB = "0.01"  # 10 KiB: the tiny net below then has 3 DDP buckets

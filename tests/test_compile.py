@@ -16,11 +16,11 @@ import torch.multiprocessing as mp
 from helpers import gloo_rank_saving, tiny_engine, uint8_batches
 from torch import nn
 
-from imagenet.config import parse_config
 from imagenet.distributed import DistInfo
 from imagenet.engine import Step, evaluate, train_one_epoch
-from imagenet.launch import free_port
 from imagenet.models import for_evaluation, unwrap, wrap
+from imagenet.settings.flags import parse_config
+from imagenet.settings.launch import free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from imagenet.config import Config, get_args_parser, parse_config
 from imagenet.errors import UsageError
+from imagenet.settings.flags import Config, get_args_parser, parse_config
 
 CLASSIC_LINE = ["-a", "resnet50", "-j", "8", "--epochs", "100", "--start-epoch", "3",
                 "-b", "512", "--lr", "0.2", "--momentum", "0.8", "--wd", "5e-5", "-p", "50",

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from imagenet.config import DEMO_DEFAULTS, parse_config
 from imagenet.errors import UsageError
+from imagenet.settings.flags import DEMO_DEFAULTS, parse_config
 
 
 def _recipe(tmp_path: Path, text: str, name: str = "recipe.toml") -> str:

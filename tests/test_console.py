@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from helpers import TINY, child_env, load_checkpoint, run_main, write_image_folder
 
-from imagenet.config import parse_config
 from imagenet.errors import UsageError
-from imagenet.launch import free_port
+from imagenet.settings.flags import parse_config
+from imagenet.settings.launch import free_port
 
 
 def without(flags: list[str], *names: str) -> list[str]:

@@ -16,9 +16,9 @@ import torch.multiprocessing as mp
 from helpers import TINY, load_checkpoint, write_image_folder
 
 import imagenet
-from imagenet.config import parse_config
 from imagenet.errors import UsageError
-from imagenet.launch import free_port, plan_launch, plan_layout, resolve_ranks
+from imagenet.settings.flags import parse_config
+from imagenet.settings.launch import free_port, plan_launch, plan_layout, resolve_ranks
 
 RUN = [*TINY, "-j", "0"]
 

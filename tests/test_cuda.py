@@ -18,9 +18,9 @@ import torch
 from helpers import ROOT, tiny_engine, tiny_net, write_image_folder
 
 from imagenet import gpu_data
-from imagenet.config import parse_config
 from imagenet.data import SeededDataset, build_datasets
 from imagenet.engine import Step, train_one_epoch
+from imagenet.settings.flags import parse_config
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_smoke  # noqa: E402
@@ -54,7 +54,7 @@ def test_training_steps_do_not_wait_for_the_device():
 
 
 def test_nccl_is_chosen_for_cuda():
-    from imagenet.launch import choose_backend
+    from imagenet.settings.launch import choose_backend
 
     assert torch.distributed.is_nccl_available()
     assert choose_backend(None, "cuda") == "nccl"

@@ -16,10 +16,10 @@ from helpers import StripedImages, gloo_rank_saving, tiny_engine, tiny_net
 from torch import nn
 from torch.utils.data import DataLoader
 
-from imagenet.config import parse_config
 from imagenet.distributed import interface_to, set_socket_interface
 from imagenet.errors import UsageError
-from imagenet.launch import (
+from imagenet.settings.flags import parse_config
+from imagenet.settings.launch import (
     Launch,
     auto_workers,
     check_sync_bn,

@@ -23,7 +23,7 @@ from helpers import (
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from imagenet.launch import free_port
+from imagenet.settings.launch import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -204,9 +204,9 @@ def ema_after_an_epoch(info, data: Path, out: Path) -> dict:
     """One epoch through the trainer with an EMA that follows the model closely."""
     from imagenet.build import build_run
     from imagenet.checkpoint.state import resume
-    from imagenet.config import parse_config
-    from imagenet.launch import Layout
     from imagenet.logger import RunLogger
+    from imagenet.settings.flags import parse_config
+    from imagenet.settings.launch import Layout
     from imagenet.trainer import train
 
     cfg = parse_config([str(data), *TINY, "-b", "4", "--epochs", "1", "--seed", "0",

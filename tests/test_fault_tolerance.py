@@ -25,8 +25,8 @@ import torch
 from helpers import MAIN, child_env, load_checkpoint, main_cmd, write_image_folder
 
 from imagenet.cli import child_exit
-from imagenet.launch import free_port
 from imagenet.preemption import PREEMPT_EXIT_CODE
+from imagenet.settings.launch import free_port
 
 STEPS = 6  # optimizer steps per epoch in every layout below (48 images)
 FLAGS = ["-a", "resnet18", "--train-crop-size", "32", "--val-resize-size", "36",

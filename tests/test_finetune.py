@@ -21,7 +21,6 @@ from helpers import TINY, child_env, load_checkpoint, main_cmd, run_parallel, wr
 from torch import nn
 
 from imagenet import reports
-from imagenet.config import parse_config
 from imagenet.errors import CheckpointError
 from imagenet.finetune import (
     BackboneInEval,
@@ -33,6 +32,7 @@ from imagenet.finetune import (
 )
 from imagenet.optim import build_optimizer, class_weights
 from imagenet.position import rebuild_schedule
+from imagenet.settings.flags import parse_config
 
 SPAWN2 = ["--multiprocessing-distributed", "--nproc-per-node", "2"]
 ACC1 = re.compile(r" \* Acc@1 (\d+\.\d+) ")

@@ -18,10 +18,10 @@ from helpers import StripedImages, gloo_rank_saving, uint8_batches
 from torch import nn
 from torch.utils.data import DataLoader
 
-from imagenet.config import parse_config
 from imagenet.errors import UsageError
 from imagenet.fsdp import by_index, by_name, repeated_blocks
-from imagenet.launch import free_port
+from imagenet.settings.flags import parse_config
+from imagenet.settings.launch import free_port
 
 # 32 px: at 16 px ResNet's last stage sees 1x1 maps, where torch 2.14's CPU bf16 convolution
 # backward can return garbage weight gradients after another batch size ran (DDP as FSDP).
@@ -71,9 +71,9 @@ def train(info, name: str, mode: str) -> dict:
     from imagenet.data import ShardSampler
     from imagenet.engine import Step, evaluate, train_one_epoch
     from imagenet.fsdp import broadcast_buffers
-    from imagenet.launch import Layout
     from imagenet.models import wrap
     from imagenet.optim import build_ema
+    from imagenet.settings.launch import Layout
 
     arch, flags, fsdp_flags = RUNS[name]
     cfg = parse_config(["data", "--lr", "0.02", "--train-crop-size", str(IMAGE), *flags,

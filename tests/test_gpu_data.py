@@ -12,9 +12,9 @@ from helpers import TINY, load_checkpoint, run_main, write_image_folder
 from PIL import Image
 
 from imagenet import gpu_data
-from imagenet.config import parse_config
 from imagenet.data import SeededDataset, build_datasets
 from imagenet.errors import DataError, UsageError
+from imagenet.settings.flags import parse_config
 
 CPU = torch.device("cpu")
 

@@ -18,9 +18,16 @@ import torch.distributed as dist
 from helpers import ROOT, TINY, child_env, main_cmd
 
 from imagenet import distributed, shm
-from imagenet.config import parse_config
 from imagenet.errors import DistributedError
-from imagenet.launch import Launch, free_port, plan_launch, plan_layout, rendezvous, resolve_ranks
+from imagenet.settings.flags import parse_config
+from imagenet.settings.launch import (
+    Launch,
+    free_port,
+    plan_launch,
+    plan_layout,
+    rendezvous,
+    resolve_ranks,
+)
 
 NODE = 96  # cores of the simulated 8-GPU node
 

@@ -12,10 +12,10 @@ import torch
 from helpers import TINY, child_env, load_checkpoint, main_cmd, run_main, run_parallel
 
 from imagenet.checkpoint.rng import cuda_state_to_restore
-from imagenet.config import parse_config
 from imagenet.cpu_features import cpu_flags, native_bf16, slow_bf16_warning
 from imagenet.errors import UsageError
-from imagenet.launch import free_port, plan_launch, resolve_ranks, unlaunched_slurm_tasks
+from imagenet.settings.flags import parse_config
+from imagenet.settings.launch import free_port, plan_launch, resolve_ranks, unlaunched_slurm_tasks
 
 DUMMY = ["--dummy", "--dummy-size", "16", "--dummy-val-size", "4", "--dummy-classes", "3"]
 
@@ -167,7 +167,7 @@ def test_bf16_run_warns_only_where_the_cpu_lacks_bf16(tmp_path):
 def test_help_and_readme_say_where_b_is_per_node_and_where_per_process():
     from helpers import ROOT
 
-    from imagenet.config import get_args_parser
+    from imagenet.settings.flags import get_args_parser
 
     action = get_args_parser()._option_string_actions["--batch-size"]
     help_text = action.help
@@ -199,7 +199,7 @@ def test_help_and_readme_say_where_b_is_per_node_and_where_per_process():
 
 
 def test_launcher_variables_are_checked_and_its_numbers_win_over_the_flags():
-    from imagenet.launch import overridden_flags
+    from imagenet.settings.launch import overridden_flags
 
     cfg = parse_config(["data"])
     for env, words in (({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 from the environment is "

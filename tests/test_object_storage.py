@@ -22,8 +22,8 @@ from test_shards import prepare_shards
 
 from imagenet import objectstore, storage
 from imagenet.checkpoint import files
-from imagenet.config import parse_config
 from imagenet.errors import RunError, UsageError
+from imagenet.settings.flags import parse_config
 from imagenet.shards.streams import ShardMissing, open_shard
 
 # A small model: every save is uploaded, and a 3 MB checkpoint keeps that quick.

@@ -24,13 +24,13 @@ from torchvision.transforms import v2
 
 from imagenet import transforms as T
 from imagenet.build import Run, build_run
-from imagenet.config import parse_config
 from imagenet.distributed import DistInfo
 from imagenet.engine import Step, evaluate, train_one_epoch
 from imagenet.errors import UsageError
-from imagenet.launch import Layout
 from imagenet.models import unwrap, wrap
 from imagenet.optim import build_criterion, build_optimizer, build_scheduler
+from imagenet.settings.flags import parse_config
+from imagenet.settings.launch import Layout
 
 # torchvision 0.29 deprecates its decoders in favour of TorchCodec (not installed here).
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")

@@ -12,8 +12,8 @@ import pytest
 from helpers import ROOT, TINY, load_checkpoint, write_image_folder
 
 from imagenet.cli import main
-from imagenet.config import parse_config
-from imagenet.configfile import read_toml
+from imagenet.settings.flags import parse_config
+from imagenet.settings.recipe import read_toml
 
 RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
 # Shrunk for a CPU: 32 px, batch 8, one epoch of 16 images = two steps.

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, child_env
 
-from imagenet.config import get_args_parser, parse_config
+from imagenet.settings.flags import get_args_parser, parse_config
 
 SCRIPTS = ["install.sh", "run_single.sh", "run_multinode.sh", ".ci/run"]
 # The README's placeholders, as a user would fill them in.

@@ -14,8 +14,8 @@ import torch
 from helpers import ROOT, TINY, child_env, load_checkpoint, write_image_folder
 
 from imagenet.cli import main
-from imagenet.config import parse_config
 from imagenet.errors import UsageError
+from imagenet.settings.flags import parse_config
 
 ARCH = "timm/test_resnet"  # timm's tiny ResNet (~0.1 M parameters), made for tests
 

@@ -145,7 +145,7 @@ def _wandb_records(path: Path) -> list:
 
 MISSING = """
 import json, sys
-from imagenet.config import parse_config
+from imagenet.settings.flags import parse_config
 import imagenet.trainer  # everything a training run imports
 parse_config([])
 imported = [m for m in ("timm", "mlflow", "wandb") if m in sys.modules]
@@ -203,7 +203,7 @@ def test_a_tracker_that_fails_warns_once_and_training_goes_on(caplog):
 
 
 def test_unknown_tracker_is_a_usage_error(capsys):
-    from imagenet.config import parse_config
+    from imagenet.settings.flags import parse_config
 
     with pytest.raises(SystemExit) as exit_:
         parse_config(["--log-to", "tensorboard,mlfow"])

@@ -17,13 +17,13 @@ from helpers import tiny_engine, tiny_net, uint8_batches, write_image_folder
 
 from imagenet.checkpoint import files, history
 from imagenet.compiling import RECOMPILE_LIMIT, compile_model
-from imagenet.config import parse_config
 from imagenet.data import ResumableDistributedSampler, build_data, shutdown_workers
-from imagenet.duration import parse_duration
 from imagenet.errors import RunError, UsageError
-from imagenet.launch import Layout
 from imagenet.resolution import CropSchedule, crop_sizes
 from imagenet.rundir import move_previous_run
+from imagenet.settings.duration import parse_duration
+from imagenet.settings.flags import parse_config
+from imagenet.settings.launch import Layout
 from imagenet.timelimit import Deadline, end_time, slurm_end_time
 
 # ---------------------------------------------------------------- --ra-reps

@@ -258,9 +258,9 @@ def slow_thread_setting(threads: int) -> None:
 
 
 def test_a_signal_while_loader_workers_start_does_not_kill_them(data, monkeypatch):
-    from imagenet.config import parse_config
     from imagenet.data import build_data
-    from imagenet.launch import Layout
+    from imagenet.settings.flags import parse_config
+    from imagenet.settings.launch import Layout
 
     cfg = parse_config([str(data), *FLAGS])
     loaders = build_data(cfg, data, 0, 1, Layout(1, 4, 1, 1), 0, pin_memory=False)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, child_env
 
-from imagenet.config import get_args_parser, parse_config
+from imagenet.settings.flags import get_args_parser, parse_config
 
 LAUNCH = ROOT / ".vscode" / "launch.json"
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from imagenet.config import Config
 from imagenet.errors import UsageError, on_every_rank
-from imagenet.launch import Layout
+from imagenet.settings.flags import Config
+from imagenet.settings.launch import Layout
 
 log = logging.getLogger(__name__)
 

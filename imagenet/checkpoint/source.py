@@ -22,7 +22,7 @@ import imagenet.errors as errors
 from imagenet.checkpoint import files
 from imagenet.distributed import DistInfo
 from imagenet.errors import TrainerError
-from imagenet.launch import elastic_restart_count
+from imagenet.settings.launch import elastic_restart_count
 
 log = logging.getLogger(__name__)
 

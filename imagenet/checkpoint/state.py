@@ -23,11 +23,9 @@ from imagenet.build import Run
 from imagenet.checkpoint import files, guard, history, rng, sharded
 from imagenet.checkpoint.changes import check_ranks_agree, log_changes
 from imagenet.checkpoint.source import agreed_checkpoint, broadcast_weights
-from imagenet.config import Config
 from imagenet.distributed import barrier
 from imagenet.engine import EpochTotals, Step
 from imagenet.errors import CheckpointError, TrainerError, on_every_rank
-from imagenet.launch import elastic_restart_count
 from imagenet.models import unwrap
 from imagenet.position import (
     EpochStart,
@@ -36,6 +34,8 @@ from imagenet.position import (
     resume_point,
     schedule_steps,
 )
+from imagenet.settings.flags import Config
+from imagenet.settings.launch import elastic_restart_count
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ import logging
 
 import torch
 
-from imagenet.config import Config
 from imagenet.data import Data, StopSafeLoader, build_transforms, loader_options
 from imagenet.errors import DataError, UsageError
-from imagenet.launch import Layout
+from imagenet.settings.flags import Config
+from imagenet.settings.launch import Layout
 from imagenet.shards.plan import STREAMS, train_batches_per_rank
 from imagenet.shards.reader import ShardBatchSampler, ShardSamples, ShardTrain
 from imagenet.shards.sources import data_format, resolve

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from imagenet.config import Config, parse_config
 from imagenet.errors import INTERRUPTED_EXIT_CODE, TrainerError, UsageError, report
-from imagenet.launch import choose_backend
+from imagenet.settings.flags import Config, parse_config
+from imagenet.settings.launch import choose_backend
 from imagenet.tools.envprobe import FB_BATCH, RANDOM_NUMEL, STARTUP_S, Plan, run_probes
 
 CPU_PROCS = 2  # ranks on the CPU without --nproc-per-node: the least that exercises gloo

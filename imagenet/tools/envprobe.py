@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from imagenet.launch import free_port
+from imagenet.settings.launch import free_port
 
 FB_BATCH, FB_PIXELS = 8, 64  # forward/backward probe: small, so the check takes seconds
 FB_SECONDS = 0.5  # measure forward/backward steps for about this long (at least 2)
@@ -94,7 +94,7 @@ def _fsdp_step(device: torch.device, out: dict[str, Any],
     import torchvision
 
     import imagenet.fsdp as fsdp
-    from imagenet.config import parse_config
+    from imagenet.settings.flags import parse_config
 
     enter("FSDP step")
     torch.manual_seed(0)

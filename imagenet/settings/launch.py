@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from imagenet.config import Config
 from imagenet.errors import UsageError
+from imagenet.settings.flags import Config
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from imagenet.duration import parse_time_limit
 from imagenet.errors import UsageError
+from imagenet.settings.duration import parse_time_limit
 from imagenet.timm_models import TIMM_PREFIX, check_timm_arch
 from imagenet.trackers import check_trackers_installed, parse_log_to
 
@@ -455,7 +455,7 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     ns = parser.parse_args(argv)
     from_file = {}
     if ns.config:  # the file's values become defaults: flags on the command line win
-        from imagenet.configfile import file_values
+        from imagenet.settings.recipe import file_values
 
         from_file = file_values(parser, Path(ns.config))
         parser.set_defaults(**from_file)
