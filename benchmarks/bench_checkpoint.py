@@ -21,14 +21,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from imagenet import trainer  # noqa: E402
-from imagenet.build import Run, build_run  # noqa: E402
 from imagenet.checkpoint import files, state  # noqa: E402
-from imagenet.distributed import DistInfo  # noqa: E402
-from imagenet.engine import Hooks, Step, train_one_epoch  # noqa: E402
-from imagenet.preemption import StopFlag  # noqa: E402
+from imagenet.launching.preemption import StopFlag  # noqa: E402
+from imagenet.launching.rendezvous import DistInfo  # noqa: E402
+from imagenet.run import trainer  # noqa: E402
+from imagenet.run.build import Run, build_run  # noqa: E402
 from imagenet.settings.flags import parse_config  # noqa: E402
 from imagenet.settings.launch import Layout  # noqa: E402
+from imagenet.training.engine import Hooks, Step, train_one_epoch  # noqa: E402
 
 
 def build(arch: str, batch: int, size: int, steps: int, output_dir: Path) -> Run:

@@ -6,7 +6,8 @@ training process in each, gloo between them. Run by hand, as root (not a test):
     python benchmarks/bench_comm.py top1 [--rate none] [--hooks none powersgd] [--epochs 6]
 
 steptime: ResNet-18 (1000 classes), the same batch on both hosts, seconds per optimizer step
-through imagenet.models.wrap (the trainer's DDP and hooks) for each hook, after warm-up steps.
+through imagenet.training.models.wrap (the trainer's DDP and hooks) for each hook, after warm-up
+steps.
 PowerSGD runs with --powersgd-start-iter 0 so every step is compressed; ``powersgd:R`` sets
 its rank (default 4); ``fsdp`` and ``fsdp-zero2`` are no hooks but --fsdp (ZeRO-3, ZeRO-2)
 instead of DDP, for comparison. All models are built (DDP broadcasts the weights) before the link is
@@ -145,9 +146,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torchvision
 
-    from imagenet.distributed import DistInfo, set_socket_interface
-    from imagenet.models import wrap
+    from imagenet.launching.rendezvous import DistInfo, set_socket_interface
     from imagenet.settings.flags import parse_config
+    from imagenet.training.models import wrap
 
     logging.basicConfig(level=logging.INFO if args.rank == 0 else logging.WARNING,
                         format="%(message)s", stream=sys.stdout)

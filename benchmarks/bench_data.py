@@ -28,7 +28,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from imagenet import transforms as T  # noqa: E402
+from imagenet.data import transforms as T  # noqa: E402
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg"}
 

@@ -6,10 +6,10 @@ Run by hand (not a test):
     python benchmarks/bench_distributed.py [--arch resnet18] [--image-size 64]
         [--global-batch 32] [--steps 6] [--rounds 2] [--reduce-archs resnet18 resnet50]
 
-Training throughput drives imagenet.engine.train_one_epoch on synthetic uint8 images at one global
-batch: 1 process x 1 thread, 1 process x 2 threads, 2 DDP processes x 1 thread. On a 2-core CPU
-this shows the cost of DDP, not a speed-up; on a shared (busy) box intra-op threads oversubscribe
-the cores, which is why 1 x 2 can be far slower than 1 x 1.
+Training throughput drives imagenet.training.engine.train_one_epoch on synthetic uint8 images at one
+global batch: 1 process x 1 thread, 1 process x 2 threads, 2 DDP processes x 1 thread. On a 2-core
+CPU this shows the cost of DDP, not a speed-up; on a shared (busy) box intra-op threads
+oversubscribe the cores, which is why 1 x 2 can be far slower than 1 x 1.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from imagenet.build import build_engine  # noqa: E402
-from imagenet.data import DummyDataset, ResumableDistributedSampler, SeededDataset  # noqa: E402
-from imagenet.engine import Step, train_one_epoch  # noqa: E402
+from imagenet.data.folder import DummyDataset, ResumableDistributedSampler, SeededDataset  # noqa: E402
+from imagenet.run.build import build_engine  # noqa: E402
 from imagenet.settings.flags import parse_config  # noqa: E402
 from imagenet.settings.launch import Layout, free_port  # noqa: E402
+from imagenet.training.engine import Step, train_one_epoch  # noqa: E402
 
 
 def join(rank: int, world: int, port: int) -> None:

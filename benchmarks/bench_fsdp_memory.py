@@ -1,11 +1,11 @@
 """Per-process memory of DDP and --fsdp training, and a memory cap that only FSDP fits under.
 
-Each configuration starts WORLD real processes (gloo on loopback) that build the model, wrap it
-as main.py does (imagenet.models.wrap) and train a few AdamW steps with our engine on synthetic
-batches. Each reports its local model + gradient + optimizer state (bytes of its shards), its peak
-RSS (CPU) or torch.cuda.max_memory_allocated (GPU). With --cap-gb every process runs under
-RLIMIT_DATA (set before Python starts), so a configuration that needs more fails with torch's
-"can't allocate memory". Run by hand (not a test); ViT-L/16 at 64 px needs ~13 GB for DDP x 2:
+Each configuration starts WORLD real processes (gloo on loopback) that build the model, wrap it as
+main.py does (imagenet.training.models.wrap) and train a few AdamW steps with our engine on
+synthetic batches. Each reports its local model + gradient + optimizer state (bytes of its shards),
+its peak RSS (CPU) or torch.cuda.max_memory_allocated (GPU). With --cap-gb every process runs under
+RLIMIT_DATA (set before Python starts), so a configuration that needs more fails with torch's "can't
+allocate memory". Run by hand (not a test); ViT-L/16 at 64 px needs ~13 GB for DDP x 2:
 
     python benchmarks/bench_fsdp_memory.py [-a vit_l_16] [--image-size 64]
         [--configs ddp:1 ddp:2 fsdp:2 fsdp2:2 fsdp:4]
@@ -45,12 +45,12 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torchvision
 
-    from imagenet.build import build_engine
-    from imagenet.distributed import DistInfo
-    from imagenet.engine import Step, train_one_epoch
-    from imagenet.models import wrap
+    from imagenet.launching.rendezvous import DistInfo
+    from imagenet.run.build import build_engine
     from imagenet.settings.flags import parse_config
     from imagenet.settings.launch import Layout
+    from imagenet.training.engine import Step, train_one_epoch
+    from imagenet.training.models import wrap
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)

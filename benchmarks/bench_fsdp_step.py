@@ -1,10 +1,11 @@
 """Step time of --fsdp against DDP at world size 2 (gloo on loopback), and where FSDP's time goes.
 
-Every variant is our real training step (imagenet.models.wrap + imagenet.engine.train_one_epoch)
-on synthetic batches; all of them live in the same two processes and are timed in interleaved
-rounds, so a busy moment on a shared machine hits them all. Then one profiled step per FSDP
-variant splits rank 0's time into FSDP's all-gathers, reduce-scatters and the rest, and the
-collectives alone are timed on a tensor the size of the model. Run by hand (not a test):
+Every variant is our real training step (imagenet.training.models.wrap +
+imagenet.training.engine.train_one_epoch) on synthetic batches; all of them live in the same two
+processes and are timed in interleaved rounds, so a busy moment on a shared machine hits them all.
+Then one profiled step per FSDP variant splits rank 0's time into FSDP's all-gathers,
+reduce-scatters and the rest, and the collectives alone are timed on a tensor the size of the model.
+Run by hand (not a test):
 
     python benchmarks/bench_fsdp_step.py [-a resnet50] [--image-size 64] [-b 8] [--steps 3]
         [--rounds 4]
@@ -31,13 +32,13 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from imagenet import fsdp  # noqa: E402
-from imagenet.build import build_engine  # noqa: E402
-from imagenet.distributed import DistInfo  # noqa: E402
-from imagenet.engine import Step, train_one_epoch  # noqa: E402
-from imagenet.models import wrap  # noqa: E402
+from imagenet.launching.rendezvous import DistInfo  # noqa: E402
+from imagenet.run.build import build_engine  # noqa: E402
 from imagenet.settings.flags import parse_config  # noqa: E402
 from imagenet.settings.launch import Layout, free_port  # noqa: E402
+from imagenet.training import fsdp  # noqa: E402
+from imagenet.training.engine import Step, train_one_epoch  # noqa: E402
+from imagenet.training.models import wrap  # noqa: E402
 
 
 def async_prefetch(model: torch.nn.Module) -> None:

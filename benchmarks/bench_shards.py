@@ -63,8 +63,8 @@ def loaders(data: str, workers: int, world: int = 1):
     """The trainer's Data for ``data`` (a folder, shard folder or URL), one rank of ``world``."""
     import torch
 
-    from imagenet.build import load_data
-    from imagenet.distributed import DistInfo
+    from imagenet.launching.rendezvous import DistInfo
+    from imagenet.run.build import load_data
     from imagenet.settings.flags import parse_config
     from imagenet.settings.launch import Layout
 
@@ -98,8 +98,8 @@ def drop_cached(root: Path) -> None:
 
 def read_only(folder: Path, shards: Path) -> dict[str, float]:
     """Images/s of reading the bytes alone: one file each vs the shards' samples."""
-    from imagenet.shards.streams import open_shard
-    from imagenet.shards.tarreader import SampleReader
+    from imagenet.data.shards.streams import open_shard
+    from imagenet.data.shards.tarreader import SampleReader
 
     files = sorted((folder / "train").rglob("*.jpg"))
     start = time.process_time()
@@ -305,7 +305,7 @@ class HttpFolder:
     def __getitem__(self, i: int):
         import urllib.request
 
-        from imagenet import transforms as T
+        from imagenet.data import transforms as T
 
         url, label = self.samples[i]
         with urllib.request.urlopen(url, timeout=60) as response:
@@ -318,8 +318,8 @@ def client(mode: str, folder: Path, shards: str) -> None:
     import torch
     from torch.utils.data import DataLoader
 
-    from imagenet import transforms as T
-    from imagenet.data import SeededDataset
+    from imagenet.data import transforms as T
+    from imagenet.data.folder import SeededDataset
 
     torch.set_num_threads(1)
     start = time.perf_counter()

@@ -1,9 +1,9 @@
 """Train-step throughput: fp32 vs channels_last vs bf16 vs bf16+channels_last, side by side.
 
-Runs our real training step (imagenet.engine.train_one_epoch) on synthetic uint8 batches, so it
-measures what main.py does per step, next to the textbook torch loop on the same model and variant
-(the reference it must keep up with), and reports the machine's fp32/bf16 matmul peak and the
-share of it the step reaches. Run by hand (not a test):
+Runs our real training step (imagenet.training.engine.train_one_epoch) on synthetic uint8 batches,
+so it measures what main.py does per step, next to the textbook torch loop on the same model and
+variant (the reference it must keep up with), and reports the machine's fp32/bf16 matmul peak and
+the share of it the step reaches. Run by hand (not a test):
 
     python benchmarks/bench_train_step.py -a resnet18 -b 32 --size 224 --threads 2 --steps 6
 """
@@ -20,10 +20,10 @@ import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from imagenet.build import build_engine  # noqa: E402
-from imagenet.engine import Step, train_one_epoch  # noqa: E402
+from imagenet.run.build import build_engine  # noqa: E402
 from imagenet.settings.flags import parse_config  # noqa: E402
 from imagenet.settings.launch import Layout  # noqa: E402
+from imagenet.training.engine import Step, train_one_epoch  # noqa: E402
 
 VARIANTS = {"fp32": ([], None), "channels_last": (["--channels-last"], None),
             "bf16": (["--amp", "bf16"], torch.bfloat16),
@@ -125,8 +125,8 @@ def measure(arch: str, batch: int, size: int, steps: int,
     if peak["bf16"] < peak["fp32"]:
         print("  (bf16 matmul is slower than fp32 here: no native bf16 instructions. Autocast's "
               "bf16 convolutions go through oneDNN and can beat that rate, so see both columns)")
-    print("ours = imagenet.engine's step from a uint8 batch; plain = the textbook torch loop on a "
-          "ready float batch, same variant")
+    print("ours = imagenet.training.engine's step from a uint8 batch; plain = the textbook torch "
+          "loop on a ready float batch, same variant")
     print(f"{'variant':<20}{'img/s':>8}{'plain':>8}{'vs plain':>9}{'vs fp32':>9}{'GFLOP/s':>9}"
           f"{'of fp32 pk':>11}{'of own pk':>10}", flush=True)
     rates, plain, of_peak, of_fp32 = {}, {}, {}, {}

@@ -28,7 +28,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from imagenet.transforms import check_image_file, load_image  # noqa: E402
+from imagenet.data.transforms import check_image_file, load_image  # noqa: E402
 
 IMAGENET_VAL = 50_000
 

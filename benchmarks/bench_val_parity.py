@@ -41,11 +41,11 @@ from torch.utils.data import DataLoader, Subset
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from imagenet import transforms as T  # noqa: E402
 from imagenet.checkpoint.files import load_checkpoint, load_model_state  # noqa: E402
-from imagenet.data import image_folder  # noqa: E402
-from imagenet.metrics import topk_correct  # noqa: E402
-from imagenet.models import build_model, resolve_weights  # noqa: E402
+from imagenet.data import transforms as T  # noqa: E402
+from imagenet.data.folder import image_folder  # noqa: E402
+from imagenet.training.metrics import topk_correct  # noqa: E402
+from imagenet.training.models import build_model, resolve_weights  # noqa: E402
 
 
 @dataclass(frozen=True)

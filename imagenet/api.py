@@ -12,7 +12,7 @@ then calls a function in every worker (in a thread of the worker process): that 
 - returns the final metrics (main.py prints them) and raises ``TrainerError`` subclasses
   (``imagenet.errors``) where main.py prints one line and exits;
 - tells ``on_checkpoint`` of every checkpoint, on every rank, the same number of times
-  (``imagenet.outputs.Saved``); ``resume_from`` is a checkpoint of this run to continue (Ray's
+  (``imagenet.run.outputs.Saved``); ``resume_from`` is a checkpoint of this run to continue (Ray's
   ``get_checkpoint()`` after a restart).
 
 Stopping on SIGTERM is main.py's: signal handlers belong to the main thread, and a caller that
@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from imagenet.distributed import cleanup, init_distributed, owns_group
 from imagenet.errors import UsageError
-from imagenet.failures import stop_together
-from imagenet.outputs import Outputs, Saved
+from imagenet.launching.failures import stop_together
+from imagenet.launching.rendezvous import cleanup, init_distributed, owns_group
+from imagenet.run.outputs import Outputs, Saved
 from imagenet.settings.flags import Config, parse_config
 from imagenet.settings.launch import (
     Launch,
@@ -68,7 +68,7 @@ def train(argv: Sequence[str], *, on_checkpoint: Callable[[Saved], None] | None 
     launch = plan_in_process(cfg, cuda_count)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else \
         resolve_ranks(launch, 0, cfg, os.environ)[0]
-    from imagenet.trainer import run_training  # heavy imports only where training happens
+    from imagenet.run.trainer import run_training  # heavy imports only where training happens
 
     with console_logging(rank, cfg.debug):
         info = init_distributed(cfg, launch, 0)

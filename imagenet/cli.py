@@ -12,17 +12,17 @@ from multiprocessing import resource_tracker
 import torch
 import torch.multiprocessing as mp
 
-from imagenet.console import startup_notes
-from imagenet.distributed import cleanup, init_distributed
 from imagenet.errors import INTERRUPTED_EXIT_CODE, TrainerError, report
-from imagenet.failures import stop_together
-from imagenet.inputsize import check_crop_sizes
-from imagenet.logger import preload_writers, setup_logging
-from imagenet.preemption import (
+from imagenet.launching.failures import stop_together
+from imagenet.launching.preemption import (
     PREEMPT_EXIT_CODE,
     ignore_interrupts_after_training,
     stop_when_orphaned,
 )
+from imagenet.launching.rendezvous import cleanup, init_distributed
+from imagenet.launching.timelimit import STARTED_ENV, process_start
+from imagenet.reporting.console import startup_notes
+from imagenet.reporting.logger import preload_writers, setup_logging
 from imagenet.settings.flags import Config, parse_config
 from imagenet.settings.launch import (
     Launch,
@@ -37,7 +37,7 @@ from imagenet.settings.launch import (
     resolve_ranks,
     unlaunched_slurm_tasks,
 )
-from imagenet.timelimit import STARTED_ENV, process_start
+from imagenet.training.inputsize import check_crop_sizes
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PREEMPTED_BY = {sig.name for sig in FORWARDED_SIGNALS}  # a child dead of these: preempted
@@ -119,7 +119,7 @@ def _train_here(local_index: int, cfg: Config, launch: Launch, master: dict[str,
         stop_when_orphaned(launcher)
     ignore_interrupts_after_training()
     hold_interrupts()  # heavy imports only where training happens
-    from imagenet.trainer import run_training
+    from imagenet.run.trainer import run_training
 
     preload_writers(cfg.log_to, rank == 0)
     if start is not None:

@@ -158,10 +158,10 @@ def uint8_batches(n: int, batch: int, size: int = 16, seed: int = 0
 def tiny_engine(model: nn.Module, *flags: str, steps: int, world: int = 1, batch: int = 8,
                 classes: int = 3, device: str = "cpu"):
     """The trainer's own engine (build.build_engine) for ``model`` from main.py ``flags``."""
-    from imagenet.build import build_engine
-    from imagenet.models import unwrap
+    from imagenet.run.build import build_engine
     from imagenet.settings.flags import parse_config
     from imagenet.settings.launch import Layout
+    from imagenet.training.models import unwrap
 
     cfg = parse_config(["data", *flags])
     layout = Layout(world, batch, cfg.grad_accum_steps, 0)
@@ -172,11 +172,11 @@ def tiny_engine(model: nn.Module, *flags: str, steps: int, world: int = 1, batch
 
 
 def join_gloo(rank: int, world: int, port: int):
-    """Join a real gloo process group on loopback through imagenet.distributed (as main.py
+    """Join a real gloo process group on loopback through imagenet.launching.rendezvous (as main.py
     does); returns its DistInfo. For the body of mp.spawn'ed test processes."""
     import torch
 
-    from imagenet.distributed import init_distributed
+    from imagenet.launching.rendezvous import init_distributed
     from imagenet.settings.flags import parse_config
     from imagenet.settings.launch import plan_launch
 
@@ -198,7 +198,7 @@ def gloo_rank_saving(rank: int, world: int, port: int, out: Path, compute) -> No
     import torch
     import torch.distributed as dist
 
-    from imagenet.distributed import cleanup
+    from imagenet.launching.rendezvous import cleanup
 
     info = join_gloo(rank, world, port)
     try:

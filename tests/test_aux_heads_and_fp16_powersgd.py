@@ -17,8 +17,8 @@ from helpers import (
     uint8_batches,
 )
 
-from imagenet.models import build_model, drop_aux_heads
 from imagenet.settings.launch import free_port
+from imagenet.training.models import build_model, drop_aux_heads
 
 # ---------------------------------------------------------------- 5: aux classifiers
 
@@ -58,9 +58,9 @@ STEPS = 12
 
 def fp16_powersgd(info) -> dict:
     """Steps of fp16 + PowerSGD from a loss scale so high that the first steps overflow."""
-    from imagenet.engine import Hooks, Step, train_one_epoch
-    from imagenet.models import wrap
     from imagenet.settings.flags import parse_config
+    from imagenet.training.engine import Hooks, Step, train_one_epoch
+    from imagenet.training.models import wrap
 
     flags = ["--amp", "fp16", "--ddp-comm-hook", "powersgd", "--powersgd-rank", "1",
              "--powersgd-start-iter", "0", "--lr", "0.05", "-p", "1000"]

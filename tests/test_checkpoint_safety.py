@@ -199,7 +199,7 @@ def test_the_malicious_file_would_run_code_if_loaded_unsafely(tmp_path):
 
 
 def test_a_best_file_is_written_for_the_first_epoch_even_at_zero_accuracy(tmp_path):
-    from imagenet.build import Best
+    from imagenet.run.build import Best
 
     best = Best(tmp_path / files.BEST)
     assert best.update(0.0)  # nothing scored yet, no file: write one

@@ -3,7 +3,7 @@ PowerSGD composes with --grad-accum-steps and approaches plain DDP at a high ran
 survives a checkpoint/resume through main.py.
 
 The several-bucket runs are the regression test for the gloo abort of torch's PowerSGD hook
-("Received data size doesn't match expected size"; see imagenet.comm_hooks.PowerSGDHook).
+("Received data size doesn't match expected size"; see imagenet.training.comm_hooks.PowerSGDHook).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from helpers import (
 from torch import nn
 from torch.utils.data import DataLoader
 
-from imagenet import comm_hooks
-from imagenet.models import wrap
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import free_port
+from imagenet.training import comm_hooks
+from imagenet.training.models import wrap
 
 IMAGE, CLASSES, IMAGES, EPOCHS = 32, 3, 64, 6
 BUCKET_MB = "0.01"  # 10 KiB: the tiny net below then has 3 DDP buckets
@@ -54,8 +54,8 @@ def tiny_net_3_buckets() -> nn.Module:
 
 def train(info, flags: list[str], batch: int, accum: int) -> dict:
     """EPOCHS epochs of engine.train_one_epoch on the DDP model that models.wrap builds."""
-    from imagenet.data import ResumableDistributedSampler, SeededDataset
-    from imagenet.engine import Step, train_one_epoch
+    from imagenet.data.folder import ResumableDistributedSampler, SeededDataset
+    from imagenet.training.engine import Step, train_one_epoch
 
     flags = ["--bucket-cap-mb", BUCKET_MB, "--lr", "0.05", "--wd", "0", *flags]
     raw = tiny_net_3_buckets()

@@ -16,11 +16,11 @@ import torch.multiprocessing as mp
 from helpers import gloo_rank_saving, tiny_engine, uint8_batches
 from torch import nn
 
-from imagenet.distributed import DistInfo
-from imagenet.engine import Step, evaluate, train_one_epoch
-from imagenet.models import for_evaluation, unwrap, wrap
+from imagenet.launching.rendezvous import DistInfo
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import free_port
+from imagenet.training.engine import Step, evaluate, train_one_epoch
+from imagenet.training.models import for_evaluation, unwrap, wrap
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 from helpers import ROOT, tiny_engine, tiny_net, write_image_folder
 
-from imagenet import gpu_data
-from imagenet.data import SeededDataset, build_datasets
-from imagenet.engine import Step, train_one_epoch
+from imagenet.data import device as gpu_data
+from imagenet.data.folder import SeededDataset, build_datasets
 from imagenet.settings.flags import parse_config
+from imagenet.training.engine import Step, train_one_epoch
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_smoke  # noqa: E402

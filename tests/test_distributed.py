@@ -1,8 +1,8 @@
 """Distributed building blocks: launch planning (pure functions) and DDP maths with real processes.
 
 The maths tests start two real processes on gloo (torch.multiprocessing.spawn) that drive
-imagenet.engine.train_one_epoch / evaluate with imagenet.data's samplers, and compare them with one
-process doing the same work on the same data order in this process.
+imagenet.training.engine.train_one_epoch / evaluate with imagenet.data.folder's samplers, and
+compare them with one process doing the same work on the same data order in this process.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from helpers import StripedImages, gloo_rank_saving, tiny_engine, tiny_net
 from torch import nn
 from torch.utils.data import DataLoader
 
-from imagenet.distributed import interface_to, set_socket_interface
 from imagenet.errors import UsageError
+from imagenet.launching.rendezvous import interface_to, set_socket_interface
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import (
     Launch,
@@ -243,8 +243,8 @@ def train_weights(rank: int, world: int, batch: int, accum: int, size: int = 48
     """One epoch of engine.train_one_epoch on this rank's ResumableDistributedSampler shard."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from imagenet.data import ResumableDistributedSampler, SeededDataset
-    from imagenet.engine import Step, train_one_epoch
+    from imagenet.data.folder import ResumableDistributedSampler, SeededDataset
+    from imagenet.training.engine import Step, train_one_epoch
 
     sampler = ResumableDistributedSampler(size, rank, world, seed=7)
     sampler.set_epoch(3)
@@ -263,8 +263,8 @@ def evaluate_counts(rank: int, world: int, size: int, batch: int) -> dict[str, f
     """engine.evaluate of a BatchNorm model over a ShardSampler shard (uneven batch counts)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from imagenet.data import ShardSampler
-    from imagenet.engine import evaluate
+    from imagenet.data.folder import ShardSampler
+    from imagenet.training.engine import evaluate
 
     raw = tiny_model(bn=True)
     raw.train()
@@ -322,7 +322,7 @@ def test_sharded_validation_counts_every_image_once(ddp_results):
 
 
 def test_training_sampler_shards_partition_each_epoch():
-    from imagenet.data import ResumableDistributedSampler, ShardSampler
+    from imagenet.data.folder import ResumableDistributedSampler, ShardSampler
 
     for world in (2, 3):
         samplers = [ResumableDistributedSampler(31, r, world, seed=1) for r in range(world)]

@@ -1,5 +1,6 @@
-"""The per-image and per-class results (imagenet.reports, imagenet.evaluation) in one process, and
-the bad input of --finetune, --predictions and -e --val-data: one line naming the flag or file.
+"""The per-image and per-class results (imagenet.reporting.results, imagenet.evaluation.report) in
+one process, and the bad input of --finetune, --predictions and -e --val-data: one line naming the
+flag or file.
 
 The multi-process runs that produce these files are in test_finetune.py.
 """
@@ -16,10 +17,10 @@ import torchvision
 from helpers import TINY, write_image_folder
 from torch import nn
 
-from imagenet import reports
 from imagenet.cli import main
 from imagenet.errors import RunError
-from imagenet.evaluation import FlipTTA, merge
+from imagenet.evaluation.report import FlipTTA, merge
+from imagenet.reporting import results as reports
 
 
 def test_confusion_matrix_and_per_class_rows():
@@ -155,9 +156,9 @@ def test_shard_predictions_know_which_sample_each_row_is(tmp_path):
     batches hold, in order, every sample once over the ranks; names are SHARD#N."""
     from torch.utils.data import DataLoader
 
-    from imagenet.evaluation import sample_ids, sample_names
-    from imagenet.shards import resolve
-    from imagenet.shards.reader import ShardBatchSampler, ShardSamples
+    from imagenet.data.shards import resolve
+    from imagenet.data.shards.reader import ShardBatchSampler, ShardSamples
+    from imagenet.evaluation.report import sample_ids, sample_names
     from imagenet.tools import prepare
 
     write_image_folder(tmp_path / "folder", classes=3, train_per_class=2, val_per_class=3)

@@ -170,8 +170,8 @@ def test_a_rank_that_fails_stops_the_others_within_seconds_with_its_message(tmp_
 def nan_on_rank_1(info) -> dict:
     """Two DDP ranks; rank 1's images drive a huge conv weight to inf (a NaN loss), rank 0's
     stay finite. Each rank returns the error it stopped with."""
-    from imagenet.engine import Step, train_one_epoch
     from imagenet.errors import NonFiniteLossError
+    from imagenet.training.engine import Step, train_one_epoch
 
     raw = tiny_net((4,))
     with torch.no_grad():
@@ -202,12 +202,12 @@ def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
 
 def ema_after_an_epoch(info, data: Path, out: Path) -> dict:
     """One epoch through the trainer with an EMA that follows the model closely."""
-    from imagenet.build import build_run
     from imagenet.checkpoint.state import resume
-    from imagenet.logger import RunLogger
+    from imagenet.reporting.logger import RunLogger
+    from imagenet.run.build import build_run
+    from imagenet.run.trainer import train
     from imagenet.settings.flags import parse_config
     from imagenet.settings.launch import Layout
-    from imagenet.trainer import train
 
     cfg = parse_config([str(data), *TINY, "-b", "4", "--epochs", "1", "--seed", "0",
                         "--model-ema", "--model-ema-steps", "1", "--model-ema-decay", "0.5",

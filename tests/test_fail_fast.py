@@ -275,8 +275,8 @@ def test_a_bad_validation_image_is_found_before_training_on_every_rank(data, tmp
 def test_the_image_check_reads_ends_and_leaves_the_rest_to_the_decoder(tmp_path):
     from PIL import Image
 
+    from imagenet.data.transforms import check_image_file
     from imagenet.errors import DataError
-    from imagenet.transforms import check_image_file
 
     good = tmp_path / "good.jpg"
     Image.new("RGB", (40, 30), (200, 10, 10)).save(good, quality=90)
@@ -396,7 +396,7 @@ def test_a_second_signal_once_the_stop_is_over_exits_143(tmp_path):
     # a second Ctrl-C before the process has exited.
     script = """
 import os, signal, time
-from imagenet.preemption import StopFlag
+from imagenet.launching.preemption import StopFlag
 flag = StopFlag()
 flag.install()
 os.kill(os.getpid(), signal.SIGINT)

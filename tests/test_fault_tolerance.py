@@ -25,7 +25,7 @@ import torch
 from helpers import MAIN, child_env, load_checkpoint, main_cmd, write_image_folder
 
 from imagenet.cli import child_exit
-from imagenet.preemption import PREEMPT_EXIT_CODE
+from imagenet.launching.preemption import PREEMPT_EXIT_CODE
 from imagenet.settings.launch import free_port
 
 STEPS = 6  # optimizer steps per epoch in every layout below (48 images)
@@ -380,7 +380,7 @@ def test_torchrun_restart_after_a_killed_worker_loses_at_most_save_every_steps(
 def test_a_second_signal_exits_at_once_but_a_duplicate_delivery_does_not(tmp_path):
     script = """
 import os, signal, time
-from imagenet.preemption import PREEMPT_EXIT_CODE, StopFlag
+from imagenet.launching.preemption import PREEMPT_EXIT_CODE, StopFlag
 from imagenet.errors import Preempted
 assert PREEMPT_EXIT_CODE == Preempted.exit_code == 143
 flag = StopFlag()
@@ -462,7 +462,7 @@ def test_ctrl_c_while_python_imports_waits_for_the_import(tmp_path, where):
     # A KeyboardInterrupt inside an import can land in a class definition (a RuntimeError from
     # __set_name__: a traceback and exit 1; seen at 2.2 s into a one-process job) or in code
     # that swallows it. Python reports every finished import (-X importtime); the signal is
-    # sent once torchvision has begun importing, on the way to imagenet.trainer (a spawned
+    # sent once torchvision has begun importing, on the way to imagenet.run.trainer (a spawned
     # child held it back already; a rank of its own did not).
     live = Live(waiting_for_a_missing_node(tmp_path / "out", where != "one process"),
                 timeout=200, PYTHONPROFILEIMPORTTIME="1")

@@ -20,9 +20,10 @@ import torchvision
 from helpers import TINY, child_env, load_checkpoint, main_cmd, run_parallel, write_image_folder
 from torch import nn
 
-from imagenet import reports
 from imagenet.errors import CheckpointError
-from imagenet.finetune import (
+from imagenet.reporting import results as reports
+from imagenet.settings.flags import parse_config
+from imagenet.training.finetune import (
     BackboneInEval,
     classifier_names,
     fit_state,
@@ -30,9 +31,8 @@ from imagenet.finetune import (
     head_rows,
     read_weights,
 )
-from imagenet.optim import build_optimizer, class_weights
-from imagenet.position import rebuild_schedule
-from imagenet.settings.flags import parse_config
+from imagenet.training.optim import build_optimizer, class_weights
+from imagenet.training.position import rebuild_schedule
 
 SPAWN2 = ["--multiprocessing-distributed", "--nproc-per-node", "2"]
 ACC1 = re.compile(r" \* Acc@1 (\d+\.\d+) ")
@@ -184,7 +184,7 @@ def test_backbone_lr_scale_survives_the_schedule_and_its_rebuild():
     cfg = parse_config(["d", "--lr", "0.4", "--backbone-lr-scale", "0.1", "--lr-scheduler",
                         "cosine", "--lr-warmup-epochs", "1", "--epochs", "4", "--wd", "0.01",
                         "--norm-weight-decay", "0"])
-    from imagenet.optim import build_scheduler
+    from imagenet.training.optim import build_scheduler
 
     def lrs(optimizer):
         return [g["lr"] for g in optimizer.param_groups]
@@ -358,7 +358,7 @@ def test_eval_on_another_folder_at_world_size_2(runs):
 
 @pytest.mark.slow
 def test_tta_flip_averages_the_softmax_of_each_image_and_its_mirror(runs):
-    from imagenet import transforms as T
+    from imagenet.data import transforms as T
 
     model = torchvision.models.resnet18(num_classes=3).eval()
     model.load_state_dict(load_checkpoint(runs["base"] / "full" / "checkpoint.pth.tar")

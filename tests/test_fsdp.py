@@ -19,9 +19,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from imagenet.errors import UsageError
-from imagenet.fsdp import by_index, by_name, repeated_blocks
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import free_port
+from imagenet.training.fsdp import by_index, by_name, repeated_blocks
 
 # 32 px: at 16 px ResNet's last stage sees 1x1 maps, where torch 2.14's CPU bf16 convolution
 # backward can return garbage weight gradients after another batch size ran (DDP as FSDP).
@@ -66,14 +66,14 @@ RUNS = {
 
 def train(info, name: str, mode: str) -> dict:
     """``STEPS`` optimizer steps of run ``name`` under DDP or FSDP; the gathered states."""
-    from imagenet.build import build_engine
     from imagenet.checkpoint.state import ema_state, model_state, optimizer_state
-    from imagenet.data import ShardSampler
-    from imagenet.engine import Step, evaluate, train_one_epoch
-    from imagenet.fsdp import broadcast_buffers
-    from imagenet.models import wrap
-    from imagenet.optim import build_ema
+    from imagenet.data.folder import ShardSampler
+    from imagenet.run.build import build_engine
     from imagenet.settings.launch import Layout
+    from imagenet.training.engine import Step, evaluate, train_one_epoch
+    from imagenet.training.fsdp import broadcast_buffers
+    from imagenet.training.models import wrap
+    from imagenet.training.optim import build_ema
 
     arch, flags, fsdp_flags = RUNS[name]
     cfg = parse_config(["data", "--lr", "0.02", "--train-crop-size", str(IMAGE), *flags,

@@ -1,4 +1,4 @@
-"""--decode-on-device (imagenet.gpu_data) on the CPU: the same crop boxes, flips and pixels as
+"""--decode-on-device (imagenet.data.device) on the CPU: the same crop boxes, flips and pixels as
 the CPU path, image for image, from the same per-sample seeds; the files nvJPEG cannot take
 (PNG, CMYK, truncated) handled by the workers; main.py trains the same weights either way."""
 
@@ -11,8 +11,8 @@ import torch
 from helpers import TINY, load_checkpoint, run_main, write_image_folder
 from PIL import Image
 
-from imagenet import gpu_data
-from imagenet.data import SeededDataset, build_datasets
+from imagenet.data import device as gpu_data
+from imagenet.data.folder import SeededDataset, build_datasets
 from imagenet.errors import DataError, UsageError
 from imagenet.settings.flags import parse_config
 

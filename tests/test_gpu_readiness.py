@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 from helpers import ROOT, TINY, child_env, main_cmd
 
-from imagenet import distributed, shm
+from imagenet.data import shm
 from imagenet.errors import DistributedError
+from imagenet.launching import rendezvous as distributed
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import (
     Launch,

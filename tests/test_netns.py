@@ -2,8 +2,8 @@
 by run_multinode.sh in both of its styles (torchrun, and the classic shared --dist-url).
 
 Neither process gets GLOO_SOCKET_IFNAME: gloo would advertise this machine's hostname address,
-which does not exist inside the namespaces, so the run only works because imagenet.distributed
-picks the interface that routes to the master (10.200.0.1) by itself.
+which does not exist inside the namespaces, so the run only works because
+imagenet.launching.rendezvous picks the interface that routes to the master (10.200.0.1) by itself.
 """
 
 from __future__ import annotations

@@ -20,11 +20,11 @@ from moto.server import ThreadedMotoServer
 from test_fault_tolerance import Live
 from test_shards import prepare_shards
 
-from imagenet import objectstore, storage
-from imagenet.checkpoint import files
+from imagenet.checkpoint import files, storage
+from imagenet.data import objectstore
+from imagenet.data.shards.streams import ShardMissing, open_shard
 from imagenet.errors import RunError, UsageError
 from imagenet.settings.flags import parse_config
-from imagenet.shards.streams import ShardMissing, open_shard
 
 # A small model: every save is uploaded, and a 3 MB checkpoint keeps that quick.
 FLAGS = ["-a", "shufflenet_v2_x0_5", "--train-crop-size", "32", "--val-resize-size", "36",
@@ -198,7 +198,7 @@ def test_transfer_failures_name_the_file(s3, tmp_path):
 UPLOADER = """
 import sys, fsspec
 from pathlib import Path
-from imagenet import objectstore
+from imagenet.data import objectstore
 print("uploading", flush=True)
 objectstore.upload(fsspec.filesystem("s3"), Path(sys.argv[1]), "runs/big/checkpoint.pth.tar")
 print("uploaded", flush=True)

@@ -22,15 +22,15 @@ from helpers import (
 from torch import nn
 from torchvision.transforms import v2
 
-from imagenet import transforms as T
-from imagenet.build import Run, build_run
-from imagenet.distributed import DistInfo
-from imagenet.engine import Step, evaluate, train_one_epoch
+from imagenet.data import transforms as T
 from imagenet.errors import UsageError
-from imagenet.models import unwrap, wrap
-from imagenet.optim import build_criterion, build_optimizer, build_scheduler
+from imagenet.launching.rendezvous import DistInfo
+from imagenet.run.build import Run, build_run
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import Layout
+from imagenet.training.engine import Step, evaluate, train_one_epoch
+from imagenet.training.models import unwrap, wrap
+from imagenet.training.optim import build_criterion, build_optimizer, build_scheduler
 
 # torchvision 0.29 deprecates its decoders in favour of TorchCodec (not installed here).
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")

@@ -253,8 +253,8 @@ def test_shards_start_an_epoch_over_when_another_layout_resumes_it(tmp_path):
     from helpers import write_image_folder
     from test_shards import prepare_shards
 
-    from imagenet.optim import build_optimizer, build_scheduler
     from imagenet.settings.flags import parse_config
+    from imagenet.training.optim import build_optimizer, build_scheduler
 
     folder = write_image_folder(tmp_path / "folder", classes=3, train_per_class=16)
     assert prepare_shards(folder, tmp_path / "shards", "--shard-max-images", "20").returncode == 0

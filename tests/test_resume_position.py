@@ -13,11 +13,11 @@ import torch
 from helpers import tiny_net
 
 from imagenet.checkpoint.state import restore_optimizer
-from imagenet.data import NoSingleImageBatches, ResumableDistributedSampler, train_batches
-from imagenet.optim import build_optimizer, build_scheduler
-from imagenet.position import rebuild_schedule, resume_point
+from imagenet.data.folder import NoSingleImageBatches, ResumableDistributedSampler, train_batches
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import Layout
+from imagenet.training.optim import build_optimizer, build_scheduler
+from imagenet.training.position import rebuild_schedule, resume_point
 
 
 def remaining(size: int, world: int, images: int, epoch: int = 3) -> list[list[int]]:

@@ -136,13 +136,13 @@ def pause_during_a_save(proc: subprocess.Popen, out: Path) -> Path:
 
 
 def test_a_killed_run_leaves_no_stale_lock(tmp_path):
-    from imagenet.rundir import lock_folder
+    from imagenet.checkpoint.rundir import lock_folder
 
     out = tmp_path / "out"
     out.mkdir()
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from pathlib import Path; "
-         "from imagenet.rundir import lock_folder; lock_folder(Path(sys.argv[1])); "
+         "from imagenet.checkpoint.rundir import lock_folder; lock_folder(Path(sys.argv[1])); "
          "print('locked', flush=True); time.sleep(600)", str(out)],
         stdout=subprocess.PIPE, text=True, env=child_env())
     try:
@@ -156,7 +156,7 @@ def test_a_killed_run_leaves_no_stale_lock(tmp_path):
 
 
 def test_lock_files_on_filesystems_that_keep_locks_local_are_reported(tmp_path):
-    from imagenet.rundir import host_local_locks
+    from imagenet.checkpoint.rundir import host_local_locks
 
     info = ("36 25 0:45 / {mnt} rw,relatime shared:1 - {fs} server:/export {opts}\n"
             "22 1 253:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n")

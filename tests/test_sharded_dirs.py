@@ -13,8 +13,7 @@ import pytest
 import torch
 from helpers import TINY, child_env, main_cmd, run_parallel, write_image_folder
 
-from imagenet import rundir
-from imagenet.checkpoint import files, sharded
+from imagenet.checkpoint import files, rundir, sharded
 from imagenet.errors import CheckpointError
 from imagenet.tools import unshard
 

@@ -1,4 +1,4 @@
-"""Tar shards (WebDataset format) read by ``imagenet.shards``: real JPEG shards written by
+"""Tar shards (WebDataset format) read by ``imagenet.data.shards``: real JPEG shards written by
 ``python -m imagenet.tools.prepare``, real DataLoader workers, a real ``python -m http.server``
 and real ``pipe:`` commands. The end-to-end runs of main.py are in test_shards_train.py."""
 
@@ -20,18 +20,18 @@ import pytest
 from helpers import ROOT, TINY, child_env, main_cmd, run_main, run_parallel, write_image_folder
 from torch.utils.data import DataLoader
 
-from imagenet import transforms as T
-from imagenet.errors import UsageError
-from imagenet.shards import plan, streams
-from imagenet.shards.reader import ShardBatchSampler, ShardSamples
-from imagenet.shards.sources import (
+from imagenet.data import transforms as T
+from imagenet.data.shards import plan, streams
+from imagenet.data.shards.reader import ShardBatchSampler, ShardSamples
+from imagenet.data.shards.sources import (
     ShardList,
     beside,
     data_format,
     expand_braces,
     resolve,
 )
-from imagenet.shards.tarreader import SampleReader, ShardError
+from imagenet.data.shards.tarreader import SampleReader, ShardError
+from imagenet.errors import UsageError
 
 TRAIN_COUNTS = [10, 10, 10, 10, 10, 7]  # 57 images: 3 classes x 19, 10 per shard
 VAL_COUNTS = [10, 5]
@@ -379,7 +379,7 @@ def test_a_download_that_drops_continues_where_it_stopped(shard_dir, tmp_path, m
 
 
 def test_each_rank_checks_its_share_of_the_validation_shards(shard_dir, tmp_path, monkeypatch):
-    from imagenet.shards.check import first_bad_shard
+    from imagenet.data.shards.check import first_bad_shard
 
     monkeypatch.setattr(streams, "BACKOFF", 0.05)
     names = ["train-000000.tar", "train-000001.tar", "val-000000.tar", "val-000001.tar"]

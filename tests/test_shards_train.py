@@ -16,10 +16,10 @@ from helpers import write_image_folder as write_folder
 from test_fault_tolerance import assert_same_run, kill_at, run_to_end
 from test_shards import batches, free_port, prepare_shards, start_server, write_published_layout
 
-from imagenet.data import build_data
+from imagenet.data.folder import build_data
+from imagenet.data.shards.sources import resolve
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import Layout
-from imagenet.shards.sources import resolve
 
 pytestmark = pytest.mark.slow
 

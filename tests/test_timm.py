@@ -60,7 +60,7 @@ def test_evaluate_resumes_the_timm_checkpoint(timm_run, capsys):
 
 def test_torch_export_of_the_trained_timm_model(timm_run):
     """Nothing in the model path (build, checkpoint) keeps a timm model from torch.export."""
-    from imagenet.models import build_model
+    from imagenet.training.models import build_model
 
     _, out = timm_run
     model = build_model(ARCH, 3)
@@ -76,7 +76,7 @@ def test_torch_export_of_the_trained_timm_model(timm_run):
                                           ("test_vit", {"Block"}),
                                           ("test_convnext", {"ConvNeXtBlock"})])
 def test_fsdp_units_are_timms_repeated_blocks(name, blocks):
-    from imagenet.fsdp import repeated_blocks
+    from imagenet.training.fsdp import repeated_blocks
 
     model = timm.create_model(name, num_classes=3)
     units = repeated_blocks(model)
@@ -114,7 +114,7 @@ from pathlib import Path
 import timm, torch
 from safetensors.torch import save_file
 from imagenet.errors import RunError
-from imagenet.models import build_model
+from imagenet.training.models import build_model
 
 try:
     build_model("timm/test_resnet", 3, pretrained=True)

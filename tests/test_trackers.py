@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, TINY, child_env, run_main, write_image_folder
 
-from imagenet.trackers import RUN_IDS, Trackers
+from imagenet.reporting.trackers import RUN_IDS, Trackers
 
 STEPS_PER_EPOCH = 3  # 24 training images, -b 8
 
@@ -146,7 +146,7 @@ def _wandb_records(path: Path) -> list:
 MISSING = """
 import json, sys
 from imagenet.settings.flags import parse_config
-import imagenet.trainer  # everything a training run imports
+import imagenet.run.trainer  # everything a training run imports
 parse_config([])
 imported = [m for m in ("timm", "mlflow", "wandb") if m in sys.modules]
 for name in ("timm", "mlflow", "wandb"):

@@ -16,15 +16,15 @@ import torch
 from helpers import tiny_engine, tiny_net, uint8_batches, write_image_folder
 
 from imagenet.checkpoint import files, history
-from imagenet.compiling import RECOMPILE_LIMIT, compile_model
-from imagenet.data import ResumableDistributedSampler, build_data, shutdown_workers
+from imagenet.checkpoint.rundir import move_previous_run
+from imagenet.data.folder import ResumableDistributedSampler, build_data, shutdown_workers
+from imagenet.data.resizing import CropSchedule, crop_sizes
 from imagenet.errors import RunError, UsageError
-from imagenet.resolution import CropSchedule, crop_sizes
-from imagenet.rundir import move_previous_run
+from imagenet.launching.timelimit import Deadline, end_time, slurm_end_time
 from imagenet.settings.duration import parse_duration
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import Layout
-from imagenet.timelimit import Deadline, end_time, slurm_end_time
+from imagenet.training.compiling import RECOMPILE_LIMIT, compile_model
 
 # ---------------------------------------------------------------- --ra-reps
 
@@ -87,7 +87,7 @@ def test_the_copies_of_an_image_are_augmented_differently(folder):
 
 
 def test_repeated_augmentation_refuses_tar_shards_in_one_line():
-    from imagenet.shards import build_shard_data
+    from imagenet.data.shards import build_shard_data
 
     cfg = parse_config(["/data/wds", "--ra-reps", "4"])
     with pytest.raises(UsageError, match=r"^--ra-reps 4 needs an ImageFolder: tar shards"):
@@ -140,7 +140,7 @@ def first_batch_sizes(train, epochs=range(3)) -> list[int]:
 
 
 def test_each_epoch_trains_its_crop_in_loader_workers_and_from_tar_shards(folder, tmp_path):
-    from imagenet.shards import build_shard_data
+    from imagenet.data.shards import build_shard_data
     from imagenet.tools.prepare import get_args_parser
     from imagenet.tools.shardwrite import shards_from_folder
 
@@ -169,7 +169,7 @@ def test_compile_makes_one_static_graph_per_size_not_one_per_batch(monkeypatch):
     # inductor (benchmarks/bench_progressive.py measures inductor's compile times).
     from torch._dynamo.utils import counters
 
-    from imagenet.engine import Step, train_one_epoch
+    from imagenet.training.engine import Step, train_one_epoch
 
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # put back afterwards
     torch._dynamo.reset()

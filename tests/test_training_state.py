@@ -25,7 +25,7 @@ import torch
 from chaos import Leg
 from helpers import MAIN, child_env, load_checkpoint, main_cmd, run_main, write_image_folder
 
-from imagenet.data import shutdown_workers
+from imagenet.data.folder import shutdown_workers
 
 STEPS = 6  # 48 training images in steps of 8
 FLAGS = ["-a", "squeezenet1_1", "--train-crop-size", "32", "--val-resize-size", "36",
@@ -145,7 +145,7 @@ def test_the_best_files_evaluate_and_resume(ema_run, data, tmp_path):
 
 PATCHED_MAIN = """
 import os, signal, sys
-import imagenet.trainer as trainer
+import imagenet.run.trainer as trainer
 what = os.environ["STATE_TEST_PATCH"]
 if what == "validation fails":
     def evaluate(*args, **kwargs):
@@ -258,7 +258,7 @@ def slow_thread_setting(threads: int) -> None:
 
 
 def test_a_signal_while_loader_workers_start_does_not_kill_them(data, monkeypatch):
-    from imagenet.data import build_data
+    from imagenet.data.folder import build_data
     from imagenet.settings.flags import parse_config
     from imagenet.settings.launch import Layout
 
@@ -280,7 +280,7 @@ EXIT_WITH_LIVE_WORKERS = """
 import multiprocessing, sys
 import torch
 from torch.utils.data import TensorDataset
-from imagenet.data import StopSafeLoader, loader_options
+from imagenet.data.folder import StopSafeLoader, loader_options
 
 def body():
     loader = StopSafeLoader(TensorDataset(torch.zeros(8, 1)), batch_size=2, num_workers=1,
@@ -381,7 +381,7 @@ ORPHANS = {
     "signalled by torch": """
 import os, signal, time
 import torch.multiprocessing
-from imagenet.preemption import StopFlag, stop_when_orphaned
+from imagenet.launching.preemption import StopFlag, stop_when_orphaned
 torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGINT)
 flag = StopFlag()
 flag.install()
@@ -395,7 +395,7 @@ print("saved after", flag.requested, flush=True)
     # A stop agreed with another rank is saved; the process then leaves with the other ranks.
     "already stopping": """
 import os, time
-from imagenet.preemption import StopFlag, stop_when_orphaned
+from imagenet.launching.preemption import StopFlag, stop_when_orphaned
 flag = StopFlag()
 flag.install()
 stop_when_orphaned(os.getppid(), poll=0.05)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from imagenet import transforms as T
+from imagenet.data import transforms as T
 from imagenet.errors import DataError
 
 RED = (255, 0, 0)

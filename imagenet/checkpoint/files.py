@@ -13,8 +13,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-import imagenet.disk as disk
-import imagenet.fsdp as fsdp
+import imagenet.checkpoint.disk as disk
+import imagenet.training.fsdp as fsdp
 from imagenet.checkpoint import whole
 from imagenet.errors import CheckpointError, UsageError
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from imagenet.checkpoint import files
-from imagenet.distributed import raise_agreed
 from imagenet.errors import CheckpointError, NonFiniteStateError
+from imagenet.launching.rendezvous import raise_agreed
 
 ADVICE = "Lower --lr, try --clip-grad-norm, or check the data"
 

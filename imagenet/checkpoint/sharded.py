@@ -28,13 +28,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-import imagenet.fsdp as fsdp
+import imagenet.training.fsdp as fsdp
 from imagenet.checkpoint import files, guard
-from imagenet.distributed import barrier, raise_agreed
 from imagenet.errors import CheckpointError, on_every_rank
+from imagenet.launching.rendezvous import barrier, raise_agreed
 
 if TYPE_CHECKING:
-    from imagenet.build import Run
+    from imagenet.run.build import Run
 
 SHARDED = ("state_dict", "optimizer", "ema")  # the keys whose tensors DCP holds
 

@@ -20,8 +20,8 @@ from torch import nn
 
 import imagenet.errors as errors
 from imagenet.checkpoint import files
-from imagenet.distributed import DistInfo
 from imagenet.errors import TrainerError
+from imagenet.launching.rendezvous import DistInfo
 from imagenet.settings.launch import elastic_restart_count
 
 log = logging.getLogger(__name__)

@@ -17,25 +17,25 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
-import imagenet.comm_hooks as comm_hooks
-import imagenet.fsdp as fsdp
-from imagenet.build import Run
+import imagenet.training.comm_hooks as comm_hooks
+import imagenet.training.fsdp as fsdp
 from imagenet.checkpoint import files, guard, history, rng, sharded
 from imagenet.checkpoint.changes import check_ranks_agree, log_changes
 from imagenet.checkpoint.source import agreed_checkpoint, broadcast_weights
-from imagenet.distributed import barrier
-from imagenet.engine import EpochTotals, Step
 from imagenet.errors import CheckpointError, TrainerError, on_every_rank
-from imagenet.models import unwrap
-from imagenet.position import (
+from imagenet.launching.rendezvous import barrier
+from imagenet.run.build import Run
+from imagenet.settings.flags import Config
+from imagenet.settings.launch import elastic_restart_count
+from imagenet.training.engine import EpochTotals, Step
+from imagenet.training.models import unwrap
+from imagenet.training.position import (
     EpochStart,
     ResumePoint,
     rebuild_schedule,
     resume_point,
     schedule_steps,
 )
-from imagenet.settings.flags import Config
-from imagenet.settings.launch import elastic_restart_count
 
 log = logging.getLogger(__name__)
 
@@ -244,8 +244,8 @@ def resume(run: Run) -> Path | None:
 
     Weights, optimizer moments, EMA, scaler, position, best accuracy and RNG come from the
     checkpoint; the hyper-parameters and the learning-rate schedule come from the flags, placed
-    at the checkpoint's point in training (``imagenet.position``). Returns the checkpoint's path
-    (None: a fresh start).
+    at the checkpoint's point in training (``imagenet.training.position``). Returns the
+    checkpoint's path (None: a fresh start).
     """
     check_ranks_agree(run.cfg, run.dist.world_size)
     found = agreed_checkpoint(run.cfg.resume, run.output_dir, run.dist,

@@ -19,9 +19,9 @@ from typing import Any
 from urllib.parse import urlparse
 
 from imagenet.errors import UsageError
+from imagenet.reporting.trackers import check_trackers_installed, parse_log_to
 from imagenet.settings.duration import parse_time_limit
-from imagenet.timm_models import TIMM_PREFIX, check_timm_arch
-from imagenet.trackers import check_trackers_installed, parse_log_to
+from imagenet.training.timm_models import TIMM_PREFIX, check_timm_arch
 
 GROUPS = ("recipe", "data", "model", "optimisation", "distributed", "checkpointing", "logging")
 AUTO_AUGMENT = ("ra", "ta_wide", "augmix", "imagenet")

@@ -93,7 +93,7 @@ def _fsdp_step(device: torch.device, out: dict[str, Any],
 
     import torchvision
 
-    import imagenet.fsdp as fsdp
+    import imagenet.training.fsdp as fsdp
     from imagenet.settings.flags import parse_config
 
     enter("FSDP step")

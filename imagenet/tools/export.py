@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from imagenet.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from imagenet.errors import RunError, TrainerError, UsageError, report
-from imagenet.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,8 @@ def load_model(path: Path, arch: str | None, num_classes: int | None
                ) -> tuple[nn.Module, dict[str, Any]]:
     """The eager model with the checkpoint's weights (eval mode), and the metadata to store."""
     from imagenet.checkpoint import files
-    from imagenet.finetune import classifier_names, read_weights
-    from imagenet.models import build_model
+    from imagenet.training.finetune import classifier_names, read_weights
+    from imagenet.training.models import build_model
 
     weights = read_weights(path, flag="CKPT")
     arch = arch or weights.arch

@@ -1,0 +1,224 @@
+"""The output folder belongs to one run at a time: its lock, its history, its write checks.
+
+Only the writer (global rank 0 of a training run) takes the lock; ``-e`` and the tools read
+without it and never delete anything. The lock is a POSIX record lock (``fcntl.lockf``) on
+OUTPUT_DIR/.run.lock: the kernel drops it when the process dies, even by SIGKILL, so it is never
+stale; it is not inherited by forked DataLoader workers; and NFS (v3 via lockd, v4 natively),
+Lustre mounted with ``-o flock``, GPFS and CephFS share it between hosts. Where the filesystem
+refuses locks, or is mounted so that they stay local to one host, the run says so and goes on.
+
+A fresh run never erases an earlier run's record: checkpoints, metrics.jsonl, config.json, tb/
+and trackers.json (its MLflow/W&B run ids) are moved to OUTPUT_DIR/previous/<start time of that
+run>/ first (a sharded checkpoint that a kill left aside as .checkpoint.dcp.old too, under its
+own name when it is the only one). Only a resume from a checkpoint of this folder continues its
+record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from imagenet.checkpoint import files
+from imagenet.errors import RunError, UsageError
+from imagenet.reporting.logger import METRICS
+from imagenet.reporting.results import FILES as REPORTS
+from imagenet.reporting.trackers import RUN_IDS
+
+log = logging.getLogger(__name__)
+
+LOCK = ".run.lock"
+PREVIOUS = "previous"
+CONFIG, TENSORBOARD = "config.json", "tb"
+# --sharded-checkpoint directories (a kill while one was replaced leaves the old one aside).
+DIRECTORIES = tuple(files.dcp_name(n) for n in (files.CHECKPOINT, files.BEST, files.BEST_EMA))
+# What one run writes; moved aside together when a fresh run starts in a used folder.
+RECORD = (files.CHECKPOINT, files.BEST, files.BEST_EMA, METRICS, CONFIG, TENSORBOARD, RUN_IDS,
+          *DIRECTORIES, *(files.aside(Path(n)).name for n in DIRECTORIES), files.HISTORY_INDEX,
+          *REPORTS)
+# --keep-checkpoints' epoch checkpoints (files, or --sharded-checkpoint directories)
+RECORD_PATTERNS = (files.EPOCH_PATTERN, files.dcp_name(files.EPOCH_PATTERN))
+# lockf's answers on filesystems without (working) locks: NFS without lockd, some FUSE, Lustre
+# mounted without -o flock.
+NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
+# FUSE filesystems whose locks are local to the host that mounted them.
+HOST_LOCAL_FUSE = {"fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone", "fuse.goofys"}
+
+
+@dataclass
+class FolderLock:
+    """The open lock file of OUTPUT_DIR; the lock lasts as long as it is open."""
+
+    path: Path
+    fd: int | None  # None: not held here (another rank's job, or a filesystem without locks)
+
+    def release(self) -> None:
+        """Close the lock file (which releases the lock); the file itself stays."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> FolderLock:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.release()
+
+
+def prepare_folder(folder: Path) -> None:
+    """Create OUTPUT_DIR if needed and make sure this process can write files in it."""
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"--output-dir {folder} is a file, not a folder; give a folder for the "
+                         "checkpoints and logs")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--output-dir {folder}: cannot create it ({exc.strerror}); give a "
+                         "folder you can write") from None
+    probe = folder / f".write-test-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"--output-dir {folder} is not writable ({exc.strerror}); give a folder "
+                         "you can write, or fix its permissions") from None
+
+
+def lock_folder(folder: Path) -> FolderLock:
+    """Take OUTPUT_DIR's lock for this process's life, or refuse naming the run that holds it."""
+    path = folder / LOCK
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise UsageError(f"cannot open the lock file {path} ({exc.strerror}); give a folder "
+                         "you can write") from None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EACCES, errno.EAGAIN):
+            raise RunError(f"--output-dir {folder} is in use by another run ({holder(path)}); "
+                           "wait for it to end, or give another --output-dir") from None
+        if exc.errno not in NO_LOCKS:
+            raise
+        log.warning("cannot lock %s (%s): this filesystem does not support file locks, so a "
+                    "second run on this folder would not be refused; do not start two",
+                    path, exc.strerror)
+        return FolderLock(path, None)
+    caveat = host_local_locks(folder)
+    if caveat:
+        log.warning("file locks on %s are seen by this host only (%s): a run started on "
+                    "another host would not be refused", folder, caveat)
+    with contextlib.suppress(OSError):  # a full disk: said by the space check, not here
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(holder_record()).encode() + b"\n")
+    return FolderLock(path, fd)
+
+
+def holder_record() -> dict[str, object]:
+    """Who holds the lock, as written into the lock file."""
+    record: dict[str, object] = {"host": socket.gethostname(), "pid": os.getpid(),
+                                 "started": datetime.datetime.now().isoformat(timespec="seconds")}
+    if os.environ.get("SLURM_JOB_ID"):
+        record["slurm_job"] = os.environ["SLURM_JOB_ID"]
+    return record
+
+
+def holder(path: Path, tries: int = 10) -> str:
+    """The lock file's holder, for the refusal message."""
+    for _ in range(tries):  # the holder writes its name just after locking: wait a moment
+        try:
+            record = json.loads(path.read_text())
+            text = f"host {record['host']}, pid {record['pid']}, started " \
+                   f"{str(record['started']).replace('T', ' ')}"
+            return text + (f", SLURM job {record['slurm_job']}" if "slurm_job" in record else "")
+        except (OSError, ValueError, KeyError, TypeError):
+            time.sleep(0.1)
+    return f"its holder is not named in {path}"
+
+
+def host_local_locks(folder: Path, mountinfo: str | None = None) -> str | None:
+    """Why locks on ``folder``'s filesystem would not be seen from other hosts, if they would not.
+
+    From /proc/self/mountinfo: NFS mounted with ``nolock`` / ``local_lock=``, Lustre mounted with
+    ``localflock``, FUSE filesystems that lock locally only.
+    """
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return None
+    target, best = str(folder.resolve()), None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if " - " not in line or len(fields) < 10:
+            continue
+        mount_point = fields[4].replace("\\040", " ")
+        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+        if inside and (best is None or len(mount_point) >= len(best[0])):
+            best = (mount_point, line)
+    if best is None:
+        return None
+    mount_options = best[1].split()[5].split(",")
+    fstype, _source, super_options = best[1].split(" - ", 1)[1].split()[:3]
+    options = set(mount_options) | set(super_options.split(","))
+    if fstype.startswith("nfs"):
+        local = sorted(o for o in options if o in ("nolock", "local_lock=all",
+                                                   "local_lock=posix"))
+        return f"{fstype} mounted with {local[0]}" if local else None
+    if fstype == "lustre" and "localflock" in options:
+        return "lustre mounted with localflock"
+    if fstype in HOST_LOCAL_FUSE:
+        return f"{fstype} keeps locks on the host that takes them"
+    return None
+
+
+def move_previous_run(folder: Path) -> Path | None:
+    """Move an earlier run's record to OUTPUT_DIR/previous/<its start time>; returns that folder.
+
+    A rename within the folder's filesystem: instant, and nothing is copied or deleted.
+    """
+    present = [folder / name for name in RECORD if (folder / name).exists()]
+    present += sorted(path for pattern in RECORD_PATTERNS for path in folder.glob(pattern))
+    if not present:
+        return None
+    stamp = started_at(folder, present).strftime("%Y-%m-%d_%H-%M-%S")
+    dest = folder / PREVIOUS / stamp
+    for n in range(2, 1000):
+        if not dest.exists():
+            break
+        dest = folder / PREVIOUS / f"{stamp}-{n}"
+    dest.mkdir(parents=True)
+    for path, name in [(path, kept_name(path, folder)) for path in present]:  # names first
+        os.replace(path, dest / name)
+    return dest
+
+
+def kept_name(path: Path, folder: Path) -> str:
+    """The name ``path`` keeps in previous/: its own, except for a directory a kill left aside
+    (.checkpoint.dcp.old) with no directory of its own name: that is the run's checkpoint."""
+    for name in DIRECTORIES:
+        if path.name == files.aside(Path(name)).name and not (folder / name).exists():
+            return name
+    return path.name
+
+
+def started_at(folder: Path, present: list[Path]) -> datetime.datetime:
+    """When the run recorded in ``folder`` started: config.json says so (written at start)."""
+    try:
+        started = json.loads((folder / CONFIG).read_text())["started"]
+        return datetime.datetime.fromisoformat(started)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # an older or damaged config.json: its time of writing is the run's start
+    config = folder / CONFIG
+    when = config.stat().st_mtime if config.is_file() else min(p.stat().st_mtime for p in present)
+    return datetime.datetime.fromtimestamp(when)

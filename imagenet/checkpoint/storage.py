@@ -1,0 +1,266 @@
+"""``--output-dir`` and ``--resume`` on object storage: a local staging folder mirrored to the URL.
+
+The trainer writes OUTPUT_DIR as on a local disk (atomic checkpoint files, metrics.jsonl,
+config.json, tb/) into a staging folder on this node, under the temp dir ($TMPDIR: give it room
+for two checkpoints; the start-up space check covers it). Rank 0 uploads what changed
+(``objectstore.upload``: a reader never sees a partial object):
+
+- after every checkpoint save, before any rank goes on or exits: a preempted run's last
+  checkpoint is in the bucket before the job ends (at the end of an epoch, once the epoch's
+  metrics.jsonl line and TensorBoard events are written: ``outputs``);
+- once more when the run ends, however it ends.
+
+Best files go up before checkpoint.pth.tar, the order they are written locally: a kill in
+between leaves a best file ahead of the checkpoint, which a resume adopts, never a checkpoint
+whose best has no file.
+
+At start, a run that continues the URL's run (``--resume auto`` or a torchrun restart, with a
+checkpoint there; or ``--resume URL/checkpoint.pth.tar``) downloads checkpoint.pth.tar, the best
+files, metrics.jsonl and config.json. TensorBoard events stay in the bucket: the resumed run
+writes a new events file whose purge marker hides what a killed run logged after its checkpoint
+(TensorBoard reads a folder's files together). A fresh run in a used URL moves the earlier run's
+record to URL/previous/<its start time>/, as on a disk.
+
+Object storage has no lock that dies with its holder: a second run on the same URL is not
+refused. A warning says so; the lock on the staging folder covers this host only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import imagenet.checkpoint.rundir as rundir
+import imagenet.data.objectstore as objectstore
+from imagenet.checkpoint import files
+from imagenet.errors import RunError, UsageError
+from imagenet.reporting.logger import METRICS
+from imagenet.settings.flags import Config
+
+log = logging.getLogger(__name__)
+
+# What a resume of the URL's run reads, in the order it is written (best files first).
+RESUME_RECORD = (files.BEST, files.BEST_EMA, files.CHECKPOINT, METRICS, rundir.CONFIG)
+DEMO = "demo-data"  # --demo builds its data set in OUTPUT_DIR
+NOT_UPLOADED = {rundir.PREVIOUS, DEMO}  # top-level names that stay local
+
+
+def staging_dir(url: str) -> Path:
+    """The local folder that stands for ``url`` on this node (the same on every rank)."""
+    digest = hashlib.sha1(url.encode()).hexdigest()[:12]
+    tail = re.sub(r"[^A-Za-z0-9._-]+", "_", url.rstrip("/").rsplit("/", 1)[-1])[:40]
+    return Path(tempfile.gettempdir()) / "imagenet-trainer" / f"{tail}-{digest}"
+
+
+def stage(cfg: Config) -> tuple[Config, Remote | None]:
+    """``cfg`` with a URL --output-dir / --resume replaced by local paths, and what to sync.
+
+    Pure (no I/O): every rank computes the same paths.
+    """
+    output_url = cfg.output_dir.rstrip("/") if objectstore.is_url(cfg.output_dir) else None
+    resume_url = cfg.resume if objectstore.is_url(cfg.resume) else None
+    if output_url is None and resume_url is None:
+        return cfg, None
+    if output_url and cfg.sharded_checkpoint:
+        raise UsageError(f"--sharded-checkpoint: every rank writes its shards into "
+                         f"--output-dir, which {output_url} cannot collect; give a shared "
+                         "filesystem path, or drop --sharded-checkpoint")
+    staging = staging_dir(output_url) if output_url else None
+    changes: dict[str, str] = {}
+    if staging is not None:
+        changes["output_dir"] = str(staging)
+    resume_local = None
+    if resume_url:
+        parent, name = resume_url.rstrip("/").rsplit("/", 1)
+        resume_local = (staging / name if staging is not None and parent == output_url
+                        else staging_dir(resume_url) / name)
+        changes["resume"] = str(resume_local)
+    return replace(cfg, **changes), Remote(output_url, staging, resume_url, resume_local)
+
+
+@dataclass
+class Remote:
+    """The URLs of this run and their local stand-ins; rank 0 syncs them."""
+
+    output_url: str | None
+    staging: Path | None
+    resume_url: str | None = None
+    resume_local: Path | None = None
+    # What the URL holds of the staging folder: path inside it -> signature() when sent.
+    sent: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+
+    def attach(self, continuing: bool, writes: bool) -> None:
+        """Rank 0, before the resume: check the URL, fill the staging folder (``continuing``:
+        with what a resume of the URL's run reads), fetch a --resume URL."""
+        if self.output_url is not None and self.staging is not None and writes:
+            fs, root = self._fs()
+            check_writable(fs, root, self.output_url)
+            log.warning("--output-dir %s is object storage, which has no lock: a second run "
+                        "on it would not be refused (the lock on the local staging folder %s "
+                        "covers this host only); do not start two", self.output_url,
+                        self.staging)
+            clear_staging(self.staging)
+            if not objectstore.whole_objects(fs):
+                for tmp in fs.glob(f"{root}/.*.tmp-*"):  # left by a killed writer
+                    fs.rm(tmp)
+            if continuing:
+                self._pull(fs, root)
+        if self.resume_url is not None and not self._pulled(self.resume_local):
+            self._fetch_resume()
+
+    def _pulled(self, path: Path | None) -> bool:
+        """True for a file of the staging folder that ``_pull`` downloaded."""
+        return (path is not None and self.staging is not None and path.parent == self.staging
+                and path.name in self.sent)
+
+    def _fs(self) -> tuple[Any, str]:
+        assert self.output_url is not None
+        fs, root = objectstore.filesystem(self.output_url)
+        fs.invalidate_cache()  # listings cached before another run wrote
+        return fs, root.rstrip("/")
+
+    def _pull(self, fs: Any, root: str) -> None:
+        """Download what a resume of the URL's run reads, if that run left a checkpoint."""
+        assert self.staging is not None
+        if not fs.exists(f"{root}/{files.CHECKPOINT}"):
+            return
+        for name in RESUME_RECORD:
+            if fs.exists(f"{root}/{name}"):
+                local = self.staging / name
+                guarded(f"download {self.output_url}/{name}",
+                        lambda n=name, p=local: objectstore.download(fs, f"{root}/{n}", p))
+                self.sent[name] = signature(local)
+        log.info("=> downloaded the run's record from %s to %s", self.output_url, self.staging)
+
+    def _fetch_resume(self) -> None:
+        assert self.resume_url is not None and self.resume_local is not None
+        fs, path = objectstore.filesystem(self.resume_url)
+        if not fs.exists(path):
+            raise UsageError(f"--resume: no checkpoint at {self.resume_url}; check the URL, or "
+                             "use --resume auto to continue OUTPUT_DIR/checkpoint.pth.tar")
+        guarded(f"download {self.resume_url}",
+                lambda: objectstore.download(fs, path, self.resume_local))
+
+    def push(self) -> None:
+        """Upload the staging folder's new and changed files, best files first and
+        checkpoint.pth.tar last; delete the copies of files this run has since removed."""
+        if self.output_url is None or self.staging is None or not self.staging.is_dir():
+            return
+        fs, root = self._fs()
+        present = {p.relative_to(self.staging).as_posix(): p for p in record_files(self.staging)}
+        for rel in sorted(present, key=upload_order):
+            mark = signature(present[rel])
+            if self.sent.get(rel) != mark:
+                guarded(f"upload {rel} to {self.output_url}",
+                        lambda r=rel: objectstore.upload(fs, present[r], f"{root}/{r}"))
+                self.sent[rel] = mark
+        for rel in sorted(set(self.sent) - set(present)):
+            guarded(f"delete {self.output_url}/{rel}", lambda r=rel: fs.rm(f"{root}/{r}"))
+            del self.sent[rel]
+
+    def move_previous_run(self) -> str | None:
+        """A fresh run: the URL's earlier record to URL/previous/<its start time>/; returns
+        that URL (None when there was nothing to move)."""
+        if self.output_url is None:
+            return None
+        fs, root = self._fs()
+        present = [name for name in rundir.RECORD if fs.exists(f"{root}/{name}")]
+        if not present:
+            return None
+        stamp = started_at(fs, f"{root}/{rundir.CONFIG}").strftime("%Y-%m-%d_%H-%M-%S")
+        dest = f"{root}/{rundir.PREVIOUS}/{stamp}"
+        for n in range(2, 1000):
+            if not fs.exists(dest):
+                break
+            dest = f"{root}/{rundir.PREVIOUS}/{stamp}-{n}"
+        for name in present:  # object stores: server-side copies, then deletes
+            guarded(f"move {self.output_url}/{name} aside",
+                    lambda m=name: move(fs, f"{root}/{m}", f"{dest}/{m}"))
+        return f"{self.output_url}/{dest[len(root) + 1:]}"
+
+
+def move(fs: Any, src: str, dst: str) -> None:
+    """Move a file, or every file under a folder (object stores have no folders to move)."""
+    objects = fs.find(src) if fs.isdir(src) else [src]
+    for key in objects:
+        fs.mv(key, dst + key[len(src):])
+
+
+def check_writable(fs: Any, root: str, url: str) -> None:
+    """Write and delete a small object under ``root``; UsageError saying what to check."""
+    probe = f"{root}/.write-test-{socket.gethostname()}-{os.getpid()}"
+    try:
+        fs.pipe_file(probe, b"")
+        fs.rm(probe)
+    except Exception as exc:  # the backends raise their own types (credentials, no bucket)
+        raise UsageError(f"--output-dir {url}: cannot write there "
+                         f"({type(exc).__name__}: {objectstore.first_line(exc)}); check the "
+                         "bucket name, the credentials and the endpoint "
+                         "(AWS_ENDPOINT_URL for S3-compatible stores)") from None
+
+
+def clear_staging(staging: Path) -> None:
+    """An empty staging folder but for its lock (held by this run) and the demo data (built
+    before): what a previous run on this node left may be older than the URL's record."""
+    for path in staging.iterdir():
+        if path.name in (rundir.LOCK, DEMO):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def record_files(staging: Path) -> Iterator[Path]:
+    """The staging folder's files that belong in the URL: not hidden (lock, temp files), not
+    previous/ (moved on the URL itself) or the demo data."""
+    for path in sorted(staging.rglob("*")):
+        rel = path.relative_to(staging).parts
+        if rel[0] in NOT_UPLOADED or any(part.startswith(".") for part in rel):
+            continue
+        if path.is_file():
+            yield path
+
+
+def upload_order(rel: str) -> int:
+    """Best files first, checkpoint.pth.tar last (the local write order)."""
+    if rel in (files.BEST, files.BEST_EMA):
+        return 0
+    return 2 if rel == files.CHECKPOINT else 1
+
+
+def signature(path: Path) -> tuple[int, int, int]:
+    """What tells a changed file: size, modification time, inode (files are replaced whole)."""
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def started_at(fs: Any, config_key: str) -> datetime.datetime:
+    """The start time config.json records; now when it is missing or damaged."""
+    try:
+        return datetime.datetime.fromisoformat(json.loads(fs.cat_file(config_key))["started"])
+    except Exception:  # missing, damaged or older: the move still needs a name
+        return datetime.datetime.now()
+
+
+def guarded(what: str, action: Callable[[], object]) -> None:
+    """Run one transfer; its failure is one RunError that names it."""
+    try:
+        action()
+    except (UsageError, RunError):
+        raise
+    except Exception as exc:  # the backends raise their own types
+        raise RunError(f"cannot {what} ({type(exc).__name__}: "
+                       f"{objectstore.first_line(exc)}); the run's files are in the local "
+                       "staging folder") from None

@@ -1,0 +1,560 @@
+"""Datasets, samplers and loaders; ``TrainData``, what the trainer asks of any training source.
+
+Augmentation randomness is a pure function of (seed, epoch, sample index), and of the copy with
+repeated augmentation (--ra-reps): each sample re-seeds the worker's generators before its
+transform runs. The data a step sees therefore does not depend on the number of workers, on which
+worker ran it, or on whether the run was interrupted - the basis of bitwise-exact mid-epoch
+resume. Tar shards (``imagenet.data.shards``) follow the same rules.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import multiprocessing.util
+import random
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, get_worker_info
+from torchvision import datasets
+
+import imagenet.data.device as device_decoding
+import imagenet.data.transforms as T
+from imagenet.data.resizing import (
+    CornerCrop,
+    crop_schedule,
+    follow_epoch,
+    sized_by_epoch,
+    train_sizes,
+)
+from imagenet.errors import DataError, UsageError
+from imagenet.launching.preemption import ignore_stop_signals, stop_signals_blocked
+from imagenet.settings.flags import Config
+from imagenet.settings.launch import Layout
+
+log = logging.getLogger(__name__)
+
+
+R = TypeVar("R")
+
+
+def seeded_call(seed: int, epoch: int, index: int, fn: Callable[[], R], copy: int = 0) -> R:
+    """``fn()`` with torch's and python's global generators seeded from (seed, epoch, index)
+    and, for the further copies of repeated augmentation, ``copy``."""
+    key = (seed, epoch, index) if copy == 0 else (seed, epoch, index, copy)
+    if get_worker_info() is not None:
+        return _seeded(key, fn)
+    # In the training process (-j 0) the global streams belong to the training step
+    # (dropout, MixUp): borrow them and put them back.
+    python_state = random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        result = _seeded(key, fn)
+    random.setstate(python_state)
+    return result
+
+
+def _seeded(key: tuple[int, ...], fn: Callable[[], R]) -> R:
+    sample_seed = hash(key) & 0x7FFF_FFFF_FFFF_FFFF
+    torch.default_generator.manual_seed(sample_seed)
+    random.seed(sample_seed)
+    return fn()
+
+
+class SeededDataset(Dataset):
+    """Wraps a dataset so that item ``(epoch, index)`` (or ``(epoch, index, copy)``) is augmented
+    with its own seed, at the epoch's training crop size (progressive resizing)."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, ...]):
+        epoch, index, *copy = key
+        follow_epoch(self.dataset, epoch)
+        return seeded_call(self.seed, epoch, index, partial(self.dataset.__getitem__, index),
+                           *copy)
+
+
+class ResumableDistributedSampler(Sampler):
+    """DistributedSampler's order (seed + epoch, padded, strided) that can start mid-epoch.
+
+    Yields ``(epoch, index)`` keys for ``SeededDataset``. Every rank gets the same number of
+    samples (the permutation is padded by repeating its start, as DistributedSampler does) so DDP
+    ranks never wait for a rank that ran out of data. A resumed epoch continues with the items
+    of its permutation after the first ``skip`` (trained before, in any layout: W ranks that
+    each trained n samples trained exactly the first n x W items).
+
+    With ``reps`` > 1 (repeated augmentation) the order is torchvision's RASampler's: each index
+    of the permutation ``reps`` times in a row, cut to ``size`` items so that an epoch is still
+    one pass; strided over the ranks, the copies of an image go to ``reps`` consecutive ranks.
+    Its keys are ``(epoch, index, copy)``: every copy is augmented with its own seed. The order
+    is still one sequence of ``size`` items, so any layout continues it.
+    """
+
+    def __init__(self, size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 shuffle: bool = True, reps: int = 1) -> None:
+        self.size, self.rank, self.world_size = size, rank, world_size
+        self.seed, self.shuffle, self.reps = seed, shuffle, reps
+        self.num_samples = math.ceil(size / world_size)
+        self.epoch, self.skip = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Select the epoch, skipping the first ``start`` samples of this rank's share."""
+        self.continue_epoch(epoch, start * self.world_size)
+
+    def continue_epoch(self, epoch: int, images: int) -> None:
+        """Select the epoch, continuing after the first ``images`` items of its global order."""
+        self.epoch, self.skip = epoch, min(images, self.size)
+
+    def _order(self) -> list[int]:
+        """The epoch's global order of items (item = index x reps + copy)."""
+        if not self.shuffle:
+            order = torch.arange(self.size)
+        else:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.size, generator=g)
+        if self.reps > 1:  # one pass: the first size / reps images of the permutation, repeated
+            copies = torch.arange(self.size) % self.reps
+            order = order.repeat_interleave(self.reps)[:self.size] * self.reps + copies
+        return order.tolist()
+
+    def _keys(self, items: list[int]) -> list[tuple[int, ...]]:
+        if self.reps == 1:
+            return [(self.epoch, i) for i in items]
+        return [(self.epoch, *divmod(i, self.reps)) for i in items]
+
+    def keys(self) -> list[tuple[int, ...]]:
+        """This rank's full list of keys for the current epoch."""
+        return self._keys(_padded_share(self._order(), 0, self.rank, self.world_size))
+
+    def indices(self) -> list[int]:
+        """This rank's full index list for the current epoch."""
+        return [key[1] for key in self.keys()]
+
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
+        share = _padded_share(self._order(), self.skip, self.rank, self.world_size)
+        return iter(self._keys(share))
+
+    def __len__(self) -> int:
+        return math.ceil((self.size - self.skip) / self.world_size)
+
+
+def _padded_share(order: list[int], skip: int, rank: int, world_size: int) -> list[int]:
+    """Rank ``rank``'s stride of ``order[skip:]``, padded to a multiple of ``world_size`` with
+    the order's first items (DistributedSampler's padding)."""
+    rest = order[skip:]
+    total = math.ceil(len(rest) / world_size) * world_size
+    while len(rest) < total:
+        rest += order[: total - len(rest)]
+    return rest[rank:total:world_size]
+
+
+class NoSingleImageBatches(BatchSampler):
+    """The training batches, without a last batch that would hold a single image.
+
+    BatchNorm cannot train on one image where a layer is 1x1 (one value per channel: the classic
+    script crashes there), and elsewhere its statistics of one image are noise. Every other
+    batch, the last incomplete one included, is kept, as in the classic script: the step count
+    stays the classic's. The validation loader never drops anything.
+    """
+
+    def __init__(self, sampler: Sampler, batch_size: int) -> None:
+        super().__init__(sampler, batch_size, drop_last=False)
+
+    def __iter__(self) -> Iterator[list]:
+        for batch in super().__iter__():
+            if len(batch) > 1 or self.batch_size == 1:
+                yield batch
+
+    def __len__(self) -> int:
+        return train_batches(len(self.sampler), self.batch_size)  # type: ignore[arg-type]
+
+
+def train_batches(samples: int, batch_size: int) -> int:
+    """Training batches in ``samples`` images: a last batch of one image does not count.
+
+    The one place that counts an ImageFolder epoch's batches (``FolderTrain.batches``, from
+    which ``build_run`` derives the steps per epoch, and the loader's length).
+    """
+    full, rest = divmod(samples, batch_size)
+    return full + (rest > 1)
+
+
+class ShardSampler(Sampler):
+    """Validation shard of one rank: every image exactly once across ranks, no padding."""
+
+    def __init__(self, size: int, rank: int = 0, world_size: int = 1) -> None:
+        self.size, self.rank, self.world_size = size, rank, world_size
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.size, self.world_size))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.size, self.world_size))
+
+
+class DummyDataset(Dataset):
+    """Synthetic uint8 images for speed tests: one random tensor, labels cycling the classes."""
+
+    def __init__(self, size: int, num_classes: int, image_size: int) -> None:
+        self.size, self.num_classes = size, num_classes
+        self.transform: Callable | None = None  # progressive resizing: the epoch's crop
+        g = torch.Generator().manual_seed(0)
+        self.image = torch.randint(0, 256, (3, image_size, image_size), dtype=torch.uint8,
+                                   generator=g)
+        self.classes = [f"class{i}" for i in range(num_classes)]
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image = self.image if self.transform is None else self.transform(self.image)
+        return image, index % self.num_classes
+
+
+class TrainData(Protocol):
+    """The training data as the trainer sees it, whatever the source (ImageFolder or shards)."""
+
+    loader: DataLoader  # this rank's micro-batches, from the position set last to the epoch's end
+    order_seed: int  # the epoch's sample order is a function of (order_seed, epoch)
+    aug_seed: int  # augmentation randomness: (aug_seed, epoch, sample)
+
+    @property
+    def batches(self) -> int:
+        """Micro-batches per rank in a whole epoch (the same on every rank)."""
+
+    @property
+    def images(self) -> int:
+        """Images trained on per epoch, all ranks together."""
+
+    # True when the epoch's order is one sequence strided over the ranks: then any layout can
+    # go on with the rest of it (``continue_after``), whatever layout trained the first part.
+    continues_any_layout: bool
+
+    def set_position(self, epoch: int, samples_done: int) -> None:
+        """Continue ``epoch`` after this rank's first ``samples_done`` samples."""
+
+    def continue_after(self, epoch: int, images: int) -> None:
+        """Continue ``epoch`` after its first ``images`` images, all ranks together (without
+        ``continues_any_layout``: as this layout's steps so far trained them)."""
+
+    def reseed(self, order_seed: int, aug_seed: int) -> None:
+        """Adopt a checkpoint's seeds (before the first epoch is loaded)."""
+
+    def preview(self, epoch: int, count: int) -> torch.Tensor:
+        """Up to ``count`` augmented images of this rank's first batch of ``epoch``, stacked."""
+
+
+class FolderTrain:
+    """``TrainData`` of a map-style dataset: ``ResumableDistributedSampler`` + ``SeededDataset``."""
+
+    def __init__(self, loader: DataLoader, sampler: ResumableDistributedSampler,
+                 dataset: SeededDataset, finish: Callable | None = None) -> None:
+        self.loader, self.sampler, self.dataset = loader, sampler, dataset
+        self.finish = finish  # a loader batch -> device tensors (--decode-on-device)
+
+    @property
+    def order_seed(self) -> int:
+        return self.sampler.seed
+
+    @property
+    def aug_seed(self) -> int:
+        return self.dataset.seed
+
+    @property
+    def batches(self) -> int:
+        return train_batches(self.sampler.num_samples,
+                             self.loader.batch_sampler.batch_size)  # type: ignore[union-attr]
+
+    @property
+    def images(self) -> int:
+        return self.sampler.num_samples * self.sampler.world_size
+
+    continues_any_layout = True
+
+    @property
+    def order_size(self) -> int:
+        """Items in an epoch's order: the dataset (the sampler pads it for the ranks)."""
+        return self.sampler.size
+
+    def set_position(self, epoch: int, samples_done: int) -> None:
+        self.sampler.set_epoch(epoch, start=samples_done)
+
+    def continue_after(self, epoch: int, images: int) -> None:
+        self.sampler.continue_epoch(epoch, images)
+
+    def reseed(self, order_seed: int, aug_seed: int) -> None:
+        self.sampler.seed, self.dataset.seed = order_seed, aug_seed
+
+    def preview(self, epoch: int, count: int) -> torch.Tensor:
+        position = self.sampler.epoch, self.sampler.skip
+        self.sampler.set_epoch(epoch)
+        keys = self.sampler.keys()[:count]
+        self.sampler.continue_epoch(*position)
+        batch = self.loader.collate_fn([self.dataset[key] for key in keys])
+        return self.finish(batch, torch.device("cpu"))[0] if self.finish else batch[0]
+
+
+@dataclass
+class Data:
+    """Everything the trainer needs from the data side."""
+
+    train: TrainData
+    val_loader: DataLoader
+    num_classes: int
+    classes: list[str]
+    val_size: int
+    # --decode-on-device: a loader batch -> (uint8 images, labels) on the device (data.device)
+    train_finish: Callable | None = None
+    val_finish: Callable | None = None
+    # Training images per class (an ImageFolder's; None for tar shards): the per-class report
+    # and --class-balanced-loss.
+    train_counts: list[int] | None = None
+
+    @property
+    def train_loader(self) -> DataLoader:
+        return self.train.loader
+
+
+class StopSafeLoader(DataLoader):
+    """A DataLoader whose workers start with the stop signals blocked: SIGTERM to the whole
+    process group (scancel, Ctrl-C) while one starts must not kill it. torch's worker sets a
+    SIGTERM handler of its own before ``worker_init_fn`` can ignore the signal."""
+
+    def _get_iterator(self):  # where the workers are started (once, when persistent)
+        kill_workers_at_exit()
+        with stop_signals_blocked():
+            return super()._get_iterator()
+
+
+def loader_options(workers: int, prefetch: int = 4) -> dict[str, Any]:
+    """DataLoader options shared by every loader with worker processes (``prefetch``: batches
+    queued per worker)."""
+    # Workers ignore SIGTERM/SIGUSR1/SIGINT sent to the whole process group (SLURM, Ctrl-C): the
+    # training process saves first and then shuts them down.
+    return {"persistent_workers": True, "prefetch_factor": prefetch,
+            "worker_init_fn": ignore_stop_signals} if workers > 0 else {}
+
+
+def check_folder(root: Path, need_val: bool = True) -> tuple[Path, Path]:
+    """train/ and val/ under ``root`` (val/ unless ``need_val`` is False: --val-data) or a
+    UsageError that says what to give instead."""
+    if not root.is_dir():
+        raise UsageError(f"data folder '{root}' does not exist: give the dataset root that holds "
+                         "train/ and val/ (ImageFolder layout), tar shards (a folder or URL "
+                         "with _info.json, a .tar pattern or pipe:), or --demo for the "
+                         "built-in data, or --dummy for synthetic data")
+    train, val = root / "train", root / "val"
+    for part in (train, val) if need_val else (train,):
+        if not part.is_dir():
+            raise UsageError(f"'{part}' is missing: the data folder must hold train/<class>/*.jpg "
+                             "and val/<class>/*.jpg (see python -m imagenet.tools.prepare for "
+                             "the ILSVRC archives)")
+    return train, val
+
+
+def image_folder(folder: Path, transform, backend: str,
+                 loader: Callable | None = None) -> datasets.ImageFolder:
+    """An ImageFolder whose errors name the folder instead of a traceback; ``loader`` reads a
+    file (default: decodes it with ``backend``)."""
+    try:
+        return datasets.ImageFolder(str(folder), transform=transform,
+                                    loader=loader or partial(T.load_image, backend=backend))
+    except FileNotFoundError as exc:
+        raise DataError(f"{folder}: {exc} (every class folder needs at least one image)"
+                        ) from None
+
+
+class ClassMappedFolder(datasets.ImageFolder):
+    """An ImageFolder labelled with the indices of another class list (the training data's or
+    a checkpoint's), matched by folder name: any order, any subset; an unknown folder is an
+    error that names it."""
+
+    def __init__(self, root: str, classes: Sequence[str], **kwargs: Any) -> None:
+        self.label_of = {name: i for i, name in enumerate(classes)}
+        super().__init__(root, **kwargs)
+
+    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+        found, _ = super().find_classes(directory)
+        unknown = [c for c in found if c not in self.label_of]
+        if unknown:
+            known = ", ".join(list(self.label_of)[:5])
+            raise DataError(f"{directory}: class folder(s) {', '.join(unknown[:5])}"
+                            f"{' and more' if len(unknown) > 5 else ''} are not among the "
+                            f"model's {len(self.label_of)} classes ({known}, ...); rename or "
+                            "remove them")
+        return found, {c: self.label_of[c] for c in found}
+
+
+def other_val_folder(folder: Path, classes: Sequence[str], transform: Callable,
+                     backend: str, loader: Callable | None = None) -> ClassMappedFolder:
+    """--val-data FOLDER: validation images labelled by ``classes`` (matched by name)."""
+    if not folder.is_dir():
+        raise UsageError(f"--val-data {folder}: no such folder; give an ImageFolder (one "
+                         "sub-folder of images per class)")
+    try:
+        val = ClassMappedFolder(str(folder), classes, transform=transform,
+                                loader=loader or partial(T.load_image, backend=backend))
+    except FileNotFoundError as exc:
+        raise DataError(f"--val-data {folder}: {exc} (every class folder needs at least one "
+                        "image)") from None
+    absent = [c for c in classes if c not in val.class_to_idx]
+    log.info("=> validation images from %s: %d images of %d of the %d classes%s", folder,
+             len(val), len(val.classes), len(classes),
+             f" (none of {', '.join(absent[:5])}{', ...' if len(absent) > 5 else ''})"
+             if absent else "")
+    return val
+
+
+def class_counts(dataset: Dataset, num_classes: int) -> list[int] | None:
+    """Images per class of a dataset that lists its labels (``targets``), else None."""
+    targets = getattr(dataset, "targets", None)
+    if targets is None:
+        return None
+    return torch.bincount(torch.as_tensor(targets, dtype=torch.long),
+                          minlength=num_classes).tolist()
+
+
+def check_same_classes(train: Sequence[str], val: Sequence[str], root: Path) -> None:
+    """Validation must use the training label set, in the same order."""
+    if list(train) != list(val):
+        only_train = sorted(set(train) - set(val))[:5]
+        only_val = sorted(set(val) - set(train))[:5]
+        raise DataError(f"{root}: val/ classes differ from train/ classes (only in train: "
+                        f"{only_train or 'none'}; only in val: {only_val or 'none'}); labels "
+                        "would be wrong")
+
+
+def build_transforms(cfg: Config) -> tuple[Callable, Callable]:
+    """Per-sample training augmentation (at each epoch's crop size) and validation transform,
+    from the flags."""
+    train_tf = sized_by_epoch(cfg, partial(
+        T.train_transform, interpolation=cfg.interpolation, auto_augment=cfg.auto_augment,
+        ra_magnitude=cfg.ra_magnitude, augmix_severity=cfg.augmix_severity,
+        random_erase=cfg.random_erase, backend=cfg.image_backend, min_scale=cfg.train_crop_scale))
+    val_tf = T.val_transform(cfg.val_resize_size, cfg.val_crop_size, cfg.interpolation,
+                             backend=cfg.image_backend)
+    return train_tf, val_tf
+
+
+def build_datasets(cfg: Config, data_root: Path, encoded: bool = False
+                   ) -> tuple[Dataset, Dataset, list[str]]:
+    """Train and validation datasets producing uint8 CHW images and integer labels (with
+    ``encoded``: JPEG bytes and crop boxes, decoded on the device; see data.device)."""
+    if cfg.dummy:
+        train = DummyDataset(cfg.dummy_size, cfg.dummy_classes, max(train_sizes(cfg)))
+        if crop_schedule(cfg) is not None:
+            train.transform = sized_by_epoch(cfg, CornerCrop)
+        val = DummyDataset(cfg.dummy_val_size, cfg.dummy_classes, cfg.val_crop_size)
+        return train, val, train.classes
+    train_dir, val_dir = check_folder(data_root, need_val=cfg.val_data is None)
+    train_tf, val_tf = device_decoding.item_transforms(cfg) if encoded else build_transforms(cfg)
+    loader = device_decoding.read_encoded if encoded else None
+    train = image_folder(train_dir, train_tf, cfg.image_backend, loader)
+    if cfg.val_data is not None:
+        val = other_val_folder(Path(cfg.val_data), train.classes, val_tf, cfg.image_backend,
+                               loader)
+    else:
+        val = image_folder(val_dir, val_tf, cfg.image_backend, loader)
+        check_same_classes(train.classes, val.classes, data_root)
+    return train, val, train.classes
+
+
+def check_one_batch(per_process: int, batch_size: int, world_size: int) -> None:
+    """An epoch must hold at least one training batch of two or more images per process."""
+    if per_process < min(2, batch_size):
+        raise UsageError(f"the training set gives each of the {world_size} process(es) "
+                         f"{per_process} image(s) per epoch: not one batch BatchNorm can train on "
+                         "(it needs 2 images); add training images or use fewer processes")
+
+
+def shutdown_workers(*loaders: DataLoader) -> None:
+    """Stop the persistent workers of ``loaders`` now (torch has no public call for it), then
+    any loader worker of this process that no loader holds."""
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        loader._iterator = None
+    kill_stray_workers()
+
+
+_kill_at_exit: multiprocessing.util.Finalize | None = None
+
+
+def kill_workers_at_exit() -> None:
+    """Have multiprocessing's exit handler kill this process's loader workers before it
+    terminates and joins them (``kill_stray_workers``). A finalizer of its own, not atexit: in
+    an mp.spawn child that handler runs when the child's function returns, before atexit."""
+    global _kill_at_exit
+    if _kill_at_exit is None:
+        _kill_at_exit = multiprocessing.util.Finalize(None, kill_stray_workers, exitpriority=100)
+
+
+def kill_stray_workers() -> None:
+    """Kill this process's DataLoader workers that are still alive (its daemonic children: a
+    training process starts no others).
+
+    They ignore SIGTERM (``loader_options``), so multiprocessing's exit handler, which
+    terminates its daemonic children and then joins them, would wait for them forever. Called
+    when the loaders are shut down, and at exit for any path that never got there: a loader
+    whose first batches failed while its iterator was being built (a truncated validation
+    shard: the process printed its error and never exited), or a rank interrupted before its
+    loaders were shut down (a late SIGINT when mp.spawn's parent died as training ended).
+    """
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+            child.join()
+
+
+def build_data(cfg: Config, data_root: str | Path, rank: int, world_size: int, layout: Layout,
+               aug_seed: int, pin_memory: bool, decode_on_device: bool = False) -> Data:
+    """Loaders for this rank: resumable shuffled training shard, unpadded validation shard."""
+    train, val, classes = build_datasets(cfg, Path(data_root), decode_on_device)
+    folder_train, val_loader, finish = folder_loaders(cfg, train, val, rank, world_size, layout,
+                                                      aug_seed, pin_memory, decode_on_device)
+    return Data(folder_train, val_loader, len(classes), list(classes), len(val),
+                train_finish=finish[0], val_finish=finish[1],
+                train_counts=class_counts(train, len(classes)))
+
+
+def folder_loaders(cfg: Config, train: Dataset, val: Dataset, rank: int, world_size: int,
+                   layout: Layout, aug_seed: int, pin_memory: bool,
+                   decode_on_device: bool = False) -> tuple[FolderTrain, DataLoader, tuple]:
+    """This rank's loaders of map-style datasets: the resumable training shard and the
+    unpadded validation shard, and (--decode-on-device) what finishes their batches."""
+    batch_size, workers = layout.batch_size, layout.workers
+    sampler = ResumableDistributedSampler(len(train), rank, world_size,  # type: ignore[arg-type]
+                                          seed=cfg.seed or 0, reps=cfg.ra_reps)
+    check_one_batch(sampler.num_samples, batch_size, world_size)
+    if cfg.ra_reps > 1 and rank == 0:
+        log.info("=> repeated augmentation: each epoch trains %d images x %d differently "
+                 "augmented copies (one pass: %d samples)", -(-len(train) // cfg.ra_reps),
+                 cfg.ra_reps, len(train))
+    extra = loader_options(workers)
+    finish: tuple = (None, None)
+    if decode_on_device:  # encoded bytes: nvJPEG reads them from pageable memory itself
+        extra, pin_memory, finish = ({**extra, "collate_fn": device_decoding.collate}, False,
+                                     device_decoding.device_crops(cfg))
+    # A private generator: creating loader iterators must not consume the global RNG, which the
+    # training step uses (MixUp/CutMix, dropout) and the checkpoint restores.
+    seeded = SeededDataset(train, aug_seed)
+    train_loader = StopSafeLoader(seeded,
+                                  batch_sampler=NoSingleImageBatches(sampler, batch_size),
+                                  num_workers=workers, pin_memory=pin_memory,
+                                  generator=torch.Generator().manual_seed(aug_seed), **extra)
+    val_loader = StopSafeLoader(val, batch_size=batch_size,
+                                sampler=ShardSampler(len(val), rank, world_size),  # type: ignore
+                                num_workers=workers, pin_memory=pin_memory,
+                                generator=torch.Generator().manual_seed(aug_seed), **extra)
+    return FolderTrain(train_loader, sampler, seeded, finish[0]), val_loader, finish

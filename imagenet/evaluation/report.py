@@ -1,0 +1,268 @@
+"""Validation that says what is wrong: --tta-flip, the per-image predictions (--predictions) and
+the per-class report, with -e and after the last epoch; and -e on another ImageFolder.
+
+``Report`` takes each batch's outputs from ``engine.evaluate`` (``on_output``), keeps only the top-5
+on the device, and after the pass gathers every rank's rows to rank 0, which checks that every
+validation image is there exactly once and writes the files (``imagenet.reporting.results``). The
+predictions are the same outputs the printed top-1 counts, so the file's accuracy is that top-1.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import os
+from collections.abc import Callable
+from itertools import accumulate
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+import imagenet.checkpoint.rundir as rundir
+import imagenet.reporting.results as results
+from imagenet.checkpoint import files
+from imagenet.data.folder import Data, build_transforms, folder_loaders, other_val_folder
+from imagenet.data.shards.reader import ShardBatchSampler
+from imagenet.errors import RunError, TrainerError, UsageError
+from imagenet.launching.rendezvous import DistInfo, raise_agreed
+from imagenet.settings.flags import Config
+from imagenet.settings.launch import Layout
+
+if TYPE_CHECKING:
+    from imagenet.reporting.logger import RunLogger
+    from imagenet.run.build import Run
+
+log = logging.getLogger(__name__)
+
+
+class FlipTTA(nn.Module):
+    """--tta-flip: the mean of the softmax probabilities of each image and its mirror image,
+    returned as their log: cross-entropy, top-k and softmax of it are those of the mean."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        plain = self.model(images).float().log_softmax(dim=1)
+        mirrored = self.model(images.flip(3)).float().log_softmax(dim=1)
+        return torch.logaddexp(plain, mirrored) - math.log(2)
+
+
+def for_validation(model: nn.Module, cfg: Config) -> nn.Module:
+    """The module a validation pass calls: ``model``, or with --tta-flip its flip average."""
+    return FlipTTA(model) if cfg.tta_flip else model
+
+
+# ---------------------------------------------------------------- which image is which
+
+def sample_ids(loader: DataLoader) -> list[int]:
+    """The dataset indices of this rank's validation images, in the loader's order."""
+    batches = loader.batch_sampler
+    if isinstance(batches, ShardBatchSampler):  # one stream, stored order: ids are positions
+        plan = batches.plan(0)
+        first = plan.stream_start[0]
+        return list(range(first, first + sum(plan.sizes)))
+    return list(loader.sampler)  # type: ignore[arg-type]
+
+
+def sample_names(loader: DataLoader) -> Callable[[int], str]:
+    """Dataset index -> what the predictions file calls the image: its path; for tar shards
+    SHARD#N (the N-th sample of the shard)."""
+    samples = getattr(loader.dataset, "samples", None)
+    if samples is not None:
+        return lambda i: str(samples[i][0])
+    batches = loader.batch_sampler
+    if isinstance(batches, ShardBatchSampler):
+        urls, starts = batches.shards.urls, list(accumulate(batches.shards.counts, initial=0))
+
+        def shard_member(i: int) -> str:
+            s = bisect.bisect_right(starts, i) - 1
+            return f"{urls[s]}#{i - starts[s]}"
+
+        return shard_member
+    return str
+
+
+# ---------------------------------------------------------------- the report
+
+class Report:
+    """The predictions of one validation pass and what ``finish`` writes from them."""
+
+    def __init__(self, run: Run, logger: RunLogger | None = None, tag: str = "val") -> None:
+        self.run, self.logger, self.tag = run, logger, tag
+        self.parts: list[tuple[torch.Tensor, ...]] = []  # per batch, on the device
+
+    def add(self, output: torch.Tensor, target: torch.Tensor) -> None:
+        """``engine.evaluate``'s ``on_output``: keep the batch's top classes (no host sync)."""
+        top = output.topk(min(results.TOPK, output.shape[1]), dim=1)  # as topk_correct
+        prob = output.float().softmax(dim=1).gather(1, top.indices)
+        self.parts.append((target, top.indices, prob))
+
+    def local(self) -> dict[str, torch.Tensor]:
+        """This rank's rows on the CPU, with their dataset indices."""
+        rows = {"ids": torch.tensor(sample_ids(self.run.data.val_loader), dtype=torch.long)}
+        if self.parts:  # a rank may have no validation image
+            rows.update(zip(("target", "top", "prob"),
+                            (torch.cat(part).cpu() for part in zip(*self.parts))))
+        outputs = len(rows.get("target", ()))
+        if outputs != len(rows["ids"]):
+            raise RunError(f"the validation pass gave {outputs} outputs for "
+                           f"{len(rows['ids'])} images on rank {self.run.dist.rank}")
+        return rows
+
+    def finish(self, metrics: dict[str, float]) -> None:
+        """Gather the rows to rank 0, which writes the files and names the worst classes.
+        Collective: every rank calls it."""
+        error, rows = None, {}
+        try:
+            rows = self.local()
+        except TrainerError as exc:
+            error = exc
+        raise_agreed(error)  # before the gather: no rank may be left waiting in it
+        gathered = gather_to_rank0(rows)
+        if self.run.dist.is_main:
+            try:
+                self.write(merge(gathered, self.run.data.val_size), metrics)
+            except TrainerError as exc:
+                error = exc
+            except OSError as exc:
+                error = RunError(f"cannot write the evaluation report: {exc}")
+        raise_agreed(error)
+
+    def write(self, preds: results.Predictions, metrics: dict[str, float]) -> None:
+        """The files, the TensorBoard image and the console lines (rank 0)."""
+        run = self.run
+        classes = run.data.classes
+        if abs(preds.acc1() - metrics["acc1"]) > 1e-6:
+            log.warning("the predictions' top-1 %.3f differs from the validation's %.3f",
+                        preds.acc1(), metrics["acc1"])
+        confusion = results.confusion_matrix(preds.target, preds.pred, len(classes))
+        rows = results.per_class(confusion, classes, run.data.train_counts)
+        summary = {"images": len(preds.ids), "acc1": metrics["acc1"], "acc5": metrics["acc5"],
+                   "mean_class_acc1": results.mean_class_acc1(rows), "classes": classes,
+                   "tta_flip": run.cfg.tta_flip, "epoch": run.step.epoch,
+                   "global_step": run.step.global_step}
+        written = results.write_per_class(run.output_dir, rows, confusion, classes, summary)
+        if run.cfg.predictions:
+            path = Path(run.cfg.predictions)
+            results.write_predictions(path, sample_names(run.data.val_loader), classes, preds)
+            written.append(path)
+        self.add_image(confusion)
+        log.info(" * per class: mean Acc@1 %.3f over %d classes; worst: %s",
+                 summary["mean_class_acc1"], sum(r["acc1"] is not None for r in rows),
+                 results.worst_classes(rows))
+        log.info(" * wrote %s", ", ".join(map(str, written)))
+
+    def add_image(self, confusion: torch.Tensor) -> None:
+        """The confusion matrix in TensorBoard (``{tag}/confusion_matrix``)."""
+        logger = self.logger
+        if logger is None:  # -e: a writer of its own in OUTPUT_DIR/tb
+            from imagenet.reporting.logger import RunLogger
+
+            logger = RunLogger(self.run.output_dir, True)
+        try:
+            logger.images(f"{self.tag}/confusion_matrix", results.confusion_image(confusion),
+                          self.run.step.global_step)
+            logger.flush()
+        finally:
+            if logger is not self.logger:
+                logger.close()
+
+
+def gather_to_rank0(rows: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]] | None:
+    """Every rank's rows on rank 0 (None elsewhere). Collective."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [rows]
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 \
+        else None
+    dist.gather_object(rows, gathered, dst=0)
+    return gathered
+
+
+def merge(gathered: list[dict[str, torch.Tensor]] | None, expected: int) -> results.Predictions:
+    """The ranks' rows in dataset order; RunError unless every image is there exactly once."""
+    assert gathered is not None
+    parts = [g for g in gathered if "target" in g]
+    ids = torch.cat([g["ids"] for g in gathered])
+    order = ids.argsort()
+    if len(ids) != expected or not torch.equal(ids[order], torch.arange(expected)):
+        raise RunError(f"the ranks' predictions cover {ids.unique().numel()} distinct images "
+                       f"in {len(ids)} rows, but the validation set has {expected}")
+    target, top, prob = (torch.cat([g[k] for g in parts])[order]
+                         for k in ("target", "top", "prob"))
+    return results.Predictions(ids[order], target, top, prob)
+
+
+# ---------------------------------------------------------------- before any work
+
+def check_outputs(cfg: Config, info: DistInfo) -> None:
+    """-e's OUTPUT_DIR (the reports go there) and --predictions can be written; rank 0
+    checks, every rank raises its error. Collective."""
+    error = None
+    if info.is_main:
+        try:
+            if cfg.evaluate:
+                rundir.prepare_folder(Path(cfg.output_dir))
+            if cfg.predictions:
+                check_predictions_path(Path(cfg.predictions))
+        except TrainerError as exc:
+            error = exc
+    raise_agreed(error)
+
+
+def check_predictions_path(path: Path) -> None:
+    """--predictions FILE: a file (not a folder) in a folder that exists (made) and is writable."""
+    if path.is_dir():
+        raise UsageError(f"--predictions {path} is a folder; give a file name, e.g. "
+                         f"{path / 'predictions.csv'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--predictions {path}: cannot create its folder "
+                         f"({exc.strerror})") from None
+    if not os.access(path.parent, os.W_OK):
+        raise UsageError(f"--predictions {path}: its folder is not writable")
+
+
+# ---------------------------------------------------------------- -e --val-data FOLDER
+
+def checkpoint_classes(cfg: Config) -> tuple[Path, list[str] | None, list[int] | None]:
+    """The --resume checkpoint of -e, its class names and training images per class (either
+    None when it does not record them)."""
+    path = files.resolve_resume(cfg.resume, Path(cfg.output_dir), False, cfg.sharded_checkpoint)
+    if path is None:
+        raise UsageError("-e --val-data FOLDER evaluates a checkpoint and labels the folder's "
+                         "images with its class names: give --resume PATH")
+    meta_path = path / files.SHARDED_META if path.is_dir() else path
+    try:  # mmap: only the small entries are read, not the weights
+        meta = torch.load(meta_path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # an older file format, or a damaged one: the full load says which
+        meta = files.load_checkpoint(meta_path)
+    meta = meta if isinstance(meta, dict) else {}
+    classes, counts = meta.get("classes"), meta.get("train_class_counts")
+    return path, list(classes) if classes else None, list(counts) if counts else None
+
+
+def build_eval_data(cfg: Config, rank: int, world_size: int, layout: Layout, aug_seed: int,
+                    pin_memory: bool) -> Data:
+    """-e --val-data FOLDER: that folder's images labelled with the checkpoint's classes; DIR
+    is not read (nothing trains: the images stand in as the training set, which no step
+    reads)."""
+    path, classes, counts = checkpoint_classes(cfg)
+    folder = Path(cfg.val_data)  # type: ignore[arg-type]
+    if classes is None:
+        classes = sorted(p.name for p in folder.iterdir() if p.is_dir()) \
+            if folder.is_dir() else []
+        log.info("=> %s names no classes: label i is the i-th class folder of %s in sorted "
+                 "order, as the classic script assumes", path, folder)
+    _, val_tf = build_transforms(cfg)
+    val = other_val_folder(folder, classes, val_tf, cfg.image_backend)
+    stand_in, val_loader, _ = folder_loaders(cfg, val, val, rank, world_size, layout, aug_seed,
+                                             pin_memory)
+    return Data(stand_in, val_loader, len(classes), list(classes), len(val), train_counts=counts)

@@ -1,0 +1,211 @@
+"""Console logging and progress lines, TensorBoard, metrics.jsonl and config.json - rank-aware.
+
+Rank 0 writes; on the other ranks ``RunLogger`` is a no-op and only warnings reach the console.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from imagenet.errors import Preempted
+from imagenet.reporting.trackers import Trackers, open_trackers, tracker_names
+
+log = logging.getLogger(__name__)
+
+METRICS = "metrics.jsonl"
+
+
+def setup_logging(rank: int, debug: bool = False) -> None:
+    """Rank 0 logs INFO to stdout; other ranks log warnings and errors only, tagged."""
+    level = logging.DEBUG if debug else logging.INFO
+    if rank != 0:
+        level = logging.DEBUG if debug else logging.WARNING
+    fmt = "%(message)s" if rank == 0 else f"[rank {rank}] %(levelname)s: %(message)s"
+    handler = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
+    handler.setFormatter(logging.Formatter(fmt))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+
+def _duration(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=int(max(seconds, 0))))
+
+
+def print_train_progress(r: Mapping[str, Any]) -> None:
+    """One line like the classic's, plus lr, throughput, data wait and ETAs."""
+    width = len(str(r["steps"]))
+    mem = f"  mem {r['max_mem_gb']:.1f}G" if "max_mem_gb" in r else ""
+    log.info("Epoch: [%d][%*d/%d]  Time %6.3f  Data %6.3f  Loss %.4e (%.4e)  Acc@1 %6.2f  "
+             "Acc@5 %6.2f  LR %.3g  %.1f img/s  data-wait %3.0f%%  ETA %s (run %s)%s",
+             r["epoch"], width, r["step"], r["steps"], r["batch_time"], r["data_time"],
+             r["loss"], r["loss_avg"], r["acc1"], r["acc5"], r["lr"], r["images_per_sec"],
+             100 * min(r["data_wait"], 1.0), _duration(r["eta_epoch"]), _duration(r["eta_run"]),
+             mem)
+
+
+def print_val_progress(r: Mapping[str, Any], ranks: int = 1) -> None:
+    """The classic's 'Test:' line: this rank's shard so far, labelled so when there are others
+    (the job's numbers are the ' * Acc@1' line at the end)."""
+    width = len(str(r["batches"]))
+    shard = f"  (rank 0 only, 1 of {ranks} ranks; the * line is the job's)" if ranks > 1 else ""
+    log.info("Test: [%*d/%d]  Time %6.3f  Acc@1 %6.2f  Acc@5 %6.2f%s", width, r["batch"],
+             r["batches"], r["batch_time"], r["acc1"], r["acc5"], shard)
+
+
+def git_commit() -> str | None:
+    """The commit of the code that runs, when it is a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def environment() -> dict[str, Any]:
+    """Versions that explain a run later."""
+    import torchvision
+
+    return {"torch": torch.__version__, "torchvision": torchvision.__version__,
+            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()
+            if torch.backends.cudnn.is_available() else None,
+            "python": platform.python_version(), "git_commit": git_commit()}
+
+
+def _epoch_of(line: str) -> float:
+    """The epoch of a metrics.jsonl line (damaged lines sort last, so they are dropped)."""
+    try:
+        return float(json.loads(line)["epoch"])
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
+def preload_writers(log_to: str, main_rank: bool) -> None:
+    """Import TensorBoard's writer now if this process will write events (rank 0): the
+    import takes a second or two, and the start-up does it while Ctrl-C is held back."""
+    if main_rank and "tensorboard" in tracker_names(log_to):
+        import torch.utils.tensorboard  # noqa: F401
+
+
+class RunLogger:
+    """Writes metrics on rank 0 (and to the --log-to trackers); a no-op on the others.
+
+    As a context manager it tells the trackers how the run ended (finished, stopped, failed).
+    """
+
+    def __init__(self, output_dir: Path, enabled: bool, purge_step: int | None = None,
+                 log_to: str = "tensorboard") -> None:
+        self.enabled = enabled
+        self.output_dir = output_dir
+        self._tb = None
+        self._trackers = open_trackers(log_to, output_dir) if enabled else Trackers({})
+        if enabled and "tensorboard" in tracker_names(log_to):
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step drops events a killed run wrote after its checkpoint, so a resumed
+            # run continues the curves without duplicate or backwards steps.
+            self._tb = SummaryWriter(str(output_dir / "tb"), purge_step=purge_step)
+
+    def write_config(self, config: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
+        """config.json: the resolved flags plus derived values and versions."""
+        if self.enabled:
+            payload = {"config": dict(config), **extra, "environment": environment()}
+            (self.output_dir / "config.json").write_text(json.dumps(payload, indent=2) + "\n")
+            simple = {k: v for k, v in extra.items() if isinstance(v, (int, float, str, bool))}
+            self._trackers.config({**config, **simple})
+
+    def scalars(self, prefix: str, values: Mapping[str, float], step: int) -> None:
+        """TensorBoard scalars ``prefix/name`` at ``step``."""
+        if self._tb is not None:
+            for name, value in values.items():
+                self._tb.add_scalar(f"{prefix}/{name}", value, step)
+        self._trackers.scalars({f"{prefix}/{name}": v for name, v in values.items()}, step)
+
+    def epoch(self, record: Mapping[str, Any]) -> None:
+        """One line in metrics.jsonl per epoch (cheap to grep and plot)."""
+        if self.enabled:
+            with open(self.output_dir / METRICS, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def has_epoch(self, epoch: int) -> bool:
+        """Whether metrics.jsonl has a line for ``epoch`` (True off rank 0: nothing to write)."""
+        path = self.output_dir / METRICS
+        if not self.enabled:
+            return True
+        return path.is_file() and any(_epoch_of(line) == epoch
+                                      for line in path.read_text().splitlines())
+
+    def drop_epochs_from(self, epoch: int) -> None:
+        """Remove metrics.jsonl lines of ``epoch`` and later: this run writes them again."""
+        path = self.output_dir / METRICS
+        if not self.enabled or not path.is_file():
+            return
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if _epoch_of(line) < epoch]
+        if len(kept) != len(lines):
+            tmp = path.with_name(f".{METRICS}.tmp")
+            tmp.write_text("".join(kept))
+            tmp.replace(path)
+
+    def images(self, tag: str, grid: torch.Tensor, step: int) -> None:
+        """An image grid (e.g. augmented training samples)."""
+        if self._tb is not None:
+            self._tb.add_image(tag, grid, step)
+
+    def hparams(self, hparams: Mapping[str, Any], metrics: Mapping[str, float],
+                step: int) -> None:
+        """The hyper-parameters next to the final metrics (at the run's last step)."""
+        if self._tb is not None:
+            clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+                     for k, v in hparams.items()}
+            self._tb.add_hparams(clean, dict(metrics), run_name=".", global_step=step)
+        self._trackers.final({k.split("/")[-1]: v for k, v in metrics.items()}, step)
+
+    def progress_hook(self) -> Callable[[dict], None] | None:
+        """The engine's ``on_progress``: the progress line (with the images/s of all ranks since
+        this logger started) and the step scalars in TensorBoard; None off rank 0."""
+        if not self.enabled:
+            return None
+        start, images = time.perf_counter(), 0
+
+        def on_progress(record: dict) -> None:
+            nonlocal images
+            images += record["images"]
+            record["images_per_sec"] = images / max(time.perf_counter() - start, 1e-9)
+            print_train_progress(record)
+            self.scalars("step", {k: record[k] for k in ("loss", "lr", "images_per_sec",
+                                                          "data_wait")}, record["global_step"])
+
+        return on_progress
+
+    def flush(self) -> None:
+        """Push buffered events to disk."""
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self, status: str = "finished") -> None:
+        """Flush and close the TensorBoard writer; end the trackers' runs with ``status``."""
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        self._trackers.close(status)
+
+    def __enter__(self) -> RunLogger:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        stopped = kind is not None and issubclass(kind, (Preempted, KeyboardInterrupt))
+        self.close("finished" if kind is None else "stopped" if stopped else "failed")

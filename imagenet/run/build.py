@@ -1,0 +1,209 @@
+"""Everything one training process holds (``Run``), built from the flags; no resume yet.
+
+``build_engine`` is the one place where flags become the objects of a training step: the trainer,
+the tests and the benchmarks all build their engines with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel
+
+import imagenet.data.shm as shm
+import imagenet.data.transforms as T
+import imagenet.evaluation.report as evaluation
+from imagenet.checkpoint import files
+from imagenet.data.device import use_device_decoding
+from imagenet.data.folder import Data, build_data
+from imagenet.data.shards import build_shard_data, data_format
+from imagenet.errors import UsageError
+from imagenet.launching.rendezvous import DistInfo, from_rank0
+from imagenet.reporting.stages import slow_stage
+from imagenet.run.outputs import Outputs
+from imagenet.settings.flags import Config
+from imagenet.settings.launch import Layout
+from imagenet.training.engine import Engine, EpochTotals, Options, Parts, Step
+from imagenet.training.finetune import classifier_names, prepare_model
+from imagenet.training.models import build_model, wrap
+from imagenet.training.optim import build_criterion, build_ema, build_optimizer, build_scheduler
+from imagenet.training.position import EpochStart, images_trained
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Best:
+    """The best top-1 so far and the file that holds those weights."""
+
+    path: Path
+    acc1: float = 0.0
+
+    def update(self, acc1: float) -> bool:
+        """Record an epoch's top-1; True when its weights become the best file.
+
+        A first epoch at 0% still gets a file: nothing has scored yet and there is none.
+        """
+        improved = acc1 > self.acc1 or (self.acc1 == 0.0 and not self.path.exists())
+        self.acc1 = max(self.acc1, acc1)
+        return improved
+
+
+@dataclass
+class Run:
+    """Everything one training process holds."""
+
+    cfg: Config
+    dist: DistInfo
+    layout: Layout
+    output_dir: Path
+    data: Data
+    raw_model: nn.Module  # unwrapped: what checkpoints hold
+    engine: Engine
+    step: Step
+    best: Best
+    best_ema: Best | None  # --model-ema: the EMA weights' best top-1
+    aug_seed: int  # augmentation randomness is a function of (aug_seed, epoch, sample)
+    epoch_start: EpochStart = field(default_factory=EpochStart)  # a resume inside an epoch
+    outputs: Outputs = field(default_factory=Outputs)  # object storage, imagenet.train's caller
+    # What the epoch's metrics.jsonl record needs, checkpointed: its training so far, and (once
+    # done) the whole record, written again if a kill came between the save and the log line.
+    train_totals: EpochTotals | None = None
+    last_record: dict[str, Any] | None = None
+
+    def images_trained(self) -> int:
+        """Images of the current epoch's order trained so far, whatever layout trained them."""
+        return images_trained(self.step, self.epoch_start, self.layout.global_batch,
+                              self.data.train.images)
+
+
+def seed_process(seed: int | None) -> None:
+    """Seed python, numpy and torch in this process, with deterministic kernels; or let cuDNN
+    pick the fastest ones when unseeded."""
+    if seed is None:
+        torch.backends.cudnn.benchmark = True
+        return
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+
+
+def data_root(cfg: Config, output_dir: Path) -> str:
+    """The data argument: DIR (a folder, URL or shard pattern), or the built-in demo data
+    generated under OUTPUT_DIR."""
+    if not cfg.demo:
+        return cfg.data
+    from imagenet.tools.demo import make_demo_dataset
+
+    return str(make_demo_dataset(output_dir / "demo-data"))
+
+
+def load_data(cfg: Config, dist: DistInfo, layout: Layout, root: str, aug_seed: int) -> Data:
+    """This rank's data: an ImageFolder (or --dummy data) or tar shards, as ``root`` says."""
+    if cfg.dummy and cfg.val_data:
+        raise UsageError("--val-data gives real validation images; --dummy has none: drop one")
+    uses_shards = not cfg.dummy and data_format(root, cfg.data_format) == "shards"
+    if not uses_shards and cfg.num_classes:
+        raise UsageError(f"--num-classes applies to tar shards only; '{root}' is read as an "
+                         "ImageFolder")
+    pin_memory = dist.device.type == "cuda"
+    if not uses_shards and cfg.evaluate and cfg.val_data:  # -e on a folder: DIR is not read
+        return evaluation.build_eval_data(cfg, dist.rank, dist.world_size, layout, aug_seed,
+                                          pin_memory)
+    on_device = use_device_decoding(cfg, dist.device.type, uses_shards)
+    if on_device and dist.is_main:
+        log.info("=> JPEGs decoded and cropped on %s (--decode-on-device %s); loader workers "
+                 "read files", dist.device, cfg.decode_on_device)
+    if uses_shards:
+        return build_shard_data(cfg, root, dist.rank, dist.world_size, layout, aug_seed,
+                                pin_memory=pin_memory)
+    return build_data(cfg, root, dist.rank, dist.world_size, layout, aug_seed,
+                      pin_memory=pin_memory, decode_on_device=on_device)
+
+
+def amp_dtype(amp: str | None) -> torch.dtype | None:
+    """torch dtype of --amp."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp or "")
+
+
+def build_engine(cfg: Config, raw: nn.Module, model: nn.Module, device: torch.device,
+                 layout: Layout, steps_per_epoch: int, num_classes: int,
+                 ema: AveragedModel | None = None,
+                 class_counts: list[int] | None = None) -> Engine:
+    """The objects and options of a training step, from the flags.
+
+    ``raw`` is the plain (or sharded) model (optimizer, EMA), ``model`` what the step calls
+    (DDP, compiled). ``ema``: built before --fsdp sharded ``raw``; None builds it from ``raw``.
+    ``class_counts``: training images per class (--class-balanced-loss).
+    """
+    head = classifier_names(raw, num_classes) if cfg.backbone_lr_scale != 1.0 else None
+    optimizer = build_optimizer(raw, cfg, head)
+    parts = Parts(
+        model=model, criterion=build_criterion(cfg, class_counts).to(device),
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, cfg, steps_per_epoch),
+        scaler=torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None,
+        ema=ema if ema is not None else build_ema(raw, cfg, layout),
+        batch_transform=T.batch_transform(cfg.mixup_alpha, cfg.cutmix_alpha, num_classes))
+    opts = Options(
+        device=device, steps_per_epoch=steps_per_epoch, epochs=cfg.epochs,
+        world_size=layout.world_size, grad_accum_steps=layout.grad_accum_steps,
+        amp_dtype=amp_dtype(cfg.amp), channels_last=cfg.channels_last,
+        clip_grad_norm=cfg.clip_grad_norm, ema_steps=cfg.model_ema_steps,
+        ema_warmup_epochs=cfg.lr_warmup_epochs, print_freq=cfg.print_freq)
+    return Engine(parts, opts)
+
+
+def build_run(cfg: Config, dist: DistInfo, layout: Layout) -> Run:
+    """Data, model and engine for this process (no resume yet)."""
+    output_dir = Path(cfg.output_dir)  # made, checked and locked by preflight.claim_output_dir
+    # Model init uses the same seed on every rank; augmentation gets its own per-sample seeds.
+    seed_process(cfg.seed)
+    # Rank 0's seed (unseeded: its draw) is the job's augmentation seed: a sample's
+    # augmentation does not depend on the rank that loads it, and the checkpoint's seed is
+    # every rank's. Every rank broadcasts, seeded or not, so that flags differing across ranks
+    # are reported (checkpoint.changes), not stuck in a collective only some ranks call.
+    aug_seed = from_rank0(cfg.seed if cfg.seed is not None else
+                          random.SystemRandom().randrange(2**31))
+    evaluation.check_outputs(cfg, dist)  # -e's report folder, --predictions
+    root = data_root(cfg, output_dir)
+    with slow_stage(f"reading the data set {root} (listing every image)") as stage:
+        data = load_data(cfg, dist, layout, root, aug_seed)
+        stage.done = (f"found {data.num_classes} classes, {data.train.images} training images "
+                      f"per epoch and {data.val_size} validation images")
+    if cfg.fsdp and data.val_size < dist.world_size:  # every rank joins every sharded forward
+        raise UsageError(f"--fsdp: the validation set has {data.val_size} image(s), fewer than "
+                         f"the {dist.world_size} processes; it needs at least one per process")
+    no_room = shm.check_room([(data.train_loader, cfg.train_crop_size),
+                              (data.val_loader, cfg.val_crop_size)], layout.batch_size,
+                             dist.local_world_size)
+    if no_room:
+        raise UsageError(no_room)
+    raw = build_model(cfg.arch, data.num_classes, cfg.pretrained, cfg.weights).to(dist.device)
+    prepare_model(raw, cfg, data.classes)  # --finetune, --freeze-backbone: before any wrapper
+    if cfg.channels_last and not (cfg.fsdp and dist.distributed):
+        # Not under --fsdp: torch 2.14's fully_shard refuses non-contiguous parameters
+        # (NotImplementedError in FSDPParam), and gathers every weight into a view with
+        # contiguous strides anyway. The activations still run channels_last (the input is),
+        # where most of the speed comes from; cuDNN converts the small weights per conv.
+        raw = raw.to(memory_format=torch.channels_last)
+    ema = build_ema(raw, cfg, layout)  # a copy of the whole model: before --fsdp shards it
+    model = wrap(raw, cfg, dist, ema)
+    if cfg.seed is not None:  # per-rank stream for dropout / MixUp in the training step
+        torch.manual_seed(cfg.seed + dist.rank)
+    steps = -(-data.train.batches // layout.grad_accum_steps)
+    engine = build_engine(cfg, raw, model, dist.device, layout, steps, data.num_classes, ema,
+                          data.train_counts)
+    name = files.dcp_name if cfg.sharded_checkpoint else str  # best: a file or a directory
+    best_ema = Best(output_dir / name(files.BEST_EMA)) if cfg.model_ema else None
+    return Run(cfg, dist, layout, output_dir, data, raw, engine, Step(epoch=cfg.start_epoch),
+               Best(output_dir / name(files.BEST)), best_ema, aug_seed)

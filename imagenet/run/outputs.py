@@ -1,0 +1,106 @@
+"""Where a run's files go besides OUTPUT_DIR, and who hears of each checkpoint (``Run.outputs``).
+
+- ``remote``: --output-dir / --resume on object storage (``storage``): OUTPUT_DIR is a local
+  staging folder, which rank 0 fills before the resume and uploads after every save, every
+  epoch's log lines and at the end.
+- ``on_checkpoint``: ``imagenet.train``'s caller (``examples/ray_train.py`` reports to Ray
+  Train), called on every rank after every save: the same number of times on every rank.
+- ``resume_from``: a checkpoint that holds this run's latest state (Ray's
+  ``get_checkpoint()``): rank 0 makes it OUTPUT_DIR/checkpoint.pth.tar before the resume, so
+  the run continues it as its own, metrics.jsonl and TensorBoard record included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from imagenet.checkpoint import files
+from imagenet.checkpoint.storage import Remote
+from imagenet.settings.launch import elastic_restart_count
+
+if TYPE_CHECKING:
+    from imagenet.run.build import Run
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A checkpoint just written, as ``imagenet.train``'s ``on_checkpoint`` receives it."""
+
+    path: Path  # rank 0's file (or --sharded-checkpoint directory); may not exist elsewhere
+    rank: int
+    epoch: int  # where a resume starts, as the checkpoint's "epoch": the next epoch when done
+    step_in_epoch: int
+    global_step: int
+    epoch_done: bool  # trained and validated: written at the end of an epoch
+    best_acc1: float
+
+
+@dataclass
+class Outputs:
+    """What happens to a run's output besides OUTPUT_DIR (see the module docstring)."""
+
+    remote: Remote | None = None
+    on_checkpoint: Callable[[Saved], None] | None = None
+    resume_from: Path | None = None
+    _pending: Saved | None = None  # saved, not yet published (an epoch's end: its log first)
+
+    def saved(self, run: Run, epoch_done: bool) -> None:
+        """After a save, before any rank goes on (or exits after a signal): rank 0 uploads,
+        then every rank tells the caller. At the end of an epoch both wait for the epoch's
+        metrics.jsonl line (``logged``): a checkpoint that is past an epoch is never published
+        before that epoch's line, which a resume from it could not write again."""
+        step = run.step
+        epoch, step_in_epoch = (step.epoch + 1, 0) if epoch_done else \
+            (step.epoch, step.step_in_epoch)
+        name = files.dcp_name(files.CHECKPOINT) if run.cfg.sharded_checkpoint \
+            else files.CHECKPOINT
+        self._pending = Saved(run.output_dir / name, run.dist.rank, epoch, step_in_epoch,
+                              step.global_step, epoch_done, float(run.best.acc1))
+        if not epoch_done:
+            self.logged(run)
+
+    def logged(self, run: Run) -> None:
+        """After an epoch's log lines (and a mid-epoch save): rank 0 uploads what changed, then
+        every rank tells the caller of the checkpoint saved since the last call."""
+        if self.remote is not None and run.dist.is_main:
+            self.remote.push()
+        saved, self._pending = self._pending, None
+        if saved is not None and self.on_checkpoint is not None:
+            self.on_checkpoint(saved)
+
+    @contextlib.contextmanager
+    def attached(self, run: Run) -> Iterator[None]:
+        """Around the resume and the training: rank 0 prepares OUTPUT_DIR first (every rank
+        raises its error), and uploads what is there at the end, however the run ends."""
+        from imagenet.run.preflight import on_rank0  # preflight needs Run: imported late
+
+        if self.remote is not None or self.resume_from is not None:  # the same on every rank
+            on_rank0(run.dist, lambda: self.prepare(run))
+        try:
+            yield
+        except BaseException:
+            if self.remote is not None and run.dist.is_main and not run.cfg.evaluate:
+                with contextlib.suppress(Exception):  # the run's own error is the one to see
+                    self.remote.push()
+            raise
+        if self.remote is not None and run.dist.is_main and not run.cfg.evaluate:
+            self.remote.push()
+
+    def prepare(self, run: Run) -> None:
+        """Rank 0: fill the staging folder from the URL, and adopt ``resume_from``."""
+        cfg = run.cfg
+        if self.remote is not None:
+            own = str(run.output_dir / files.CHECKPOINT)
+            continuing = cfg.resume in ("auto", own) or elastic_restart_count() > 0
+            self.remote.attach(continuing, not cfg.evaluate)
+        if self.resume_from is not None and not cfg.evaluate:
+            log.info("=> resuming from %s (the caller's checkpoint of this run)",
+                     self.resume_from)
+            files.atomic_copy(Path(self.resume_from), run.output_dir / files.CHECKPOINT)

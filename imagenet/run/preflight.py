@@ -1,0 +1,176 @@
+"""Before the first training step: claim the output folder, check that the run can finish.
+
+Rank 0 decides what only it sees (the output folder, its lock, the disk); the ranks share the
+check of the validation images; every rank then raises the same error, or none does, so no rank
+starts training while another has stopped. An error found here costs seconds, not an epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from torchvision.datasets import DatasetFolder
+
+import imagenet.checkpoint.disk as disk
+import imagenet.checkpoint.rundir as rundir
+import imagenet.data.transforms as T
+from imagenet.checkpoint import files
+from imagenet.checkpoint.storage import Remote
+from imagenet.data.shards.check import first_bad_shard
+from imagenet.data.shards.reader import ShardBatchSampler
+from imagenet.errors import DataError, RunError, TrainerError
+from imagenet.launching.rendezvous import DistInfo, raise_agreed
+from imagenet.run.build import Run
+from imagenet.settings.flags import Config
+
+log = logging.getLogger(__name__)
+
+Result = TypeVar("Result")
+
+
+def on_rank0(info: DistInfo, check: Callable[[], Result]) -> Result | None:
+    """``check()`` on rank 0; its TrainerError is raised on every rank. Collective."""
+    error, result = None, None
+    if info.is_main:
+        try:
+            result = check()
+        except TrainerError as exc:
+            error = exc
+        except Exception as exc:
+            # A bug: the other ranks must not wait for rank 0 forever; rank 0 keeps the cause.
+            error = RunError(f"rank 0 failed its start-up checks ({type(exc).__name__}: {exc})")
+            error.__cause__ = exc
+    raise_agreed(error)
+    return result
+
+
+def claim_output_dir(cfg: Config, info: DistInfo) -> rundir.FolderLock:
+    """Rank 0 makes OUTPUT_DIR, checks it can write there and takes its lock for the run; then
+    (and only then) removes temp files a killed writer left. Collective.
+
+    Called once the data and the model are built: a mistyped data folder leaves no trace.
+    """
+    folder = Path(cfg.output_dir)
+
+    def claim() -> rundir.FolderLock:
+        rundir.prepare_folder(folder)
+        lock = rundir.lock_folder(folder)
+        if lock.fd is not None:  # without a lock, a temp file may be another writer's
+            files.remove_stale_temp_files(folder)
+        return lock
+
+    return on_rank0(info, claim) or rundir.FolderLock(folder / rundir.LOCK, None)
+
+
+def check_before_training(run: Run, resumed: Path | None) -> None:
+    """Room for the checkpoints (rank 0), every validation image or shard readable (all ranks,
+    each its share); then rank 0 moves an earlier run's record aside. Collective."""
+    on_rank0(run.dist, lambda: check_room(run, resumed))
+    raise_agreed(first_bad_val_shard(run) or first_bad_val_image(run))
+    on_rank0(run.dist, lambda: keep_history(run.output_dir, resumed, run.outputs.remote))
+
+
+def continues_folder(folder: Path, resumed: Path | None) -> bool:
+    """True when the run resumes a checkpoint of OUTPUT_DIR, so it continues that record."""
+    return resumed is not None and resumed.resolve().parent == folder.resolve()
+
+
+def keep_history(folder: Path, resumed: Path | None, remote: Remote | None = None) -> None:
+    """A fresh run in a used folder: move the earlier run's record to previous/<start time>
+    (on object storage too, when OUTPUT_DIR stands for a URL)."""
+    if continues_folder(folder, resumed):
+        return
+    moved = rundir.move_previous_run(folder)
+    remote_moved = remote.move_previous_run() if remote is not None else None
+    for where, dest in ((folder, moved), (remote and remote.output_url, remote_moved)):
+        if dest is not None:
+            log.info("=> %s held an earlier run: moved its checkpoints, metrics.jsonl, "
+                     "config.json and tb/ to %s (this run starts fresh; --resume auto continues "
+                     "a run instead)", where, dest)
+
+
+def checkpoint_bytes(run: Run) -> tuple[int, int]:
+    """Estimated sizes of checkpoint.pth.tar and (with --model-ema) model_best_ema.pth.tar.
+
+    The weights and buffers, the optimizer's per-parameter state (momentum, Adam's moments)
+    and the EMA copy; the rest of a checkpoint is a few kB.
+    """
+    model = sum(t.numel() * t.element_size() for t in run.raw_model.state_dict().values())
+    params = sum(p.numel() * p.element_size() for p in run.raw_model.parameters())
+    ema = model if run.engine.parts.ema is not None else 0
+    return model + params * optimizer_slots(run.engine.parts.optimizer) + ema, ema
+
+
+def optimizer_slots(optimizer: torch.optim.Optimizer) -> int:
+    """Tensors the optimizer keeps per parameter."""
+    group = optimizer.param_groups[0]
+    if isinstance(optimizer, torch.optim.SGD):
+        return int(bool(group["momentum"]))
+    if isinstance(optimizer, torch.optim.RMSprop):
+        return 1 + int(group["momentum"] > 0) + int(bool(group["centered"]))
+    return 2 + int(bool(group.get("amsgrad")))  # Adam / AdamW and, by default, others
+
+
+def check_room(run: Run, resumed: Path | None) -> None:
+    """Fail now when the checkpoints clearly cannot be written, not after an epoch.
+
+    A save writes the new file before replacing the old one, so from the second save on the
+    folder holds two checkpoints for a moment; a resumed checkpoint of this folder already
+    holds the room of one.
+    """
+    size, ema = checkpoint_bytes(run)
+    limit = disk.file_size_limit()
+    if limit is not None and size > limit:
+        raise RunError(f"a checkpoint of this run takes about {disk.human(size)}, more than the "
+                       f"file size limit (ulimit -f = {disk.human(limit)}); raise the limit "
+                       "(ulimit -f unlimited) and start again")
+    several_saves = run.cfg.epochs - run.step.epoch > 1 or run.cfg.save_every > 0
+    # --keep-checkpoints N: N more whole checkpoints once later saves replace the one they link
+    need = (size + ema) * (2 if several_saves else 1) + size * run.cfg.keep_checkpoints
+    own = run.output_dir / files.CHECKPOINT
+    if continues_folder(run.output_dir, resumed) and own.is_file():
+        need -= own.stat().st_size
+    free = disk.free_bytes(run.output_dir)
+    if free is not None and free < need:
+        kept = f"; --keep-checkpoints {run.cfg.keep_checkpoints} keeps as many more" \
+            if run.cfg.keep_checkpoints else ""
+        raise RunError(f"{run.output_dir} has {disk.human(free)} free, but this run needs about "
+                       f"{disk.human(need)} for its checkpoints (one is about "
+                       f"{disk.human(size + ema)}, and a save writes the new file before it "
+                       f"replaces the old{kept}); free some space or give another --output-dir")
+
+
+def first_bad_val_shard(run: Run) -> DataError | None:
+    """The first missing, truncated or miscounted validation shard of this rank's share."""
+    sampler = run.data.val_loader.batch_sampler
+    if not isinstance(sampler, ShardBatchSampler):
+        return None
+    start = time.perf_counter()
+    bad = first_bad_shard(sampler.shards, run.dist.rank, run.dist.world_size)
+    log.debug("checked the validation shards in %.2f s", time.perf_counter() - start)
+    if bad is None:
+        return None
+    return DataError(f"{bad}; found by the check of the validation shards before training")
+
+
+def first_bad_val_image(run: Run) -> DataError | None:
+    """The first unreadable image of this rank's validation shard (the ShardSampler's)."""
+    dataset = run.data.val_loader.dataset
+    if not isinstance(dataset, DatasetFolder):  # --dummy, or tar shards (read whole to check)
+        return None
+    samples = dataset.samples
+    start = time.perf_counter()
+    mine = samples[run.dist.rank::run.dist.world_size]
+    for path, _ in mine:
+        try:
+            T.check_image_file(path, run.cfg.image_backend)
+        except DataError as exc:
+            return DataError(f"{exc}; found by the check of the validation images before "
+                             "training: fix or remove the file")
+    log.debug("checked %d validation images in %.2f s", len(mine), time.perf_counter() - start)
+    return None

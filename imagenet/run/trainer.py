@@ -1,0 +1,314 @@
+"""One training process from start to end: build, resume, then the epoch loop (or -e)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+import torchvision
+from torch import nn
+
+import imagenet.checkpoint.disk as disk
+import imagenet.data.resizing as resizing
+import imagenet.launching.timelimit as timelimit
+import imagenet.settings.recipe as recipe
+from imagenet.checkpoint.guard import last_good
+from imagenet.checkpoint.state import resume, save
+from imagenet.checkpoint.storage import stage
+from imagenet.data.device import device_batches
+from imagenet.data.folder import shutdown_workers
+from imagenet.errors import NonFiniteLossError, Preempted, on_every_rank
+from imagenet.evaluation.report import Report, for_validation
+from imagenet.launching.preemption import StopBetweenBatches, StopFlag, StopRequested
+from imagenet.launching.rendezvous import DistInfo
+from imagenet.reporting.console import describe_evaluation, finished
+from imagenet.reporting.logger import RunLogger, print_val_progress
+from imagenet.reporting.stages import FirstBatch, slow_stage
+from imagenet.run.build import Run, build_run
+from imagenet.run.outputs import Outputs
+from imagenet.run.preflight import check_before_training, checkpoint_bytes, claim_output_dir
+from imagenet.settings.flags import Config, get_args_parser
+from imagenet.settings.launch import Layout, elastic_restart_count
+from imagenet.training.compiling import graphs_compiled, new_graphs
+from imagenet.training.cpu_features import native_bf16, slow_bf16_warning
+from imagenet.training.engine import (
+    EpochTotals,
+    Hooks,
+    Step,
+    epoch_metrics,
+    evaluate,
+    train_one_epoch,
+)
+from imagenet.training.models import for_evaluation
+
+log = logging.getLogger(__name__)
+
+
+def run_training(cfg: Config, dist: DistInfo, layout: Layout,
+                 outputs: Outputs | None = None) -> dict[str, float]:
+    """Train (or evaluate with -e) in this process; the entry point of every rank.
+
+    ``outputs``: imagenet.train's caller's hooks (``imagenet.run.outputs``).
+    """
+    cfg, remote = stage(cfg)  # an object-storage --output-dir: a local folder, mirrored
+    finished = timelimit.nothing_left(cfg, dist, elastic_restart_count() > 0)
+    if finished:  # a chained job after the last epoch: leave at once
+        log.info("%s", finished)
+        return {}
+    run = build_run(cfg, dist, layout)
+    run.outputs = replace(outputs or Outputs(), remote=remote)
+    try:
+        # Rank 0 of a training run holds OUTPUT_DIR's lock until the run ends; -e only reads.
+        with (contextlib.nullcontext() if cfg.evaluate else claim_output_dir(cfg, dist)), \
+                disk.full_disk_is_an_error(run.output_dir), run.outputs.attached(run):
+            return resume_and_train(run)
+    finally:
+        # Loader workers ignore SIGTERM (preemption.ignore_stop_signals): stop them here, or
+        # multiprocessing's exit handler would terminate them in vain and wait forever.
+        shutdown_workers(run.data.train_loader, run.data.val_loader)
+
+
+def resume_and_train(run: Run) -> dict[str, float]:
+    """Resume, check that the run can finish, then train (or evaluate with -e)."""
+    derived = describe(run)
+    resumed = resume(run)
+    if run.cfg.evaluate:
+        describe_evaluation(run, resumed)
+        return validate(run, run.engine.parts.model, report=Report(run, tag="eval"))
+    with slow_stage("checking the disk space and every validation image") as stage:
+        check_before_training(run, resumed)
+        stage.done = "disk space and validation images checked"
+    # Scalars are logged at the number of completed steps: the checkpoint's global_step is the
+    # last one that counts; later ones came from a killed run and are purged, as are their
+    # metrics.jsonl lines. (A fresh run finds no earlier record: it was moved aside.)
+    step = run.step.global_step
+    with RunLogger(run.output_dir, run.dist.is_main, purge_step=step + 1 if step else 0,
+                   log_to=run.cfg.log_to) as logger:
+        logger.drop_epochs_from(run.step.epoch)
+        if run.last_record is not None and not logger.has_epoch(run.last_record["epoch"]):
+            log_epoch(logger, run.step, run.last_record)  # killed between its save and line
+        started = datetime.datetime.now().isoformat(timespec="seconds")
+        logger.write_config(run.cfg.to_dict(), {**derived, "started": started,
+                                                "torchvision_models": torchvision.__version__,
+                                                **recipe.record(run.cfg.config,
+                                                                    get_args_parser())})
+        log_augmented_samples(run, logger)
+        return train(run, logger)
+
+
+def train(run: Run, logger: RunLogger) -> dict[str, float]:
+    """The epoch loop: train, validate, keep the best, checkpoint, log."""
+    stop = StopFlag(timelimit.deadline(run.cfg, run.dist, lambda: sum(checkpoint_bytes(run))))
+    stop.install()
+    hooks = Hooks(on_progress=logger.progress_hook(), after_step=saver(run, stop))
+    start, record = time.perf_counter(), {}
+    try:
+        crops_seen: set[int | None] = set()  # a crop size's first epoch compiles its graphs
+        for epoch in range(run.step.epoch, run.cfg.epochs):
+            run.step.epoch = epoch
+            graphs = graphs_compiled() if run.cfg.compile else 0
+            crop = resizing.announce(run.cfg, epoch)  # progressive resizing: this epoch's size
+            new_crop = crop.get("train_crop_px") not in crops_seen
+            crops_seen.add(crop.get("train_crop_px"))
+            # Train the rest of the epoch (all of it, unless resumed mid-epoch).
+            steps_before = run.step.global_step
+            trained = train_rest_of_epoch(run, hooks)
+            record = {"epoch": epoch, "lr": run.engine.parts.optimizer.param_groups[0]["lr"],
+                      **prefixed("train_", trained), **crop}
+            # A signal stopped training: every rank saved this step's state; exit 143.
+            if stop.stopping:
+                stop.drain()
+                raise stopped(run, stop)
+            # The trained epoch is saved before it is validated: a signal or an error during
+            # validation loses none of it (a resume then only validates).
+            if run.step.global_step > steps_before:
+                stop.saved(save(run, is_best=False))
+            # Validate the model (and its EMA) on every image once; track the best of each.
+            try:
+                # After the last epoch: predictions, per-class accuracy, confusion matrix.
+                report = Report(run, logger) if epoch == run.cfg.epochs - 1 else None
+                validated = validate_epoch(run, stop, report)
+            except StopRequested:  # validation is not saved state; the trained epoch is
+                stop.drain()
+                raise stopped(run, stop, "during the validation of") from None
+            if run.cfg.compile:  # in the first epoch only (compiling); a warning otherwise
+                record["compiled_graphs"] = new_graphs(graphs, epoch, expected=new_crop)
+            is_best, is_best_ema = track_best(run, validated, record)
+            # Save (best files first, the record with it), then log the epoch.
+            run.last_record, run.train_totals = record, None
+            stop.saved(save(run, is_best, epoch_done=True, is_best_ema=is_best_ema,
+                            score=record["val_acc1"]))
+            run.step.step_in_epoch = 0
+            log_epoch(logger, run.step, record)
+            run.outputs.logged(run)
+            if stop.settle():  # signalled during the save: the epoch is saved, stop now
+                raise stopped(run, stop, "after")
+        stop.drain()
+    except NonFiniteLossError as exc:
+        raise on_every_rank(NonFiniteLossError(f"{exc}; {last_good(run.output_dir)}")) from None
+    finally:
+        stop.uninstall()
+    if record:
+        logger.hparams({k: v for k, v in run.cfg.to_dict().items() if v is not None},
+                       {"hparam/best_acc1": run.best.acc1, "hparam/val_acc1": record["val_acc1"],
+                        "hparam/val_loss": record["val_loss"]}, run.step.global_step)
+    log.info("=> done in %.1f s; best Acc@1 %.3f", time.perf_counter() - start, run.best.acc1)
+    finished(run)
+    return {"best_acc1": run.best.acc1, **record}
+
+
+def train_rest_of_epoch(run: Run, hooks: Hooks) -> dict[str, float]:
+    """Train the epoch from ``run.step.step_in_epoch`` on, continuing the same data order;
+    the metrics of the whole epoch, every rank's (a resume's checkpoint holds the earlier part)."""
+    if run.train_totals is None:
+        run.train_totals = EpochTotals.starting(run.dist.device)
+    if run.step.step_in_epoch >= run.engine.opts.steps_per_epoch:
+        # Resumed after the last step: only the validation is left.
+        return epoch_metrics(run.train_totals.of_job())
+    run.data.train.continue_after(run.step.epoch, run.images_trained())
+    loader = device_batches(FirstBatch(run.data.train_loader, run.layout.workers, "training"),
+                            run.dist.device, run.data.train_finish)
+    return train_one_epoch(run.engine, loader, run.step, hooks, run.train_totals)
+
+
+def saver(run: Run, stop: StopFlag) -> Callable[[Step, Callable[[], None]], bool]:
+    """The ``after_step`` hook: mid-epoch saving (--save-every) and preemption."""
+
+    def after_step(step: Step, check_finite: Callable[[], None]) -> bool:
+        stopping = stop.should_stop()
+        every = run.cfg.save_every
+        if stopping or (every and step.step_in_epoch % every == 0
+                        and step.step_in_epoch < run.engine.opts.steps_per_epoch):
+            check_finite()
+            stop.saved(save(run, is_best=False))
+        return stopping
+
+    return after_step
+
+
+def stopped(run: Run, stop: StopFlag, when: str = "") -> Preempted:
+    """The error that ends a run stopped by a signal (its state is saved)."""
+    where = f"{when} epoch {run.step.epoch}" if when else \
+        f"at epoch {run.step.epoch} step {run.step.step_in_epoch}"
+    if stop.by_time_limit:
+        return timelimit.reached(where, run.output_dir, stop.deadline)
+    return Preempted(f"stopped by {stop.reason} {where}; "
+                     f"checkpoint saved in {run.output_dir}; resume with --resume auto")
+
+
+def validate(run: Run, model: nn.Module, name: str = "", stop: StopFlag | None = None,
+             report: Report | None = None) -> dict[str, float]:
+    """Evaluate ``model`` on the whole validation set and print the classic summary line.
+
+    With ``stop``, a signal ends it within a batch (StopRequested) on every rank. With
+    ``report``, the per-image and per-class results are written too.
+    """
+    loader = device_batches(FirstBatch(run.data.val_loader, run.layout.workers, "validation"),
+                            run.dist.device, run.data.val_finish)
+    if stop is not None:
+        # should_stop is collective: every rank asks as often as the largest shard has batches.
+        largest_shard = math.ceil(run.data.val_size / run.dist.world_size)
+        loader = StopBetweenBatches(loader, stop, math.ceil(largest_shard /
+                                                            run.layout.batch_size))
+    metrics = evaluate(run.engine, for_validation(for_evaluation(model), run.cfg), loader,
+                       run.data.val_size,
+                       partial(print_val_progress, ranks=run.dist.world_size)
+                       if run.dist.is_main else None,
+                       report.add if report is not None else None)
+    log.info(" * %sAcc@1 %.3f Acc@5 %.3f  (%d images)", name, metrics["acc1"], metrics["acc5"],
+             metrics["count"])
+    if report is not None:
+        report.finish(metrics)
+    return metrics
+
+
+def validate_epoch(run: Run, stop: StopFlag, report: Report | None = None
+                   ) -> dict[str, dict[str, float]]:
+    """The model's validation metrics (key ""), and its EMA's ("ema_") with --model-ema;
+    ``report``: the model's per-image and per-class results."""
+    validated = {"": validate(run, run.engine.parts.model, "", stop, report)}
+    if run.engine.parts.ema is not None:
+        validated["ema_"] = validate(run, run.engine.parts.ema, "EMA ", stop)
+    return validated
+
+
+def track_best(run: Run, validated: dict[str, dict[str, float]],
+               record: dict[str, Any]) -> tuple[bool, bool]:
+    """Add ``{prefix}val_*`` and ``best_{prefix}acc1`` to ``record``; whether the model and the
+    EMA are the best so far. Only once every validation is done: a best recorded before a stop
+    would be saved without its file."""
+    improved = {}
+    for prefix, best in (("", run.best), ("ema_", run.best_ema)):
+        if best is None or prefix not in validated:
+            continue
+        record.update(prefixed(f"{prefix}val_", validated[prefix]))
+        improved[prefix] = best.update(validated[prefix]["acc1"])
+        record[f"best_{prefix}acc1"] = best.acc1
+    return improved.get("", False), improved.get("ema_", False)
+
+
+def prefixed(prefix: str, metrics: dict[str, float]) -> dict[str, float]:
+    """``metrics`` with every key prefixed."""
+    return {f"{prefix}{k}": v for k, v in metrics.items()}
+
+
+def log_epoch(logger: RunLogger, step: Step, record: dict[str, Any]) -> None:
+    """Per-epoch TensorBoard scalars and one metrics.jsonl line.
+
+    The scalars are logged at the global step (the epoch is a scalar too), like the per-step
+    ones: a resume purges every tag from the checkpoint's step on, so no curve gets a duplicate
+    or backwards point.
+    """
+    logger.epoch(record)  # first: a resume that finds no line writes the scalars too
+    for prefix in ("train_", "val_", "ema_val_"):  # "val_" does not match "ema_val_"
+        values = {k[len(prefix):]: v for k, v in record.items() if k.startswith(prefix)}
+        logger.scalars(f"epoch/{prefix[:-1]}", values, step.global_step)
+    logger.scalars("epoch", {k: record[k] for k in ("epoch", "lr", "best_acc1", "best_ema_acc1")
+                             if k in record}, step.global_step)
+    if "train_images_per_sec" in record:
+        wait, compiled = record.get("train_data_wait"), record.get("compiled_graphs")
+        log.info("=> epoch %d trained at %.1f img/s%s%s", step.epoch,
+                 record["train_images_per_sec"],
+                 "" if wait is None else f", waiting for data {100 * wait:.0f}% of the time",
+                 "" if compiled is None else f"; {compiled} graph(s) compiled")
+    logger.flush()
+
+
+def log_augmented_samples(run: Run, logger: RunLogger, count: int = 16) -> None:
+    """A grid of training images as the model sees them, once at start (rank 0)."""
+    if not run.dist.is_main or run.cfg.dummy:
+        return
+    images = run.data.train.preview(run.step.epoch, count)
+    grid = torchvision.utils.make_grid(images, nrow=8)
+    logger.images("train/augmented_samples", grid, run.step.global_step)
+
+
+def describe(run: Run) -> dict[str, Any]:
+    """Derived quantities, printed at start-up and stored in config.json."""
+    d, layout = run.dist, run.layout
+    info = {"world_size": d.world_size, "batch_per_process": layout.batch_size,
+            "global_batch": layout.global_batch, "workers_per_process": layout.workers,
+            "device": str(d.device), "backend": d.backend,
+            "num_classes": run.data.num_classes,
+            "train_images": run.data.train.images,
+            "val_images": run.data.val_size,
+            "steps_per_epoch": run.engine.opts.steps_per_epoch}
+    if run.outputs.remote is not None and run.outputs.remote.output_url:
+        info["output_url"] = run.outputs.remote.output_url  # output_dir: its staging folder
+    if not run.cfg.evaluate:  # -e says what it evaluates once the weights are loaded
+        log.info("=> %s on %s: global batch %d = %d process(es) x %d images x %d accumulation "
+                 "step(s); %d loader worker(s) per process; %d classes, %d val images",
+                 run.cfg.arch, d.device, layout.global_batch, d.world_size, layout.batch_size,
+                 layout.grad_accum_steps, layout.workers, run.data.num_classes,
+                 run.data.val_size)
+    slow_bf16 = slow_bf16_warning(run.cfg.amp, d.device.type, native_bf16())
+    if slow_bf16 and d.is_main:
+        log.warning("%s", slow_bf16)
+    return info

@@ -1,0 +1,394 @@
+"""train_one_epoch and evaluate: return dicts of metrics; no files, no argv, no flags.
+
+The contract is in the types: ``Parts`` (the objects a step uses and updates), ``Options`` (how
+a step runs, frozen) and ``Hooks`` (what the caller wants done during an epoch).
+``build.build_engine`` makes the first two from the command line, for the trainer, the tests and
+the benchmarks alike.
+Nothing in a step waits for the device: losses, counts and the finiteness check stay on it until
+a progress line or the epoch's end reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import imagenet.training.fsdp as fsdp
+from imagenet.data.transforms import normalize
+from imagenet.errors import NonFiniteLossError, RunError, on_every_rank
+from imagenet.training.metrics import DeviceSums, topk_correct
+from imagenet.training.models import no_sync
+
+
+@dataclass
+class Step:
+    """Where training is: ``epoch``, optimizer steps done in it, and in the whole run."""
+
+    epoch: int = 0
+    step_in_epoch: int = 0
+    global_step: int = 0
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a step runs; fixed for the whole run."""
+
+    device: torch.device
+    steps_per_epoch: int  # optimizer steps
+    epochs: int = 1  # for the ETA of the run
+    world_size: int = 1
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    amp_dtype: torch.dtype | None = None  # autocast dtype; None = fp32
+    channels_last: bool = False
+    clip_grad_norm: float | None = None
+    ema_steps: int = 32  # optimizer steps between EMA updates
+    ema_warmup_epochs: int = 0  # the EMA copies the weights instead of averaging during warm-up
+    print_freq: int = 10  # steps between progress records
+
+
+@dataclass
+class Parts:
+    """The objects a training step uses and updates."""
+
+    model: nn.Module  # what the step calls: DDP / compiled / plain
+    criterion: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler  # stepped once per optimizer step
+    scaler: torch.amp.GradScaler | None = None  # --amp fp16
+    ema: torch.optim.swa_utils.AveragedModel | None = None
+    batch_transform: Callable | None = None  # MixUp / CutMix on the device batch
+
+
+@dataclass
+class Engine:
+    """What train_one_epoch and evaluate need from the run."""
+
+    parts: Parts
+    opts: Options
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """Called by ``train_one_epoch``."""
+
+    # Every ``print_freq`` steps and at the epoch's end, with a progress record (one host sync).
+    on_progress: Callable[[dict], None] | None = None
+    # After every optimizer step, with a function that raises if a loss so far was not finite
+    # (call it before saving); returns True to end the epoch now (preemption).
+    after_step: Callable[[Step, Callable[[], None]], bool] | None = None
+
+
+SUMS = ("loss", "correct1", "correct5", "count")  # loss x images, top-1 / top-5 hits, images
+
+
+@dataclass
+class EpochTotals:
+    """An epoch's training so far in this process: the sums on the device and the seconds.
+
+    A resumed epoch starts from what the checkpoint says every rank had trained of it, on rank 0
+    only (the ranks' sums are added up at the epoch's end: the earlier runs count once).
+    """
+
+    sums: DeviceSums
+    seconds: float = 0.0
+
+    @classmethod
+    def starting(cls, device: torch.device, saved: dict[str, float] | None = None
+                 ) -> EpochTotals:
+        """Totals from zero, or from a checkpoint's ``of_job()``."""
+        totals = cls(DeviceSums(SUMS, device), (saved or {}).get("seconds", 0.0))
+        if saved:
+            totals.sums.add(*(float(saved[name]) for name in SUMS))
+        return totals
+
+    def of_job(self) -> dict[str, float]:
+        """The sums of every rank added up, and this rank's seconds (collective)."""
+        return {**self.sums.summed(), "seconds": self.seconds}
+
+
+def epoch_metrics(job: dict[str, float]) -> dict[str, float]:
+    """An epoch's training metrics from ``EpochTotals.of_job()``."""
+    count = max(job["count"], 1)
+    return {"loss": job["loss"] / count, "acc1": 100 * job["correct1"] / count,
+            "acc5": 100 * job["correct5"] / count, "images": job["count"],
+            "time": job["seconds"], "images_per_sec": job["count"] / max(job["seconds"], 1e-9)}
+
+
+@dataclass
+class _Sums:
+    """Sums since the last progress record, and since the epoch began."""
+
+    device: torch.device
+    epoch: DeviceSums
+    window: DeviceSums = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.window = DeviceSums(SUMS, self.device)
+
+    def add(self, *values) -> None:
+        self.epoch.add(*values)
+        self.window.add(*values)
+
+    def restart(self) -> None:
+        self.window = DeviceSums(SUMS, self.device)
+
+
+@dataclass
+class _Clock:
+    """Times of the epoch and of the current progress window."""
+
+    epoch_start: float
+    window_start: float
+    first_step: int  # step_in_epoch when this process began the epoch (resumed: not 0)
+    data_time: float = 0.0  # waiting for the loader in this window
+    epoch_data_time: float = 0.0  # waiting for the loader since the epoch (re)started
+
+    def restart(self) -> None:
+        self.window_start, self.data_time = time.perf_counter(), 0.0
+
+
+def to_device(images: torch.Tensor, target: torch.Tensor, opts: Options
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 batch -> normalised float on the device (non_blocking from pinned memory)."""
+    images = images.to(opts.device, non_blocking=True)
+    target = target.to(opts.device, non_blocking=True)
+    return normalize(images, channels_last=opts.channels_last), target
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """torch.autocast for --amp, or nothing."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _micro_batches(loader: Iterable, k: int) -> Iterable[list]:
+    """Group the loader's batches into optimizer steps of ``k`` micro-batches."""
+    group: list = []
+    for batch in loader:
+        group.append(batch)
+        if len(group) == k:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def _forward_backward(engine: Engine, group: list, sums: _Sums, bad_step: torch.Tensor,
+                      step: Step) -> torch.Tensor:
+    """Forward and backward over one optimizer step's micro-batches; returns the last loss."""
+    parts, opts = engine.parts, engine.opts
+    loss = torch.zeros((), device=opts.device)
+    for i, (images, target) in enumerate(group):
+        images, target = to_device(images, target, opts)
+        hard_target = target
+        if parts.batch_transform is not None:
+            images, target = parts.batch_transform(images, target)
+        last_micro = i == len(group) - 1
+        # DDP all-reduces (FSDP reduce-scatters) on the last micro-batch only.
+        with contextlib.nullcontext() if last_micro else no_sync(parts.model):
+            with autocast(opts.device, opts.amp_dtype):
+                output = parts.model(images)
+                loss = parts.criterion(output, target)
+            scaled = loss / len(group)
+            (parts.scaler.scale(scaled) if parts.scaler is not None else scaled).backward()
+        loss = loss.detach().float()
+        correct = topk_correct(output.detach(), target if target.ndim == 2 else hard_target)
+        sums.add(loss * images.shape[0], correct[0], correct[1], images.shape[0])
+        # Record (without a host sync) the first step whose loss was not finite.
+        bad_step.copy_(torch.where((bad_step < 0) & ~torch.isfinite(loss),
+                                   torch.full_like(bad_step, step.step_in_epoch), bad_step))
+    return loss
+
+
+def _optimizer_step(engine: Engine, step: Step) -> None:
+    """Unscale, clip, step, update the schedule and the EMA."""
+    parts, opts = engine.parts, engine.opts
+    if opts.clip_grad_norm is not None:
+        if parts.scaler is not None:
+            parts.scaler.unscale_(parts.optimizer)  # clip the true gradients, not scaled ones
+        nn.utils.clip_grad_norm_(parts.model.parameters(), opts.clip_grad_norm)
+    if parts.scaler is not None:
+        parts.scaler.step(parts.optimizer)
+        parts.scaler.update()
+    else:
+        parts.optimizer.step()
+    parts.optimizer.zero_grad(set_to_none=True)
+    parts.scheduler.step()
+    if parts.ema is not None and (step.global_step + 1) % opts.ema_steps == 0:
+        parts.ema.update_parameters(parts.model)
+        if step.epoch < opts.ema_warmup_epochs:
+            # As torchvision's references: the next update copies the weights, so the average
+            # starts from the warmed-up model rather than from the random init.
+            parts.ema.n_averaged.fill_(0)
+
+
+def train_one_epoch(engine: Engine, loader: Iterable, step: Step, hooks: Hooks = Hooks(),
+                    totals: EpochTotals | None = None) -> dict[str, float]:
+    """Train from ``step.step_in_epoch`` to the end of the epoch; return the epoch's metrics,
+    every rank's together.
+
+    ``loader`` yields the epoch's remaining micro-batches; ``step`` is advanced in place, and so
+    are ``totals`` (the epoch so far, which a checkpoint may read after any step).
+    """
+    opts = engine.opts
+    engine.parts.model.train()
+    totals = totals if totals is not None else EpochTotals.starting(opts.device)
+    sums = _Sums(opts.device, totals.sums)
+    bad_step = torch.full((), -1, dtype=torch.long, device=opts.device)
+    start, seconds_before = time.perf_counter(), totals.seconds
+    clock = _Clock(start, start, step.step_in_epoch)
+    loss = torch.zeros((), device=opts.device)
+    tick = start
+    for group in _micro_batches(loader, opts.grad_accum_steps):
+        waited = time.perf_counter() - tick
+        clock.data_time += waited
+        clock.epoch_data_time += waited
+        loss = _forward_backward(engine, group, sums, bad_step, step)
+        _optimizer_step(engine, step)
+        step.step_in_epoch += 1
+        step.global_step += 1
+        totals.seconds = seconds_before + time.perf_counter() - start
+        check = partial(check_finite, bad_step, step.epoch)
+        stop = hooks.after_step(step, check) if hooks.after_step is not None else False
+        if step.step_in_epoch % opts.print_freq == 0 or step.step_in_epoch == opts.steps_per_epoch:
+            check()
+            if hooks.on_progress is not None:
+                hooks.on_progress(_progress(engine, step, sums, loss, clock))
+            sums.restart()
+            clock.restart()
+        if stop:
+            break
+        tick = time.perf_counter()
+    check_finite(bad_step, step.epoch)
+    elapsed = time.perf_counter() - start
+    totals.seconds = seconds_before + elapsed
+    # data_wait: this process's share of the time it trained the epoch, spent waiting for data
+    return {**epoch_metrics(totals.of_job()),
+            "data_wait": clock.epoch_data_time / max(elapsed, 1e-9)}
+
+
+def check_finite(bad_step: torch.Tensor, epoch: int) -> None:
+    """Stop with a named epoch and step if any loss so far, on any rank, was NaN or infinite.
+
+    Every rank checks at the same steps, so every rank stops here, with the same message.
+    """
+    bad = first_bad_step_of_all_ranks(bad_step)
+    if bad >= 0:
+        raise on_every_rank(NonFiniteLossError(
+            f"the loss became NaN/infinite at epoch {epoch}, step {bad}; training stopped. "
+            "Lower --lr, try --clip-grad-norm, or check the data"))
+
+
+def first_bad_step_of_all_ranks(bad_step: torch.Tensor) -> int:
+    """The earliest step any rank recorded in ``bad_step`` (-1: none). Collective, one sync."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return int(bad_step.item())
+    none = torch.iinfo(torch.long).max
+    earliest = torch.where(bad_step < 0, torch.full_like(bad_step, none), bad_step)
+    dist.all_reduce(earliest, op=dist.ReduceOp.MIN)
+    bad = int(earliest.item())
+    return -1 if bad == none else bad
+
+
+def _progress(engine: Engine, step: Step, sums: _Sums, loss: torch.Tensor,
+              clock: _Clock) -> dict:
+    """The progress record (reads the sums back: one sync)."""
+    opts = engine.opts
+    w, total = sums.window.read(), sums.epoch.read()
+    now = time.perf_counter()
+    window_time = now - clock.window_start
+    n = max(w["count"], 1)
+    done_here = step.step_in_epoch - clock.first_step
+    steps_in_window = min(max(done_here, 1), opts.print_freq)
+    per_step = (now - clock.epoch_start) / max(done_here, 1)
+    remaining_epoch = (opts.steps_per_epoch - step.step_in_epoch) * per_step
+    remaining_run = remaining_epoch + (opts.epochs - step.epoch - 1) * opts.steps_per_epoch \
+        * per_step
+    record = {
+        "epoch": step.epoch, "step": step.step_in_epoch, "steps": opts.steps_per_epoch,
+        "global_step": step.global_step, "loss": float(loss.item()),
+        "loss_avg": total["loss"] / max(total["count"], 1), "acc1": 100 * w["correct1"] / n,
+        "acc5": 100 * w["correct5"] / n, "lr": engine.parts.optimizer.param_groups[0]["lr"],
+        "batch_time": window_time / steps_in_window,
+        "data_time": clock.data_time / steps_in_window,
+        "data_wait": clock.data_time / max(window_time, 1e-9),
+        "images": w["count"] * opts.world_size,  # all ranks, this window
+        "eta_epoch": remaining_epoch, "eta_run": remaining_run,
+    }
+    if opts.device.type == "cuda":
+        record["max_mem_gb"] = torch.cuda.max_memory_allocated(opts.device) / 2**30
+    return record
+
+
+@torch.no_grad()
+def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count: int,
+             on_progress: Callable[[dict], None] | None = None,
+             on_output: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+             ) -> dict[str, float]:
+    """Loss and top-1/top-5 of ``model`` over the whole validation set, summed across ranks once.
+
+    ``expected_count`` is the size of the validation set: the summed count must equal it.
+    ``on_output(output, target)`` sees every batch (the per-image report).
+    """
+    opts, criterion = engine.opts, engine.parts.criterion
+    model.eval()
+    sums = DeviceSums(("loss", "correct1", "correct5", "count"), opts.device)
+    start = time.perf_counter()
+    total_batches = len(loader)  # type: ignore[arg-type]
+    sharded = fsdp.is_sharded(model)
+    if sharded:
+        fsdp.broadcast_buffers(model)  # rank 0's BatchNorm statistics, as under DDP
+        rounds = _most_batches(total_batches, opts.device)
+    spare, done = None, 0
+    for i, (images, target) in enumerate(loader):
+        images, target = to_device(images, target, opts)
+        spare, done = images[:1], i + 1
+        with autocast(opts.device, opts.amp_dtype):
+            output = model(images)
+            loss = criterion(output.float(), target)
+        correct = topk_correct(output, target)
+        sums.add(loss.float() * images.shape[0], correct[0], correct[1], images.shape[0])
+        if on_output is not None:
+            on_output(output, target)
+        if on_progress is not None and ((i + 1) % opts.print_freq == 0 or i + 1 == total_batches):
+            local = sums.read()
+            on_progress({"batch": i + 1, "batches": total_batches,
+                         "acc1": 100 * local["correct1"] / max(local["count"], 1),
+                         "acc5": 100 * local["correct5"] / max(local["count"], 1),
+                         "batch_time": (time.perf_counter() - start) / (i + 1)})
+    if sharded:
+        # Every forward all-gathers weights: a rank with fewer batches joins the others' last
+        # forwards with a throw-away image (uncounted).
+        for _ in range(rounds - done):
+            with autocast(opts.device, opts.amp_dtype):
+                model(spare)
+    sums.all_reduce()
+    totals = sums.read()
+    count = int(round(totals["count"]))
+    if count != expected_count:
+        raise on_every_rank(RunError(
+            f"validated {count} images but the validation set has {expected_count}; the "
+            "validation shards are inconsistent across ranks"))
+    return {"loss": totals["loss"] / max(count, 1),
+            "acc1": 100 * totals["correct1"] / max(count, 1),
+            "acc5": 100 * totals["correct5"] / max(count, 1), "count": count,
+            "time": time.perf_counter() - start}
+
+
+def _most_batches(batches: int, device: torch.device) -> int:
+    """The largest validation batch count of any rank (one small all-reduce); every rank
+    raises if one has none (it would have no image to join the others' forwards with)."""
+    most = torch.tensor([batches, batches == 0], device=device)
+    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    if most[1]:
+        raise RunError("a process has no validation images: --fsdp needs at least one image "
+                       "per process in every rank's validation shard")
+    return int(most[0].item())

@@ -1,0 +1,211 @@
+"""Build a torchvision model by name and load its weights; wrap it for training and unwrap it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torchvision
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.swa_utils import AveragedModel
+
+import imagenet.training.comm_hooks as comm_hooks
+import imagenet.training.fsdp as fsdp
+from imagenet.data.resizing import crop_sizes, train_sizes
+from imagenet.errors import RunError, UsageError
+from imagenet.launching.rendezvous import DistInfo
+from imagenet.settings.flags import Config
+from imagenet.training.compiling import compile_ddp, compile_model, evaluation_twin
+from imagenet.training.timm_models import TIMM_PREFIX
+
+log = logging.getLogger(__name__)
+
+
+def resolve_weights(arch: str, pretrained: bool, weights: str | None):
+    """The torchvision weights enum member for --pretrained / --weights, or None."""
+    if not pretrained and not weights:
+        return None
+    enum = torchvision.models.get_model_weights(arch)
+    if pretrained:
+        return enum.DEFAULT
+    name = weights.split(".")[-1]  # accept 'IMAGENET1K_V1' and 'ResNet18_Weights.IMAGENET1K_V1'
+    try:
+        return enum[name]
+    except KeyError:
+        options = ", ".join(m.name for m in enum)
+        raise UsageError(f"--weights {weights}: not a weight set of {arch} "
+                         f"(choose from {options})") from None
+
+
+def weights_file(weights) -> Path:
+    """Where torch.hub caches (and looks for) a weights file."""
+    return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(weights.url)
+
+
+def build_model(arch: str, num_classes: int, pretrained: bool = False,
+                weights: str | None = None) -> nn.Module:
+    """torchvision model ``arch``; pretrained weights through torchvision's own loader. A
+    timm/NAME arch is timm's (``imagenet.training.timm_models``)."""
+    if arch.startswith(TIMM_PREFIX):
+        from imagenet.training.timm_models import build_timm_model
+
+        return build_timm_model(arch, num_classes, pretrained)
+    chosen = resolve_weights(arch, pretrained, weights)
+    if chosen is None:
+        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes,
+                                            **NO_AUX_HEADS.get(arch, {}))
+    log.info("=> using pre-trained model '%s' (%s)", arch, chosen)
+    try:
+        model = torchvision.models.get_model(arch, weights=chosen)
+    except Exception as exc:  # urllib/OSError/hash errors: all mean "could not get the file"
+        raise RunError(
+            f"cannot load pretrained weights {chosen} for {arch}: {str(exc).splitlines()[0]}. "
+            f"Offline? Put the file at {weights_file(chosen)} (TORCH_HOME="
+            f"{os.environ.get('TORCH_HOME', '~/.cache/torch')}), downloaded elsewhere from "
+            f"{chosen.url}") from None
+    if num_classes != len(chosen.meta.get("categories") or []):
+        replace_classifier(model, num_classes)
+    return drop_aux_heads(model)
+
+
+# GoogLeNet and Inception-v3 are built without their auxiliary classifiers, as torchvision builds
+# them for its pretrained weights: in train mode they would return the aux logits too, which no
+# loss here expects, and Inception-v3's aux head needs crops of ~300 px. torchvision's reference
+# recipe trains them without aux losses as well. init_weights=True is torchvision's default today
+# (it only warns that it may change).
+NO_AUX_HEADS = {"googlenet": {"aux_logits": False, "init_weights": True},
+                "inception_v3": {"aux_logits": False, "init_weights": True}}
+
+
+def drop_aux_heads(model: nn.Module) -> nn.Module:
+    """GoogLeNet / Inception-v3 with pretrained weights, minus the aux classifiers (torchvision
+    keeps Inception-v3's): train mode then returns plain logits, as eval mode does."""
+    if getattr(model, "aux_logits", False):
+        model.aux_logits = False
+        for name in ("aux1", "aux2", "AuxLogits"):
+            if hasattr(model, name):
+                setattr(model, name, None)
+    return model
+
+
+def replace_classifier(model: nn.Module, num_classes: int) -> None:
+    """Swap the last Linear layer for one with ``num_classes`` outputs (fine-tuning)."""
+    last_name, last = None, None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            last_name, last = name, module
+    if last is None:
+        raise UsageError("cannot adapt the pretrained model to this data set's classes: "
+                         "it has no Linear classifier")
+    parent = model.get_submodule(last_name.rsplit(".", 1)[0]) if "." in last_name else model
+    setattr(parent, last_name.rsplit(".", 1)[-1],
+            nn.Linear(last.in_features, num_classes, bias=last.bias is not None))
+    log.info("=> replaced classifier '%s' for %d classes", last_name, num_classes)
+
+
+def wrap(raw: nn.Module, cfg: Config, dist: DistInfo, ema: AveragedModel | None = None,
+         compile_backend: str | Callable = "inductor") -> nn.Module:
+    """The module the training step calls: raw -> (SyncBN) -> (DDP + comm hook) -> (compiled),
+    or with --fsdp: raw (and ``ema``'s copy) sharded in place -> (compiled)."""
+    model = raw
+    if cfg.sync_bn and dist.distributed:
+        # convert_sync_batchnorm returns a new module only for a bare BatchNorm root; torchvision
+        # models are containers, so ``raw`` keeps the converted layers in place.
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if cfg.fsdp and dist.distributed:
+        return shard(model, cfg, dist, ema, compile_backend)
+    if cfg.fsdp:
+        log.info("=> one process: --fsdp has nothing to shard; training the whole model")
+    if not dist.distributed:
+        if cfg.ddp_comm_hook != "none":
+            log.info("=> one process: --ddp-comm-hook %s has nothing to send", cfg.ddp_comm_hook)
+        return compile_model(model, compile_backend, crop_sizes(cfg)) if cfg.compile else model
+    device_ids = [dist.device.index] if dist.device.type == "cuda" else None
+    # Gradients are views into DDP's all-reduce buckets: no second copy of them in memory.
+    model = DDP(model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb,
+                gradient_as_bucket_view=True)
+    settle_buckets(model, train_sizes(cfg)[0])  # before a comm hook: it would count this step
+    comm_hooks.register_comm_hook(model, raw, cfg, dist.backend or "gloo")
+    if dist.is_main:
+        comm_hooks.log_payload(raw, cfg, dist.world_size)
+    # Compiled from the outside: Dynamo splits the graph at DDP's buckets (see compiling).
+    return compile_ddp(model, compile_backend, crop_sizes(cfg)) if cfg.compile else model
+
+
+def settle_buckets(model: DDP, crop_size: int) -> None:
+    """Let DDP fix its gradient buckets now, with a backward that changes nothing.
+
+    DDP all-reduces a process's first backward as one bucket and regroups the gradients after
+    it, by the order they arrived. With 3+ processes the rounding of a sum depends on that
+    grouping, so a resumed process's first step would end a few bits away from the uninterrupted
+    run's (long regrouped) step. This backward of a zero loss gives every process, fresh or
+    resumed, the same grouping for all its steps; the weights, buffers and RNG stay as they were.
+    """
+    module = model.module
+    device = next(module.parameters()).device
+    buffers = [b.detach().clone() for b in module.buffers()]  # BatchNorm statistics
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # dropout
+        (model(torch.zeros(2, 3, crop_size, crop_size, device=device)).sum() * 0).backward()
+    with torch.no_grad():
+        for buffer, saved in zip(module.buffers(), buffers):
+            buffer.copy_(saved)
+    for param in module.parameters():
+        param.grad = None
+
+
+def for_evaluation(model: nn.Module) -> nn.Module:
+    """The module to validate: without DDP, whose forward may broadcast buffers (a collective
+    that a rank without validation batches would skip: a hang), and with rank 0's buffers
+    (BatchNorm statistics) on every rank, so every rank validates the model that is saved."""
+    twin = evaluation_twin(model)  # a compiled DDP's inner module, compiled too
+    if twin is not None:
+        model = twin
+    elif isinstance(model, DDP):
+        model = model.module
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        with torch.no_grad():
+            for buffer in model.buffers():
+                dist.broadcast(buffer, src=0)
+    return model
+
+
+def shard(model: nn.Module, cfg: Config, dist: DistInfo, ema: AveragedModel | None,
+          compile_backend: str | Callable = "inductor") -> nn.Module:
+    """--fsdp: shard ``model`` and the EMA's copy by the same rule, then compile."""
+    units = fsdp.describe_units(model, fsdp.repeated_blocks(model))  # before classes change
+    for module in ([ema.module] if ema is not None else []) + [model]:
+        fsdp.shard(module, cfg, dist.device)
+    if dist.is_main:
+        log.info("=> FSDP over %d processes (ZeRO-%d%s): %s", dist.world_size,
+                 cfg.fsdp_zero or 3, ", CPU offload" if cfg.fsdp_cpu_offload else "", units)
+    # Static shapes (compiling): also, with automatic dynamic shapes, inductor (torch 2.14, CPU)
+    # fails to compile the backward of a recompiled FSDP graph ("Cannot convert expression to
+    # float").
+    return compile_model(model, compile_backend, crop_sizes(cfg)) if cfg.compile else model
+
+
+def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
+    """No gradient communication in this block (an accumulating micro-batch): DDP's no_sync,
+    FSDP's equivalent, or nothing for a single process."""
+    if hasattr(model, "no_sync"):
+        return model.no_sync()
+    if fsdp.is_sharded(model):
+        return fsdp.no_gradient_sync(model)
+    return contextlib.nullcontext()
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model inside DDP and torch.compile wrappers."""
+    while True:
+        if isinstance(model, DDP):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
