@@ -1,7 +1,7 @@
 """What --save-every costs: checkpoint size and write time, and step time with and without it.
 
 Uses the trainer's own pieces (build_run on --dummy data, the real after_step hook that saves
-with ``checkpoint.state.save``: RNG gather, torch.save to a temp file, fsync, os.replace), on the
+with ``run.checkpointing.save``: RNG gather, torch.save to a temp file, fsync, os.replace), on the
 CPU, with 1000 classes and SGD momentum buffers as in an ImageNet run. Run by hand (not a test):
 
     python benchmarks/bench_checkpoint.py -a resnet18 resnet50 -b 8 --size 64 --steps 12 \\
@@ -21,13 +21,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from imagenet.checkpoint import files, state  # noqa: E402
+from imagenet.checkpoint import files  # noqa: E402
+from imagenet.launching.collectives import DistInfo  # noqa: E402
 from imagenet.launching.preemption import StopFlag  # noqa: E402
-from imagenet.launching.rendezvous import DistInfo  # noqa: E402
-from imagenet.run import trainer  # noqa: E402
+from imagenet.run import (
+    checkpointing,  # noqa: E402
+    trainer,  # noqa: E402
+)
 from imagenet.run.build import Run, build_run  # noqa: E402
 from imagenet.settings.flags import parse_config  # noqa: E402
 from imagenet.settings.launch import Layout  # noqa: E402
+from imagenet.settings.plan import fixed_plan
 from imagenet.training.engine import Hooks, Step, train_one_epoch  # noqa: E402
 
 
@@ -38,7 +42,7 @@ def build(arch: str, batch: int, size: int, steps: int, output_dir: Path) -> Run
                         "--train-crop-size", str(size), "--val-crop-size", str(size),
                         "--val-resize-size", str(size), "--output-dir", str(output_dir),
                         "-p", "1000000"])
-    return build_run(cfg, DistInfo(), Layout(1, batch, 1, 0))
+    return build_run(fixed_plan(cfg, Layout(1, batch, 1, 0)), DistInfo())
 
 
 def epoch_time(run: Run, save_every: int) -> float:
@@ -53,11 +57,11 @@ def epoch_time(run: Run, save_every: int) -> float:
 
 
 def write_time(run: Run, reps: int) -> tuple[float, int]:
-    """Median seconds of one state.save (model + optimizer + scheduler + RNG) and its bytes."""
+    """Median seconds of one checkpointing.save (model, optimizer, scheduler, RNG) and its bytes."""
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        state.save(run, is_best=False)
+        checkpointing.save(run, is_best=False)
         times.append(time.perf_counter() - start)
     path = run.output_dir / files.CHECKPOINT
     return sorted(times)[len(times) // 2], path.stat().st_size

@@ -146,7 +146,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torchvision
 
-    from imagenet.launching.rendezvous import DistInfo, set_socket_interface
+    from imagenet.launching.collectives import DistInfo
+    from imagenet.launching.rendezvous import set_socket_interface
     from imagenet.settings.flags import parse_config
     from imagenet.training.models import wrap
 

@@ -45,7 +45,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torchvision
 
-    from imagenet.launching.rendezvous import DistInfo
+    from imagenet.launching.collectives import DistInfo
     from imagenet.run.build import build_engine
     from imagenet.settings.flags import parse_config
     from imagenet.settings.launch import Layout

@@ -23,10 +23,10 @@ import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from imagenet.data.resizing import crop_sizes  # noqa: E402
 from imagenet.run.build import build_engine  # noqa: E402
 from imagenet.settings.flags import parse_config  # noqa: E402
 from imagenet.settings.launch import Layout  # noqa: E402
+from imagenet.settings.plan import fixed_plan  # noqa: E402
 from imagenet.training.compiling import compile_model  # noqa: E402
 from imagenet.training.engine import Step, evaluate, train_one_epoch  # noqa: E402
 
@@ -54,7 +54,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> list[dict]:
              "--train-crop-ramp", "0", str(len(args.sizes) - 1), "--train-crop-multiple", "8"]
     cfg = parse_config(flags)
     raw = torchvision.models.get_model(args.arch, num_classes=10)
-    model = {"static": lambda: compile_model(raw, "inductor", crop_sizes(cfg)),
+    sizes = len(fixed_plan(cfg, Layout(1, 1, 1, 0)).train_sizes)
+    model = {"static": lambda: compile_model(raw, "inductor", sizes),
              "dynamic": lambda: torch.compile(raw),
              "eager": lambda: raw}[variant]()
     engine = build_engine(cfg, raw, model, torch.device("cpu"), Layout(1, args.batch, 1, 0),

@@ -63,7 +63,7 @@ def loaders(data: str, workers: int, world: int = 1):
     """The trainer's Data for ``data`` (a folder, shard folder or URL), one rank of ``world``."""
     import torch
 
-    from imagenet.launching.rendezvous import DistInfo
+    from imagenet.launching.collectives import DistInfo
     from imagenet.run.build import load_data
     from imagenet.settings.flags import parse_config
     from imagenet.settings.launch import Layout
@@ -319,7 +319,7 @@ def client(mode: str, folder: Path, shards: str) -> None:
     from torch.utils.data import DataLoader
 
     from imagenet.data import transforms as T
-    from imagenet.data.folder import SeededDataset
+    from imagenet.data.samplers import SeededDataset
 
     torch.set_num_threads(1)
     start = time.perf_counter()

@@ -38,15 +38,8 @@ from imagenet.launching.failures import stop_together
 from imagenet.launching.rendezvous import cleanup, init_distributed, owns_group
 from imagenet.run.outputs import Outputs, Saved
 from imagenet.settings.flags import Config, parse_config
-from imagenet.settings.launch import (
-    Launch,
-    check_gpu_flag,
-    check_sync_bn,
-    choose_backend,
-    plan_launch,
-    plan_layout,
-    resolve_ranks,
-)
+from imagenet.settings.launch import Launch, check_sync_bn, plan_launch
+from imagenet.settings.plan import make_plan
 
 __all__ = ["Saved", "train"]
 
@@ -64,25 +57,23 @@ def train(argv: Sequence[str], *, on_checkpoint: Callable[[Saved], None] | None 
     if resume_from is not None:
         cfg = replace(cfg, resume=str(resume_from) if cfg.evaluate else "auto")
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    check_gpu_flag(cfg.gpu, cfg.no_accel, cuda_count)
-    launch = plan_in_process(cfg, cuda_count)
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else \
-        resolve_ranks(launch, 0, cfg, os.environ)[0]
+    group = (dist.get_rank(), dist.get_world_size()) \
+        if dist.is_available() and dist.is_initialized() else None
+    plan = make_plan(cfg, os.environ, cuda_count, plan_in_process(cfg, cuda_count), group)
+    check_sync_bn(cfg.sync_bn, plan.device_type)
     from imagenet.run.trainer import run_training  # heavy imports only where training happens
 
-    with console_logging(rank, cfg.debug):
-        info = init_distributed(cfg, launch, 0)
+    with console_logging(plan.ranks().rank, cfg.debug):
+        info = init_distributed(plan)
         try:
-            check_sync_bn(cfg.sync_bn, info.device.type)
             outputs = Outputs(on_checkpoint=on_checkpoint,
                               resume_from=None if resume_from is None or cfg.evaluate
                               else Path(resume_from))
-            layout = plan_layout(cfg, launch, info.world_size, info.local_world_size)
             # A group of this process's own has no launcher to stop the others when one
             # fails; a caller's group (Ray) has.
-            together = stop_together(cfg, info) if owns_group() else contextlib.nullcontext()
+            together = stop_together(plan, info) if owns_group() else contextlib.nullcontext()
             with together:
-                return run_training(cfg, info, layout, outputs)
+                return run_training(plan, info, outputs)
         finally:
             cleanup()  # destroys only a group that init_distributed created
 
@@ -106,7 +97,8 @@ def parse_flags(argv: Sequence[str]) -> Config:
 
 
 def plan_in_process(cfg: Config, cuda_count: int) -> Launch:
-    """How this process trains: in the caller's group, under a launcher, or alone."""
+    """How this process trains: in the caller's group, under a launcher, or alone (the launch
+    part of its plan)."""
     if dist.is_available() and dist.is_initialized():
         return Launch("env", reason="the caller's process group")
     if cfg.multiprocessing_distributed or (cfg.nproc_per_node or 0) > 1:
@@ -117,8 +109,6 @@ def plan_in_process(cfg: Config, cuda_count: int) -> Launch:
     launch = plan_launch(cfg, os.environ, cuda_count)
     if launch.mode == "spawn":  # several GPUs and no launcher: main.py would spawn
         return Launch("single", reason="one process (imagenet.train does not spawn)")
-    if launch.mode != "single":
-        choose_backend(cfg.dist_backend, "cuda" if cuda_count and not cfg.no_accel else "cpu")
     return launch
 
 

@@ -20,23 +20,11 @@ from imagenet.launching.preemption import (
     stop_when_orphaned,
 )
 from imagenet.launching.rendezvous import cleanup, init_distributed
-from imagenet.launching.timelimit import STARTED_ENV, process_start
 from imagenet.reporting.console import startup_notes
 from imagenet.reporting.logger import preload_writers, setup_logging
-from imagenet.settings.flags import Config, parse_config
-from imagenet.settings.launch import (
-    Launch,
-    check_gpu_flag,
-    check_sync_bn,
-    choose_backend,
-    launcher_pid,
-    overridden_flags,
-    plan_launch,
-    plan_layout,
-    rendezvous,
-    resolve_ranks,
-    unlaunched_slurm_tasks,
-)
+from imagenet.settings.flags import parse_config
+from imagenet.settings.launch import rendezvous
+from imagenet.settings.plan import Plan, make_plan
 from imagenet.training.inputsize import check_crop_sizes
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -61,13 +49,13 @@ def take_interrupts() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
-def _worker(local_index: int, cfg: Config, launch: Launch, master: dict[str, str],
+def _worker(local_index: int, plan: Plan, master: dict[str, str],
             start: SpawnStart | None = None) -> None:
     """One training process: join the others, then train (the body of every mp.spawn child)."""
     try:
-        _train_here(local_index, cfg, launch, master, start)
+        _train_here(local_index, plan, master, start)
     except KeyboardInterrupt:
-        if launch.mode != "spawn":
+        if plan.launch.mode != "spawn":
             raise
         # Ctrl-C before the stop handlers were installed (joining the others): mp.spawn's
         # wrapper would swallow it and exit 0, as if training had completed.
@@ -102,61 +90,59 @@ class SpawnStart:
             raise KeyboardInterrupt
 
 
-def _train_here(local_index: int, cfg: Config, launch: Launch, master: dict[str, str],
+def _train_here(local_index: int, plan: Plan, master: dict[str, str],
                 start: SpawnStart | None) -> None:
     os.environ.update(master)  # the parent's rendezvous choice (spawn mode only)
-    rank, local_rank, world, local_world = resolve_ranks(launch, local_index, cfg, os.environ)
-    if launch.mode == "spawn":
+    cfg, ranks = plan.cfg, plan.ranks(local_index)
+    if plan.launch.mode == "spawn":
         # The node's RANK / WORLD_SIZE (PyTorchJob, the classic env://) would mislead any code
         # that reads them in this process: it is one rank of its own now.
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
-                          LOCAL_WORLD_SIZE=str(local_world))
-    setup_logging(rank, cfg.debug)
+        os.environ.update(RANK=str(ranks.rank), WORLD_SIZE=str(ranks.world_size),
+                          LOCAL_RANK=str(ranks.local_rank),
+                          LOCAL_WORLD_SIZE=str(ranks.local_world_size))
+    setup_logging(ranks.rank, cfg.debug)
     for note in startup_notes(cfg):
         log.info("%s", note)
-    launcher = launcher_pid(launch, os.environ, os.getppid())
-    if launcher is not None:  # killed, it cannot stop us: we stop, saving, on our own
-        stop_when_orphaned(launcher)
-    ignore_interrupts_after_training()
     hold_interrupts()  # heavy imports only where training happens
     from imagenet.run.trainer import run_training
 
-    preload_writers(cfg.log_to, rank == 0)
+    preload_writers(cfg.log_to, ranks.rank == 0)
+    ignore_interrupts_after_training()
+    if plan.launcher is not None:  # killed, it cannot stop us: we stop, saving, on our own
+        stop_when_orphaned(plan.launcher)
     if start is not None:
         start.take_interrupts()
     else:
         take_interrupts()
     try:
-        info = init_distributed(cfg, launch, local_index)
+        info = init_distributed(plan, local_index)
         try:
             if info.device.type == "cpu" and info.rank == 0 and not cfg.no_accel:
                 log.info("=> no CUDA device: %s on the CPU",
                          "evaluating" if cfg.evaluate else "training")
-            with stop_together(cfg, info):  # a failure on any rank ends every rank
-                run_training(cfg, info, plan_layout(cfg, launch, info.world_size,
-                                                    info.local_world_size))
+            with stop_together(plan, info):  # a failure on any rank ends every rank
+                run_training(plan, info)
         except BaseException:
             cleanup(failed=True)  # NCCL: abort, not wait for peers that may be gone
             raise
         cleanup()
     except TrainerError as exc:
-        if launch.mode != "spawn":
+        if plan.launch.mode != "spawn":
             raise  # main() reports it
         # A spawned child dies with the message, not a traceback; mp.spawn stops its siblings.
-        sys.exit(report(exc, cfg.debug, rank))
+        sys.exit(report(exc, cfg.debug, ranks.rank))
 
 
-def _spawn(cfg: Config, launch: Launch, announce: str) -> int:
-    """mp.spawn-style start of ``launch.nprocs`` children; returns the first failing code.
+def _spawn(plan: Plan, announce: str) -> int:
+    """mp.spawn-style start of ``plan.launch.nprocs`` children; returns the first failing code.
 
     ``announce`` is logged once SIGTERM/SIGUSR1 are forwarded: from then on a signal reaches
     every child, even one sent while the children are being started.
     """
     # Decided once here (not in each child) so that every child uses the same MASTER_ADDR/PORT.
     env = dict(os.environ)
-    rendezvous(cfg, launch, env)
+    rendezvous(plan.cfg, plan.launch, env)
     master = {k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT") if k in env}
-    master[STARTED_ENV] = str(process_start())  # --time-limit counts from this process's start
     children: list = []
     pending: list[int] = []  # signals that came before the children existed
 
@@ -184,8 +170,9 @@ def _spawn(cfg: Config, launch: Launch, announce: str) -> int:
     try:
         log.info("%s", announce)
         try:
-            ctx = mp.start_processes(_worker, args=(cfg, launch, master, start),
-                                     nprocs=launch.nprocs, join=False, start_method="spawn")
+            ctx = mp.start_processes(_worker, args=(plan, master, start),
+                                     nprocs=plan.launch.nprocs, join=False,
+                                     start_method="spawn")
         finally:
             signal.signal(signal.SIGINT, start.note_interrupt)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -255,34 +242,21 @@ def _main(argv: Sequence[str] | None) -> int:
 
             take_interrupts()
             return run_env_check(cfg)
+        setup_logging(0, cfg.debug)  # each training process sets its own rank's
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        check_gpu_flag(cfg.gpu, cfg.no_accel, cuda_count)
-        launch = plan_launch(cfg, os.environ, cuda_count)
-        note = unlaunched_slurm_tasks(os.environ)
-        if note:
-            setup_logging(0, cfg.debug)
+        plan = make_plan(cfg, os.environ, cuda_count)  # every decision, once
+        for note in plan.notes:
             log.warning("%s", note)
-        overridden = overridden_flags(cfg, launch, os.environ)  # torchrun's or srun's numbers
-        if overridden and resolve_ranks(launch, 0, cfg, os.environ)[0] == 0:
-            setup_logging(0, cfg.debug)
-            log.warning("%s", overridden)
-        check_crop_sizes(cfg)  # before any data is read or process started
-        if launch.mode != "single":  # impossible requests fail here, not in every rank
-            device_type = "cuda" if cuda_count and not cfg.no_accel else "cpu"
-            choose_backend(cfg.dist_backend, device_type)
-            check_sync_bn(cfg.sync_bn, device_type)
-        if launch.mode != "spawn":
-            if cfg.global_batch_size is not None:  # an uneven split fails before joining peers
-                plan_layout(cfg, launch, *resolve_ranks(launch, 0, cfg, os.environ)[2:])
-            _worker(0, cfg, launch, {})
+        check_crop_sizes(cfg, plan.train_sizes)  # before any data is read or process started
+        if plan.launch.mode != "spawn":
+            _worker(0, plan, {})
             return 0
         take_interrupts()  # _spawn holds them again while it starts the children
-        setup_logging(0, cfg.debug)
-        layout = plan_layout(cfg, launch, launch.nnodes * launch.nprocs, launch.nprocs)
+        launch, layout = plan.launch, plan.layout
         given = "auto" if cfg.workers is None else f"{cfg.workers} per node"
         batch = f"-b {cfg.batch_size} per node" if cfg.global_batch_size is None \
             else f"--global-batch-size {cfg.global_batch_size}"
-        return _spawn(cfg, launch, (
+        return _spawn(plan, (
             f"=> {launch.reason}; {batch} -> {layout.batch_size} per "
             f"process; -j {given} -> {layout.workers} per process"))
     except TrainerError as exc:

@@ -178,12 +178,12 @@ def join_gloo(rank: int, world: int, port: int):
 
     from imagenet.launching.rendezvous import init_distributed
     from imagenet.settings.flags import parse_config
-    from imagenet.settings.launch import plan_launch
+    from imagenet.settings.plan import make_plan
 
     torch.set_num_threads(1)
     cfg = parse_config(["data", "--dist-url", f"tcp://127.0.0.1:{port}", "--world-size",
                         str(world), "--rank", str(rank), "--dist-timeout", "120"])
-    info = init_distributed(cfg, plan_launch(cfg, {}, 0), 0)
+    info = init_distributed(make_plan(cfg, {}, 0))
     assert (info.rank, info.world_size, info.backend) == (rank, world, "gloo")
     return info
 

@@ -179,4 +179,4 @@ def test_the_minimum_found_on_the_meta_device_is_the_real_one():
             model(torch.zeros(1, 3, 62, 62))
     for arch, size in (("alexnet", "63"), ("resnet18", "32"), ("vit_b_16", "224")):
         check_crop_sizes(parse_config(["data", "-a", arch, "--train-crop-size", size,
-                                       "--val-crop-size", size]))  # accepted: no error
+                                       "--val-crop-size", size]), [])  # accepted: no error

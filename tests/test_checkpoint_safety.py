@@ -16,7 +16,7 @@ import torchvision
 from helpers import TINY, run_main
 
 from imagenet.checkpoint import files
-from imagenet.checkpoint.state import resumed_best
+from imagenet.checkpoint.states import resumed_best
 from imagenet.errors import CheckpointError, UsageError
 
 # ---- kill-during-save torture

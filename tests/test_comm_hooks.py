@@ -54,7 +54,7 @@ def tiny_net_3_buckets() -> nn.Module:
 
 def train(info, flags: list[str], batch: int, accum: int) -> dict:
     """EPOCHS epochs of engine.train_one_epoch on the DDP model that models.wrap builds."""
-    from imagenet.data.folder import ResumableDistributedSampler, SeededDataset
+    from imagenet.data.samplers import ResumableDistributedSampler, SeededDataset
     from imagenet.training.engine import Step, train_one_epoch
 
     flags = ["--bucket-cap-mb", BUCKET_MB, "--lr", "0.05", "--wd", "0", *flags]

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from helpers import gloo_rank_saving, tiny_engine, uint8_batches
 from torch import nn
 
-from imagenet.launching.rendezvous import DistInfo
+from imagenet.launching.collectives import DistInfo
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import free_port
 from imagenet.training.engine import Step, evaluate, train_one_epoch

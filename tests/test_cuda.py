@@ -18,7 +18,9 @@ import torch
 from helpers import ROOT, tiny_engine, tiny_net, write_image_folder
 
 from imagenet.data import device as gpu_data
-from imagenet.data.folder import SeededDataset, build_datasets
+from imagenet.data.folder import build_datasets
+from imagenet.data.samplers import SeededDataset
+from imagenet.settings.crops import crop_schedule
 from imagenet.settings.flags import parse_config
 from imagenet.training.engine import Step, train_one_epoch
 
@@ -65,12 +67,12 @@ def test_nvjpeg_crops_are_the_cpu_path_s_crops(tmp_path: Path):
     by rounding only."""
     root = write_image_folder(tmp_path / "data", classes=2, train_per_class=8, size=64)
     cfg = parse_config(["data", "--train-crop-size", "32"])
-    cpu_set, _, _ = build_datasets(cfg, root)
-    encoded, _, _ = build_datasets(cfg, root, encoded=True)
+    cpu_set, _, _ = build_datasets(cfg, crop_schedule(cfg), root)
+    encoded, _, _ = build_datasets(cfg, crop_schedule(cfg), root, encoded=True)
     keys = [(1, i) for i in range(len(cpu_set))]
     cpu = torch.stack([SeededDataset(cpu_set, 3)[k][0] for k in keys]).float()
     batch = gpu_data.collate([SeededDataset(encoded, 3)[k] for k in keys])
-    images, labels = gpu_data.device_crops(cfg)[0](batch, torch.device("cuda"))
+    images, labels = gpu_data.device_crops(cfg, crop_schedule(cfg))[0](batch, torch.device("cuda"))
     assert images.is_cuda and labels.is_cuda and images.shape == cpu.shape
     diff = (images.cpu().float() - cpu).abs()
     assert diff.mean() < 2 and diff.amax() < 40, (diff.mean(), diff.amax())

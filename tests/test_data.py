@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from imagenet.data.folder import ResumableDistributedSampler, SeededDataset, ShardSampler
+from imagenet.data.samplers import ResumableDistributedSampler, SeededDataset, ShardSampler
 
 
 @pytest.mark.parametrize("size, world", [(10, 1), (10, 3), (31, 2), (7, 4)])

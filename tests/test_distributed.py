@@ -25,7 +25,6 @@ from imagenet.settings.launch import (
     check_sync_bn,
     choose_backend,
     choose_device,
-    first_slurm_host,
     free_port,
     per_process_batch,
     per_process_workers,
@@ -33,6 +32,7 @@ from imagenet.settings.launch import (
     rendezvous,
     resolve_ranks,
 )
+from imagenet.settings.slurm import first_slurm_host
 
 
 def cfg_of(*argv: str):
@@ -243,7 +243,7 @@ def train_weights(rank: int, world: int, batch: int, accum: int, size: int = 48
     """One epoch of engine.train_one_epoch on this rank's ResumableDistributedSampler shard."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from imagenet.data.folder import ResumableDistributedSampler, SeededDataset
+    from imagenet.data.samplers import ResumableDistributedSampler, SeededDataset
     from imagenet.training.engine import Step, train_one_epoch
 
     sampler = ResumableDistributedSampler(size, rank, world, seed=7)
@@ -263,7 +263,7 @@ def evaluate_counts(rank: int, world: int, size: int, batch: int) -> dict[str, f
     """engine.evaluate of a BatchNorm model over a ShardSampler shard (uneven batch counts)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from imagenet.data.folder import ShardSampler
+    from imagenet.data.samplers import ShardSampler
     from imagenet.training.engine import evaluate
 
     raw = tiny_model(bn=True)
@@ -322,7 +322,7 @@ def test_sharded_validation_counts_every_image_once(ddp_results):
 
 
 def test_training_sampler_shards_partition_each_epoch():
-    from imagenet.data.folder import ResumableDistributedSampler, ShardSampler
+    from imagenet.data.samplers import ResumableDistributedSampler, ShardSampler
 
     for world in (2, 3):
         samplers = [ResumableDistributedSampler(31, r, world, seed=1) for r in range(world)]

@@ -24,6 +24,7 @@ from helpers import (
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from imagenet.settings.launch import free_port
+from imagenet.settings.plan import fixed_plan
 
 pytestmark = pytest.mark.slow
 
@@ -202,9 +203,9 @@ def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
 
 def ema_after_an_epoch(info, data: Path, out: Path) -> dict:
     """One epoch through the trainer with an EMA that follows the model closely."""
-    from imagenet.checkpoint.state import resume
     from imagenet.reporting.logger import RunLogger
     from imagenet.run.build import build_run
+    from imagenet.run.checkpointing import resume
     from imagenet.run.trainer import train
     from imagenet.settings.flags import parse_config
     from imagenet.settings.launch import Layout
@@ -212,7 +213,7 @@ def ema_after_an_epoch(info, data: Path, out: Path) -> dict:
     cfg = parse_config([str(data), *TINY, "-b", "4", "--epochs", "1", "--seed", "0",
                         "--model-ema", "--model-ema-steps", "1", "--model-ema-decay", "0.5",
                         "--output-dir", str(out)])
-    run = build_run(cfg, info, Layout(info.world_size, 4, 1, 0))
+    run = build_run(fixed_plan(cfg, Layout(info.world_size, 4, 1, 0)), info)
     resume(run)
     logger = RunLogger(out, info.is_main)
     record = train(run, logger)

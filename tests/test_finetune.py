@@ -20,6 +20,7 @@ import torchvision
 from helpers import TINY, child_env, load_checkpoint, main_cmd, run_parallel, write_image_folder
 from torch import nn
 
+from imagenet.checkpoint.weights import read_weights
 from imagenet.errors import CheckpointError
 from imagenet.reporting import results as reports
 from imagenet.settings.flags import parse_config
@@ -29,7 +30,6 @@ from imagenet.training.finetune import (
     fit_state,
     freeze_backbone,
     head_rows,
-    read_weights,
 )
 from imagenet.training.optim import build_optimizer, class_weights
 from imagenet.training.position import rebuild_schedule

@@ -12,9 +12,12 @@ from helpers import TINY, load_checkpoint, run_main, write_image_folder
 from PIL import Image
 
 from imagenet.data import device as gpu_data
-from imagenet.data.folder import SeededDataset, build_datasets
+from imagenet.data.folder import build_datasets
+from imagenet.data.samplers import SeededDataset
 from imagenet.errors import DataError, UsageError
+from imagenet.settings.crops import crop_schedule
 from imagenet.settings.flags import parse_config
+from imagenet.settings.plan import decode_path
 
 CPU = torch.device("cpu")
 
@@ -52,9 +55,10 @@ def device_items(dataset, keys, finish) -> torch.Tensor:
 def test_device_path_gives_the_cpu_path_s_images(folder: Path):
     cfg = parse_config(["data", "--train-crop-size", "24", "--val-resize-size", "30",
                         "--val-crop-size", "24", "--train-crop-scale", "0.2"])
-    train, val, _ = build_datasets(cfg, folder)
-    train_enc, val_enc, _ = build_datasets(cfg, folder, encoded=True)
-    train_finish, val_finish = gpu_data.device_crops(cfg)
+    crops = crop_schedule(cfg)
+    train, val, _ = build_datasets(cfg, crops, folder)
+    train_enc, val_enc, _ = build_datasets(cfg, crops, folder, encoded=True)
+    train_finish, val_finish = gpu_data.device_crops(cfg, crops)
     n = len(train)
     assert n == len(train_enc) == 17
     keys = [(epoch, i) for epoch in (0, 1, 2) for i in range(n)]
@@ -94,7 +98,8 @@ def test_what_nvjpeg_gets_and_what_the_workers_decode(folder: Path, tmp_path: Pa
      False), (["--dummy"], "cuda", False, False), (["--decode-on-device", "on"], "cpu", False,
      True), (["--decode-on-device", "off"], "cuda", False, False)])
 def test_when_the_device_decodes(argv, device, shards, on):
-    assert gpu_data.use_device_decoding(parse_config(["data", *argv]), device, shards) is on
+    fmt = "shards" if shards else "dummy" if "--dummy" in argv else "folder"
+    assert decode_path(parse_config(["data", *argv]), fmt, device).on_device is on
 
 
 @pytest.mark.parametrize("argv, shards, words", [
@@ -104,7 +109,7 @@ def test_when_the_device_decodes(argv, device, shards, on):
 def test_impossible_requests_name_the_flag(argv, shards, words):
     cfg = parse_config(["data", "--decode-on-device", "on", *argv])
     with pytest.raises(UsageError, match=f"--decode-on-device on: {words}"):
-        gpu_data.use_device_decoding(cfg, "cuda", shards)
+        decode_path(cfg, "shards" if shards else "folder", "cuda")
 
 
 def test_batches_on_the_cpu_pass_through_or_are_finished():

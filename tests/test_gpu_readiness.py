@@ -29,6 +29,7 @@ from imagenet.settings.launch import (
     rendezvous,
     resolve_ranks,
 )
+from imagenet.settings.plan import make_plan
 
 NODE = 96  # cores of the simulated 8-GPU node
 
@@ -129,7 +130,7 @@ def test_the_master_probe_forks_before_any_cuda_context(monkeypatch):
     cfg = parse_config(["data", "--dist-url", f"tcp://127.0.0.1:{free_port()}",
                         "--world-size", "2", "--rank", "1", "--gpu", "1"])
     with pytest.raises(DistributedError, match="stop here"):
-        distributed.init_distributed(cfg, plan_launch(cfg, {}, 2), 0)
+        distributed.init_distributed(make_plan(cfg, {}, 2))
     assert calls == ["probe"]
 
 

@@ -24,10 +24,11 @@ from torchvision.transforms import v2
 
 from imagenet.data import transforms as T
 from imagenet.errors import UsageError
-from imagenet.launching.rendezvous import DistInfo
+from imagenet.launching.collectives import DistInfo
 from imagenet.run.build import Run, build_run
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import Layout
+from imagenet.settings.plan import fixed_plan
 from imagenet.training.engine import Step, evaluate, train_one_epoch
 from imagenet.training.models import unwrap, wrap
 from imagenet.training.optim import build_criterion, build_optimizer, build_scheduler
@@ -229,7 +230,7 @@ def test_clip_grad_norm_limits_the_update():
 def _built(image_folder: Path, tmp_path: Path, *flags: str, batch_size: int = 8) -> Run:
     """The run main.py would build for ``flags`` on the tiny ImageFolder (one CPU process)."""
     cfg = parse_config([str(image_folder), *TINY, "--output-dir", str(tmp_path / "out"), *flags])
-    return build_run(cfg, DistInfo(), Layout(1, batch_size, cfg.grad_accum_steps, 0))
+    return build_run(fixed_plan(cfg, Layout(1, batch_size, cfg.grad_accum_steps, 0)), DistInfo())
 
 
 def _train_steps(run: Run) -> list:

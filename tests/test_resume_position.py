@@ -12,8 +12,8 @@ import pytest
 import torch
 from helpers import tiny_net
 
-from imagenet.checkpoint.state import restore_optimizer
-from imagenet.data.folder import NoSingleImageBatches, ResumableDistributedSampler, train_batches
+from imagenet.checkpoint.states import restore_optimizer
+from imagenet.data.samplers import NoSingleImageBatches, ResumableDistributedSampler, train_batches
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import Layout
 from imagenet.training.optim import build_optimizer, build_scheduler

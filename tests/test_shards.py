@@ -26,12 +26,12 @@ from imagenet.data.shards.reader import ShardBatchSampler, ShardSamples
 from imagenet.data.shards.sources import (
     ShardList,
     beside,
-    data_format,
     expand_braces,
     resolve,
 )
 from imagenet.data.shards.tarreader import SampleReader, ShardError
 from imagenet.errors import UsageError
+from imagenet.settings.sources import data_format
 
 TRAIN_COUNTS = [10, 10, 10, 10, 10, 7]  # 57 images: 3 classes x 19, 10 per shard
 VAL_COUNTS = [10, 5]

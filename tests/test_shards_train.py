@@ -20,6 +20,7 @@ from imagenet.data.folder import build_data
 from imagenet.data.shards.sources import resolve
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import Layout
+from imagenet.settings.plan import fixed_plan
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +61,7 @@ def test_shards_train_on_the_folders_samples_to_the_same_top1(data, shard_run, t
     shards = resolve(str(data["shards"]), None, None)
     for world in (1, 2):
         layout = Layout(world, 16 // world, 1, 0)
-        folder = [build_data(cfg, data["folder"], r, world, layout, 5, False) for r in
+        folder = [build_data(fixed_plan(cfg, layout), data["folder"], r, 5, False) for r in
                   range(world)]
         samples = folder[0].train.loader.dataset.dataset.samples
         for epoch in range(3):

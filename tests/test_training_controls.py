@@ -17,13 +17,15 @@ from helpers import tiny_engine, tiny_net, uint8_batches, write_image_folder
 
 from imagenet.checkpoint import files, history
 from imagenet.checkpoint.rundir import move_previous_run
-from imagenet.data.folder import ResumableDistributedSampler, build_data, shutdown_workers
-from imagenet.data.resizing import CropSchedule, crop_sizes
+from imagenet.data.folder import build_data, shutdown_workers
+from imagenet.data.samplers import ResumableDistributedSampler
 from imagenet.errors import RunError, UsageError
-from imagenet.launching.timelimit import Deadline, end_time, slurm_end_time
-from imagenet.settings.duration import parse_duration
+from imagenet.launching.timelimit import Deadline
+from imagenet.settings.crops import CropSchedule
+from imagenet.settings.duration import end_time, parse_duration, slurm_end_time
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import Layout
+from imagenet.settings.plan import fixed_plan
 from imagenet.training.compiling import RECOMPILE_LIMIT, compile_model
 
 # ---------------------------------------------------------------- --ra-reps
@@ -76,7 +78,7 @@ def folder(tmp_path_factory) -> Path:
 
 def test_the_copies_of_an_image_are_augmented_differently(folder):
     cfg = parse_config([str(folder), "--ra-reps", "3", "--train-crop-size", "32"])
-    data = build_data(cfg, folder, 0, 1, Layout(1, 6, 1, 0), aug_seed=7, pin_memory=False)
+    data = build_data(fixed_plan(cfg, Layout(1, 6, 1, 0)), folder, 0, aug_seed=7, pin_memory=False)
     dataset = data.train.loader.dataset
     copies = [dataset[(2, 5, c)][0] for c in range(3)]
     assert not torch.equal(copies[0], copies[1]) and not torch.equal(copies[1], copies[2])
@@ -91,7 +93,7 @@ def test_repeated_augmentation_refuses_tar_shards_in_one_line():
 
     cfg = parse_config(["/data/wds", "--ra-reps", "4"])
     with pytest.raises(UsageError, match=r"^--ra-reps 4 needs an ImageFolder: tar shards"):
-        build_shard_data(cfg, "/data/wds", 0, 1, Layout(1, 8, 1, 0), 0, False)
+        build_shard_data(fixed_plan(cfg, Layout(1, 8, 1, 0)), "/data/wds", 0, 0, False)
 
 
 # ---------------------------------------------------------------- progressive resizing
@@ -146,11 +148,11 @@ def test_each_epoch_trains_its_crop_in_loader_workers_and_from_tar_shards(folder
 
     cfg = parse_config([str(folder), "--seed", "0", *PROGRESSIVE, *VAL])
     layout = Layout(1, 4, 1, 1)  # a loader worker: it builds each epoch's transform itself
-    data = build_data(cfg, folder, 0, 1, layout, aug_seed=1, pin_memory=False)
+    data = build_data(fixed_plan(cfg, layout), folder, 0, aug_seed=1, pin_memory=False)
     shards_from_folder(get_args_parser().parse_args(
         ["--from-folder", str(folder), "--out", str(tmp_path / "wds"), "--shard-max-images",
          "8"]))
-    shards = build_shard_data(cfg, str(tmp_path / "wds"), 0, 1, layout, 1, False)
+    shards = build_shard_data(fixed_plan(cfg, layout), str(tmp_path / "wds"), 0, 1, False)
     try:
         assert first_batch_sizes(data.train) == [24, 28, 32]
         assert next(iter(data.val_loader))[0].shape[-1] == 36  # validation keeps its own size
@@ -158,8 +160,8 @@ def test_each_epoch_trains_its_crop_in_loader_workers_and_from_tar_shards(folder
     finally:
         shutdown_workers(data.train.loader, data.val_loader, shards.train.loader,
                          shards.val_loader)
-    dummy = build_data(parse_config(["--dummy", "--dummy-size", "8", *PROGRESSIVE]), "", 0, 1,
-                       Layout(1, 4, 1, 0), 1, False)
+    dummy = build_data(fixed_plan(parse_config(["--dummy", "--dummy-size", "8", *PROGRESSIVE]),
+                                  Layout(1, 4, 1, 0)), "", 0, 1, False)
     assert first_batch_sizes(dummy.train) == [24, 28, 32]
 
 
@@ -175,7 +177,8 @@ def test_compile_makes_one_static_graph_per_size_not_one_per_batch(monkeypatch):
     torch._dynamo.reset()
     counters.clear()
     cfg = parse_config(["data", "--compile", "--epochs", "3", *PROGRESSIVE])
-    model = compile_model(tiny_net(bn=True), "eager", crop_sizes(cfg))
+    sizes = fixed_plan(cfg, Layout(1, 8, 1, 0)).train_sizes
+    model = compile_model(tiny_net(bn=True), "eager", len(sizes))
     engine = tiny_engine(model, "--lr", "0.01", steps=4)
     graphs = []
     for epoch, size in enumerate((24, 28, 32)):
@@ -219,10 +222,10 @@ def test_slurm_end_time_from_squeue_or_the_jobs_variable(tmp_path):
     assert (tmp_path / "bin" / "args").read_text().split() == ["-h", "-j", "4242", "-o", "%e"]
     assert slurm_end_time({**env, "SLURM_JOB_END_TIME": "1900000000"}) == 1900000000
     cfg = parse_config(["data", "--time-limit", "slurm"])
-    end, name = end_time(cfg, env)
+    end, name = end_time(cfg.time_limit, env)
     assert name.startswith("the end of SLURM job 4242 at 2031-05-01 12:34:56")
     unlimited = fake_squeue(tmp_path / "unlimited", "echo Unknown")
-    assert end_time(cfg, unlimited) is None  # a job without an end: no limit (with a warning)
+    assert end_time(cfg.time_limit, unlimited) is None  # a job without an end: no limit (warned)
 
 
 def test_slurm_end_time_errors_are_one_line(tmp_path):
@@ -256,7 +259,7 @@ def test_the_deadline_keeps_room_for_the_stop():
 
 
 def keep(folder: Path, n: int, epoch: int, acc1: float) -> None:
-    """An epoch end as checkpoint.state.save does it: index, file, prune."""
+    """An epoch end as run.checkpointing.save does it: index, file, prune."""
     path = history.plan(folder, n, history.epoch_entry(epoch, acc1, epoch * 10, False))
     if path is not None:
         files.atomic_save({"epoch": epoch, "state_dict": {}}, path)

@@ -26,6 +26,7 @@ from chaos import Leg
 from helpers import MAIN, child_env, load_checkpoint, main_cmd, run_main, write_image_folder
 
 from imagenet.data.folder import shutdown_workers
+from imagenet.settings.plan import fixed_plan
 
 STEPS = 6  # 48 training images in steps of 8
 FLAGS = ["-a", "squeezenet1_1", "--train-crop-size", "32", "--val-resize-size", "36",
@@ -263,7 +264,7 @@ def test_a_signal_while_loader_workers_start_does_not_kill_them(data, monkeypatc
     from imagenet.settings.launch import Layout
 
     cfg = parse_config([str(data), *FLAGS])
-    loaders = build_data(cfg, data, 0, 1, Layout(1, 4, 1, 1), 0, pin_memory=False)
+    loaders = build_data(fixed_plan(cfg, Layout(1, 4, 1, 1)), data, 0, 0, pin_memory=False)
     monkeypatch.setattr(torch, "set_num_threads", slow_thread_setting)  # forked workers too
     try:
         batches = iter(loaders.val_loader)  # starts the worker

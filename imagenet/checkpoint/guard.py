@@ -16,7 +16,7 @@ import torch
 
 from imagenet.checkpoint import files
 from imagenet.errors import CheckpointError, NonFiniteStateError
-from imagenet.launching.rendezvous import raise_agreed
+from imagenet.launching.collectives import raise_agreed
 
 ADVICE = "Lower --lr, try --clip-grad-norm, or check the data"
 

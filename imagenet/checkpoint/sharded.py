@@ -15,10 +15,11 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -27,14 +28,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
+from torch.optim.swa_utils import AveragedModel
 
 import imagenet.training.fsdp as fsdp
 from imagenet.checkpoint import files, guard
 from imagenet.errors import CheckpointError, on_every_rank
-from imagenet.launching.rendezvous import barrier, raise_agreed
-
-if TYPE_CHECKING:
-    from imagenet.run.build import Run
+from imagenet.launching.collectives import barrier, raise_agreed
 
 SHARDED = ("state_dict", "optimizer", "ema")  # the keys whose tensors DCP holds
 
@@ -80,13 +79,13 @@ def write(tensors: dict[str, Any], meta: dict[str, Any], path: Path, is_main: bo
     barrier()
 
 
-def sharded_state(run: Run) -> dict[str, Any]:
-    """The run's model, optimizer and EMA as local shards (what DCP writes and reads)."""
-    parts = run.engine.parts
-    state = {"state_dict": get_model_state_dict(run.raw_model),
-             "optimizer": get_optimizer_state_dict(run.raw_model, parts.optimizer)}
-    if parts.ema is not None:
-        state["ema"] = get_model_state_dict(parts.ema.module)
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                  ema: AveragedModel | None) -> dict[str, Any]:
+    """The (sharded) model, optimizer and EMA as local shards (what DCP writes and reads)."""
+    state = {"state_dict": get_model_state_dict(model),
+             "optimizer": get_optimizer_state_dict(model, optimizer)}
+    if ema is not None:
+        state["ema"] = get_model_state_dict(ema.module)
     return state
 
 
@@ -99,19 +98,20 @@ def local_tensors(state: Any) -> Any:
     return state.to_local() if isinstance(state, DTensor) else state
 
 
-def save(run: Run, meta: dict[str, Any], path: Path, copies: tuple[Path, ...] = ()) -> None:
-    """Write the run's checkpoint directory at ``path`` (``meta``: the classic payload
-    without weights). Collective."""
-    fsdp.broadcast_buffers(run.raw_model)  # DCP would keep an arbitrary rank's statistics
-    if run.engine.parts.ema is not None:
-        fsdp.broadcast_buffers(run.engine.parts.ema)
-    write(sharded_state(run), meta, path, run.dist.is_main, copies)
+def save(model: nn.Module, optimizer: torch.optim.Optimizer, ema: AveragedModel | None,
+         meta: dict[str, Any], path: Path, is_main: bool, copies: tuple[Path, ...] = ()) -> None:
+    """Write the checkpoint directory at ``path`` (``meta``: the classic payload without
+    weights). Collective."""
+    fsdp.broadcast_buffers(model)  # DCP would keep an arbitrary rank's statistics
+    if ema is not None:
+        fsdp.broadcast_buffers(ema)
+    write(sharded_state(model, optimizer, ema), meta, path, is_main, copies)
 
 
-def save_ema_weights(run: Run, meta: dict[str, Any], path: Path) -> None:
+def save_ema_weights(ema: AveragedModel, meta: dict[str, Any], path: Path,
+                     is_main: bool) -> None:
     """model_best_ema.dcp: the EMA weights as a model checkpoint directory. Collective."""
-    write({"state_dict": get_model_state_dict(run.engine.parts.ema.module)}, meta, path,
-          run.dist.is_main)
+    write({"state_dict": get_model_state_dict(ema.module)}, meta, path, is_main)
 
 
 def load_meta(path: Path) -> dict[str, Any]:
@@ -119,22 +119,24 @@ def load_meta(path: Path) -> dict[str, Any]:
     return files.load_checkpoint(path / files.SHARDED_META)
 
 
-def load(run: Run, path: Path, optimizer: bool = True) -> dict[str, Any]:
-    """Put the directory's model, optimizer (unless ``optimizer`` is False) and EMA into the
-    run (resharded to this world size); return its trainer state. Collective."""
+def load(model: nn.Module, optimizer: torch.optim.Optimizer, ema: AveragedModel | None,
+         path: Path, arch: str, classes: list[str], with_optimizer: bool = True
+         ) -> dict[str, Any]:
+    """Put the directory's model, optimizer (unless ``with_optimizer`` is False) and EMA into
+    these (sharded) ones, resharded to this world size; return its trainer state. ``arch`` and
+    ``classes``: this run's, checked against the directory's. Collective."""
     meta = load_meta(path)
-    if meta.get("arch") and meta["arch"] != run.cfg.arch:
+    if meta.get("arch") and meta["arch"] != arch:
         raise CheckpointError(f"{path} was saved for -a {meta['arch']}, but this run uses "
-                              f"-a {run.cfg.arch}; pass -a {meta['arch']} or another checkpoint")
-    guard.check_resumable(meta, path, run.data.classes)  # the class names (no weights here)
+                              f"-a {arch}; pass -a {meta['arch']} or another checkpoint")
+    guard.check_resumable(meta, path, classes)  # the class names (no weights here)
     problem = files.incomplete(path)  # each rank sees the directory it reads its shards from
     raise_agreed(CheckpointError(f"{path} is incomplete: {problem}; {files.RESUME_FIX}")
                  if problem else None)
-    parts = run.engine.parts
     saved = {key.split(".")[0] for key in  # model_best_ema.dcp holds the weights only
              dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
-    state = {k: v for k, v in sharded_state(run).items()
-             if k in saved and (optimizer or k != "optimizer")}
+    state = {k: v for k, v in sharded_state(model, optimizer, ema).items()
+             if k in saved and (with_optimizer or k != "optimizer")}
     with single_process_is_meant():
         try:
             dcp.load(state, checkpoint_id=path)
@@ -145,12 +147,13 @@ def load(run: Run, path: Path, optimizer: bool = True) -> dict[str, Any]:
     raise_agreed(CheckpointError(f"{path} holds NaN/infinite values ({bad[0]} and maybe more): "
                                  "it was saved by a run that diverged; use an earlier "
                                  "checkpoint") if bad else None)
-    set_model_state_dict(run.raw_model, state["state_dict"])
+    set_model_state_dict(model, state["state_dict"])
     if "optimizer" in state:
-        set_optimizer_state_dict(run.raw_model, parts.optimizer, state["optimizer"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
     if "ema" in state:
-        set_model_state_dict(parts.ema.module, state["ema"])
-        parts.ema.n_averaged.copy_(meta["ema"]["n_averaged"])
+        assert ema is not None
+        set_model_state_dict(ema.module, state["ema"])
+        ema.n_averaged.copy_(meta["ema"]["n_averaged"])
     return meta
 
 

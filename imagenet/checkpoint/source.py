@@ -21,18 +21,19 @@ from torch import nn
 import imagenet.errors as errors
 from imagenet.checkpoint import files
 from imagenet.errors import TrainerError
-from imagenet.launching.rendezvous import DistInfo
-from imagenet.settings.launch import elastic_restart_count
+from imagenet.launching.collectives import DistInfo
 
 log = logging.getLogger(__name__)
 
 Found = tuple[Path, dict[str, Any]]
 
 
-def resolve_and_load(resume: str | None, output_dir: Path, sharded: bool) -> Found | None:
-    """This process's choice: the checkpoint --resume (or a torchrun restart) names, loaded
-    (a --sharded-checkpoint directory: its trainer state; the shards are read later)."""
-    path = files.resolve_resume(resume, output_dir, elastic_restart_count() > 0, sharded)
+def resolve_and_load(resume: str | None, output_dir: Path, sharded: bool,
+                     restarted: bool = False) -> Found | None:
+    """This process's choice: the checkpoint --resume (or a torchrun restart, ``restarted``)
+    names, loaded (a --sharded-checkpoint directory: its trainer state; the shards are read
+    later)."""
+    path = files.resolve_resume(resume, output_dir, restarted, sharded)
     if path is None:
         return None
     return path, files.load_checkpoint(path / files.SHARDED_META if path.is_dir() else path)
@@ -46,14 +47,15 @@ def identity(ckpt: dict[str, Any]) -> list[Any]:
 
 
 def agreed_checkpoint(resume: str | None, output_dir: Path, info: DistInfo,
-                      sharded: bool = False) -> Found | None:
-    """The checkpoint every rank resumes from (None: all start fresh). Collective."""
+                      sharded: bool = False, restarted: bool = False) -> Found | None:
+    """The checkpoint every rank resumes from (None: all start fresh); ``restarted``: torchrun
+    restarted the job (its checkpoint is resumed without --resume). Collective."""
     if not info.distributed:
-        return resolve_and_load(resume, output_dir, sharded)
+        return resolve_and_load(resume, output_dir, sharded, restarted)
     found, decision = None, None
     if info.is_main:
         try:
-            found = resolve_and_load(resume, output_dir, sharded)
+            found = resolve_and_load(resume, output_dir, sharded, restarted)
             decision = {"path": str(found[0]) if found else None,
                         "identity": identity(found[1]) if found else None}
         except TrainerError as exc:
@@ -63,7 +65,7 @@ def agreed_checkpoint(resume: str | None, output_dir: Path, info: DistInfo,
         error = getattr(errors, decision["error"], errors.RunError)
         raise errors.on_every_rank(error(decision["message"]))
     if decision["path"] is None:
-        if resume == "auto" or elastic_restart_count() > 0:
+        if resume == "auto" or restarted:
             _note_ignored_checkpoint(output_dir, info)
         return None
     path = Path(decision["path"])

@@ -47,6 +47,7 @@ from imagenet.checkpoint import files
 from imagenet.errors import RunError, UsageError
 from imagenet.reporting.logger import METRICS
 from imagenet.settings.flags import Config
+from imagenet.settings.sources import is_url
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,8 @@ def stage(cfg: Config) -> tuple[Config, Remote | None]:
 
     Pure (no I/O): every rank computes the same paths.
     """
-    output_url = cfg.output_dir.rstrip("/") if objectstore.is_url(cfg.output_dir) else None
-    resume_url = cfg.resume if objectstore.is_url(cfg.resume) else None
+    output_url = cfg.output_dir.rstrip("/") if is_url(cfg.output_dir) else None
+    resume_url = cfg.resume if is_url(cfg.resume) else None
     if output_url is None and resume_url is None:
         return cfg, None
     if output_url and cfg.sharded_checkpoint:

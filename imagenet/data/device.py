@@ -31,7 +31,8 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
 import imagenet.data.transforms as T
-from imagenet.errors import DataError, UsageError
+from imagenet.errors import DataError
+from imagenet.settings.crops import CropSchedule
 from imagenet.settings.flags import Config
 
 log = logging.getLogger(__name__)
@@ -42,36 +43,6 @@ DEVICE_SOF = frozenset((0xC0, 0xC1, 0xC2))
 ANY_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # DHT, JPG and DAC are not frames
 STANDALONE = frozenset((0x01, *range(0xD0, 0xDA)))  # markers without a length field
 FINISHED = -1  # box[0] of an image the worker decoded and augmented itself
-
-
-# ---------------------------------------------------------------- deciding
-
-
-def use_device_decoding(cfg: Config, device_type: str, shards: bool) -> bool:
-    """Whether --decode-on-device (auto: with CUDA, where nothing needs per-image CPU work)."""
-    if cfg.decode_on_device == "off":
-        return False
-    conflict = device_conflict(cfg, shards)
-    if cfg.decode_on_device == "on":
-        if conflict:
-            raise UsageError(f"--decode-on-device on: {conflict}; drop one")
-        return True
-    return device_type == "cuda" and conflict is None
-
-
-def device_conflict(cfg: Config, shards: bool) -> str | None:
-    """What rules out decoding on the device, or None."""
-    if cfg.dummy:
-        return "--dummy data is not decoded"
-    if shards:
-        return "tar shards are decoded by the loader workers (ImageFolder data only)"
-    if cfg.image_backend == "pil":
-        return "--image-backend pil decodes with PIL"
-    if cfg.auto_augment:
-        return "--auto-augment runs per image on the CPU"
-    if cfg.random_erase > 0:
-        return "--random-erase runs per image on the CPU"
-    return None
 
 
 # ---------------------------------------------------------------- in the loader workers
@@ -155,12 +126,11 @@ class EncodedValItem:
         return image, torch.zeros(5, dtype=torch.long), path
 
 
-def item_transforms(cfg: Config) -> tuple[EncodedTrainItem, EncodedValItem]:
+def item_transforms(cfg: Config, crops: CropSchedule) -> tuple[EncodedTrainItem, EncodedValItem]:
     """The workers' transforms for training and validation items."""
-    crops = T.RandomResizedCropFlip(cfg.train_crop_size, cfg.interpolation,
-                                    (cfg.train_crop_scale, 1.0))
+    boxes = T.RandomResizedCropFlip(crops.end, cfg.interpolation, (cfg.train_crop_scale, 1.0))
     val = T.val_transform(cfg.val_resize_size, cfg.val_crop_size, cfg.interpolation)
-    return EncodedTrainItem(crops), EncodedValItem(val)
+    return EncodedTrainItem(boxes), EncodedValItem(val)
 
 
 @dataclass
@@ -216,9 +186,9 @@ class DeviceCrops:
         return out.flip(-1) if flip else out
 
 
-def device_crops(cfg: Config) -> tuple[DeviceCrops, DeviceCrops]:
+def device_crops(cfg: Config, crops: CropSchedule) -> tuple[DeviceCrops, DeviceCrops]:
     """The training and validation ``DeviceCrops`` of the flags."""
-    return (DeviceCrops(cfg.train_crop_size, cfg.interpolation),
+    return (DeviceCrops(crops.end, cfg.interpolation),
             DeviceCrops(cfg.val_crop_size, cfg.interpolation, cfg.val_resize_size))
 
 

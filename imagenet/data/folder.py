@@ -1,205 +1,40 @@
-"""Datasets, samplers and loaders; ``TrainData``, what the trainer asks of any training source.
-
-Augmentation randomness is a pure function of (seed, epoch, sample index), and of the copy with
-repeated augmentation (--ra-reps): each sample re-seeds the worker's generators before its
-transform runs. The data a step sees therefore does not depend on the number of workers, on which
-worker ran it, or on whether the run was interrupted - the basis of bitwise-exact mid-epoch
-resume. Tar shards (``imagenet.data.shards``) follow the same rules.
+"""ImageFolder (and --dummy) datasets and their loaders; ``TrainData``, what the trainer asks of
+any training source (the order and seeds of the samples: ``samplers``).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing
 import multiprocessing.util
-import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, get_worker_info
+from torch.utils.data import DataLoader, Dataset
 from torchvision import datasets
 
 import imagenet.data.device as device_decoding
 import imagenet.data.transforms as T
-from imagenet.data.resizing import (
-    CornerCrop,
-    crop_schedule,
-    follow_epoch,
-    sized_by_epoch,
-    train_sizes,
+from imagenet.data.resizing import CornerCrop, sized_by_epoch
+from imagenet.data.samplers import (
+    NoSingleImageBatches,
+    ResumableDistributedSampler,
+    SeededDataset,
+    ShardSampler,
+    train_batches,
 )
 from imagenet.errors import DataError, UsageError
 from imagenet.launching.preemption import ignore_stop_signals, stop_signals_blocked
+from imagenet.settings.crops import CropSchedule
 from imagenet.settings.flags import Config
 from imagenet.settings.launch import Layout
+from imagenet.settings.plan import Plan
 
 log = logging.getLogger(__name__)
-
-
-R = TypeVar("R")
-
-
-def seeded_call(seed: int, epoch: int, index: int, fn: Callable[[], R], copy: int = 0) -> R:
-    """``fn()`` with torch's and python's global generators seeded from (seed, epoch, index)
-    and, for the further copies of repeated augmentation, ``copy``."""
-    key = (seed, epoch, index) if copy == 0 else (seed, epoch, index, copy)
-    if get_worker_info() is not None:
-        return _seeded(key, fn)
-    # In the training process (-j 0) the global streams belong to the training step
-    # (dropout, MixUp): borrow them and put them back.
-    python_state = random.getstate()
-    with torch.random.fork_rng(devices=[]):
-        result = _seeded(key, fn)
-    random.setstate(python_state)
-    return result
-
-
-def _seeded(key: tuple[int, ...], fn: Callable[[], R]) -> R:
-    sample_seed = hash(key) & 0x7FFF_FFFF_FFFF_FFFF
-    torch.default_generator.manual_seed(sample_seed)
-    random.seed(sample_seed)
-    return fn()
-
-
-class SeededDataset(Dataset):
-    """Wraps a dataset so that item ``(epoch, index)`` (or ``(epoch, index, copy)``) is augmented
-    with its own seed, at the epoch's training crop size (progressive resizing)."""
-
-    def __init__(self, dataset: Dataset, seed: int) -> None:
-        self.dataset = dataset
-        self.seed = seed
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
-
-    def __getitem__(self, key: tuple[int, ...]):
-        epoch, index, *copy = key
-        follow_epoch(self.dataset, epoch)
-        return seeded_call(self.seed, epoch, index, partial(self.dataset.__getitem__, index),
-                           *copy)
-
-
-class ResumableDistributedSampler(Sampler):
-    """DistributedSampler's order (seed + epoch, padded, strided) that can start mid-epoch.
-
-    Yields ``(epoch, index)`` keys for ``SeededDataset``. Every rank gets the same number of
-    samples (the permutation is padded by repeating its start, as DistributedSampler does) so DDP
-    ranks never wait for a rank that ran out of data. A resumed epoch continues with the items
-    of its permutation after the first ``skip`` (trained before, in any layout: W ranks that
-    each trained n samples trained exactly the first n x W items).
-
-    With ``reps`` > 1 (repeated augmentation) the order is torchvision's RASampler's: each index
-    of the permutation ``reps`` times in a row, cut to ``size`` items so that an epoch is still
-    one pass; strided over the ranks, the copies of an image go to ``reps`` consecutive ranks.
-    Its keys are ``(epoch, index, copy)``: every copy is augmented with its own seed. The order
-    is still one sequence of ``size`` items, so any layout continues it.
-    """
-
-    def __init__(self, size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = True, reps: int = 1) -> None:
-        self.size, self.rank, self.world_size = size, rank, world_size
-        self.seed, self.shuffle, self.reps = seed, shuffle, reps
-        self.num_samples = math.ceil(size / world_size)
-        self.epoch, self.skip = 0, 0
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """Select the epoch, skipping the first ``start`` samples of this rank's share."""
-        self.continue_epoch(epoch, start * self.world_size)
-
-    def continue_epoch(self, epoch: int, images: int) -> None:
-        """Select the epoch, continuing after the first ``images`` items of its global order."""
-        self.epoch, self.skip = epoch, min(images, self.size)
-
-    def _order(self) -> list[int]:
-        """The epoch's global order of items (item = index x reps + copy)."""
-        if not self.shuffle:
-            order = torch.arange(self.size)
-        else:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.size, generator=g)
-        if self.reps > 1:  # one pass: the first size / reps images of the permutation, repeated
-            copies = torch.arange(self.size) % self.reps
-            order = order.repeat_interleave(self.reps)[:self.size] * self.reps + copies
-        return order.tolist()
-
-    def _keys(self, items: list[int]) -> list[tuple[int, ...]]:
-        if self.reps == 1:
-            return [(self.epoch, i) for i in items]
-        return [(self.epoch, *divmod(i, self.reps)) for i in items]
-
-    def keys(self) -> list[tuple[int, ...]]:
-        """This rank's full list of keys for the current epoch."""
-        return self._keys(_padded_share(self._order(), 0, self.rank, self.world_size))
-
-    def indices(self) -> list[int]:
-        """This rank's full index list for the current epoch."""
-        return [key[1] for key in self.keys()]
-
-    def __iter__(self) -> Iterator[tuple[int, ...]]:
-        share = _padded_share(self._order(), self.skip, self.rank, self.world_size)
-        return iter(self._keys(share))
-
-    def __len__(self) -> int:
-        return math.ceil((self.size - self.skip) / self.world_size)
-
-
-def _padded_share(order: list[int], skip: int, rank: int, world_size: int) -> list[int]:
-    """Rank ``rank``'s stride of ``order[skip:]``, padded to a multiple of ``world_size`` with
-    the order's first items (DistributedSampler's padding)."""
-    rest = order[skip:]
-    total = math.ceil(len(rest) / world_size) * world_size
-    while len(rest) < total:
-        rest += order[: total - len(rest)]
-    return rest[rank:total:world_size]
-
-
-class NoSingleImageBatches(BatchSampler):
-    """The training batches, without a last batch that would hold a single image.
-
-    BatchNorm cannot train on one image where a layer is 1x1 (one value per channel: the classic
-    script crashes there), and elsewhere its statistics of one image are noise. Every other
-    batch, the last incomplete one included, is kept, as in the classic script: the step count
-    stays the classic's. The validation loader never drops anything.
-    """
-
-    def __init__(self, sampler: Sampler, batch_size: int) -> None:
-        super().__init__(sampler, batch_size, drop_last=False)
-
-    def __iter__(self) -> Iterator[list]:
-        for batch in super().__iter__():
-            if len(batch) > 1 or self.batch_size == 1:
-                yield batch
-
-    def __len__(self) -> int:
-        return train_batches(len(self.sampler), self.batch_size)  # type: ignore[arg-type]
-
-
-def train_batches(samples: int, batch_size: int) -> int:
-    """Training batches in ``samples`` images: a last batch of one image does not count.
-
-    The one place that counts an ImageFolder epoch's batches (``FolderTrain.batches``, from
-    which ``build_run`` derives the steps per epoch, and the loader's length).
-    """
-    full, rest = divmod(samples, batch_size)
-    return full + (rest > 1)
-
-
-class ShardSampler(Sampler):
-    """Validation shard of one rank: every image exactly once across ranks, no padding."""
-
-    def __init__(self, size: int, rank: int = 0, world_size: int = 1) -> None:
-        self.size, self.rank, self.world_size = size, rank, world_size
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.rank, self.size, self.world_size))
-
-    def __len__(self) -> int:
-        return len(range(self.rank, self.size, self.world_size))
 
 
 class DummyDataset(Dataset):
@@ -434,10 +269,10 @@ def check_same_classes(train: Sequence[str], val: Sequence[str], root: Path) -> 
                         "would be wrong")
 
 
-def build_transforms(cfg: Config) -> tuple[Callable, Callable]:
+def build_transforms(cfg: Config, crops: CropSchedule) -> tuple[Callable, Callable]:
     """Per-sample training augmentation (at each epoch's crop size) and validation transform,
     from the flags."""
-    train_tf = sized_by_epoch(cfg, partial(
+    train_tf = sized_by_epoch(crops, partial(
         T.train_transform, interpolation=cfg.interpolation, auto_augment=cfg.auto_augment,
         ra_magnitude=cfg.ra_magnitude, augmix_severity=cfg.augmix_severity,
         random_erase=cfg.random_erase, backend=cfg.image_backend, min_scale=cfg.train_crop_scale))
@@ -446,18 +281,20 @@ def build_transforms(cfg: Config) -> tuple[Callable, Callable]:
     return train_tf, val_tf
 
 
-def build_datasets(cfg: Config, data_root: Path, encoded: bool = False
+def build_datasets(cfg: Config, crops: CropSchedule, data_root: Path, encoded: bool = False
                    ) -> tuple[Dataset, Dataset, list[str]]:
     """Train and validation datasets producing uint8 CHW images and integer labels (with
     ``encoded``: JPEG bytes and crop boxes, decoded on the device; see data.device)."""
     if cfg.dummy:
-        train = DummyDataset(cfg.dummy_size, cfg.dummy_classes, max(train_sizes(cfg)))
-        if crop_schedule(cfg) is not None:
-            train.transform = sized_by_epoch(cfg, CornerCrop)
+        train = DummyDataset(cfg.dummy_size, cfg.dummy_classes,
+                             max(crops.sizes(cfg.epochs)) if crops.progressive else crops.end)
+        if crops.progressive:
+            train.transform = sized_by_epoch(crops, CornerCrop)
         val = DummyDataset(cfg.dummy_val_size, cfg.dummy_classes, cfg.val_crop_size)
         return train, val, train.classes
     train_dir, val_dir = check_folder(data_root, need_val=cfg.val_data is None)
-    train_tf, val_tf = device_decoding.item_transforms(cfg) if encoded else build_transforms(cfg)
+    train_tf, val_tf = device_decoding.item_transforms(cfg, crops) if encoded \
+        else build_transforms(cfg, crops)
     loader = device_decoding.read_encoded if encoded else None
     train = image_folder(train_dir, train_tf, cfg.image_backend, loader)
     if cfg.val_data is not None:
@@ -517,23 +354,27 @@ def kill_stray_workers() -> None:
             child.join()
 
 
-def build_data(cfg: Config, data_root: str | Path, rank: int, world_size: int, layout: Layout,
-               aug_seed: int, pin_memory: bool, decode_on_device: bool = False) -> Data:
-    """Loaders for this rank: resumable shuffled training shard, unpadded validation shard."""
-    train, val, classes = build_datasets(cfg, Path(data_root), decode_on_device)
-    folder_train, val_loader, finish = folder_loaders(cfg, train, val, rank, world_size, layout,
-                                                      aug_seed, pin_memory, decode_on_device)
+def build_data(plan: Plan, data_root: str | Path, rank: int, aug_seed: int,
+               pin_memory: bool) -> Data:
+    """Loaders for this rank: resumable shuffled training shard, unpadded validation shard
+    (JPEGs decoded where the plan says)."""
+    cfg, on_device = plan.cfg, plan.decode.on_device
+    train, val, classes = build_datasets(cfg, plan.crops, Path(data_root), on_device)
+    finish = device_decoding.device_crops(cfg, plan.crops) if on_device else None
+    folder_train, val_loader = folder_loaders(cfg, train, val, rank, plan.layout, aug_seed,
+                                              pin_memory, finish)
     return Data(folder_train, val_loader, len(classes), list(classes), len(val),
-                train_finish=finish[0], val_finish=finish[1],
+                train_finish=finish and finish[0], val_finish=finish and finish[1],
                 train_counts=class_counts(train, len(classes)))
 
 
-def folder_loaders(cfg: Config, train: Dataset, val: Dataset, rank: int, world_size: int,
-                   layout: Layout, aug_seed: int, pin_memory: bool,
-                   decode_on_device: bool = False) -> tuple[FolderTrain, DataLoader, tuple]:
+def folder_loaders(cfg: Config, train: Dataset, val: Dataset, rank: int, layout: Layout,
+                   aug_seed: int, pin_memory: bool, finish: tuple | None = None
+                   ) -> tuple[FolderTrain, DataLoader]:
     """This rank's loaders of map-style datasets: the resumable training shard and the
-    unpadded validation shard, and (--decode-on-device) what finishes their batches."""
-    batch_size, workers = layout.batch_size, layout.workers
+    unpadded validation shard; ``finish`` (--decode-on-device): what finishes the training and
+    validation batches on the device."""
+    batch_size, workers, world_size = layout.batch_size, layout.workers, layout.world_size
     sampler = ResumableDistributedSampler(len(train), rank, world_size,  # type: ignore[arg-type]
                                           seed=cfg.seed or 0, reps=cfg.ra_reps)
     check_one_batch(sampler.num_samples, batch_size, world_size)
@@ -542,10 +383,8 @@ def folder_loaders(cfg: Config, train: Dataset, val: Dataset, rank: int, world_s
                  "augmented copies (one pass: %d samples)", -(-len(train) // cfg.ra_reps),
                  cfg.ra_reps, len(train))
     extra = loader_options(workers)
-    finish: tuple = (None, None)
-    if decode_on_device:  # encoded bytes: nvJPEG reads them from pageable memory itself
-        extra, pin_memory, finish = ({**extra, "collate_fn": device_decoding.collate}, False,
-                                     device_decoding.device_crops(cfg))
+    if finish is not None:  # encoded bytes: nvJPEG reads them from pageable memory itself
+        extra, pin_memory = {**extra, "collate_fn": device_decoding.collate}, False
     # A private generator: creating loader iterators must not consume the global RNG, which the
     # training step uses (MixUp/CutMix, dropout) and the checkpoint restores.
     seeded = SeededDataset(train, aug_seed)
@@ -557,4 +396,4 @@ def folder_loaders(cfg: Config, train: Dataset, val: Dataset, rank: int, world_s
                                 sampler=ShardSampler(len(val), rank, world_size),  # type: ignore
                                 num_workers=workers, pin_memory=pin_memory,
                                 generator=torch.Generator().manual_seed(aug_seed), **extra)
-    return FolderTrain(train_loader, sampler, seeded, finish[0]), val_loader, finish
+    return FolderTrain(train_loader, sampler, seeded, finish and finish[0]), val_loader

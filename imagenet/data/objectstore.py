@@ -18,28 +18,18 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 from imagenet.errors import UsageError
+from imagenet.settings.sources import SCHEME
 
 CLOUD_EXTRA = "pip install 'imagenet-trainer[cloud]'"
 # Protocols whose uploads are atomic: the object appears only once it is complete.
 WHOLE_OBJECT_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"}
-_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
-_NOT_FSSPEC = {"http", "https", "file"}  # http(s) has its own reader; file:// is a local path
-
-
-def is_url(text: str | os.PathLike | None) -> bool:
-    """True for an fsspec URL (``s3://bucket/x``, ``gs://...``), not a local path or http(s)."""
-    match = _SCHEME.match(str(text or ""))
-    return bool(match) and match.group(1).lower() not in _NOT_FSSPEC
-
-
 def protocol(url: str) -> str:
     """The URL's scheme, lower case: ``s3://b/x`` -> ``s3``."""
-    match = _SCHEME.match(url)
+    match = SCHEME.match(url)
     return match.group(1).lower() if match else ""
 
 

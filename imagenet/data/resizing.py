@@ -1,90 +1,37 @@
-"""Progressive resizing: the training crop grows from --train-crop-start to --train-crop-size.
+"""Progressive resizing in the loaders: each training sample is cropped at its epoch's size.
 
-FFCV's fast ResNet recipes train at 160 px, grow to 192 px over a few late epochs and evaluate at
-224-256 px: small crops early make those epochs cheap, and the test-time resolution gap (FixRes)
-makes the larger evaluation crop score higher. The size is a pure function of the epoch
-(``CropSchedule.size``): epochs up to START_EPOCH train at the start size, epochs from END_EPOCH
-on at --train-crop-size, the ones between on the straight line, rounded to --train-crop-multiple
-(default 32, FFCV's rounding and the total stride of torchvision's CNNs, so every stage of a
-ResNet gets whole feature maps and few sizes - few compiled graphs - appear).
-
-Every training sample carries its epoch (the sampler's keys, the shard reader's items), and the
-loader process that augments it builds that epoch's transform itself (``EpochCrop``): the size is
-the same for any -j, constant within an epoch, and a resume mid-ramp trains the sizes the
-uninterrupted run would. Validation sizes (--val-resize-size, --val-crop-size) are independent.
-With --compile every size has static graphs of its own (``compiling``: one per batch shape),
-compiled when the size first appears, rather than one dynamic-shape graph for all: a new size
-costs one compile, never one per batch; ``crop_sizes`` tells ``compiling`` how many to make room
-for.
+The schedule itself (``settings.crops.CropSchedule``: --train-crop-start growing to
+--train-crop-size over --train-crop-ramp) is the plan's. Every training sample carries its epoch
+(the sampler's keys, the shard reader's items), and the loader process that augments it builds
+that epoch's transform itself (``EpochCrop``): the size is the same for any -j, constant within
+an epoch, and a resume mid-ramp trains the sizes the uninterrupted run would. Validation sizes
+(--val-resize-size, --val-crop-size) are independent. With --compile every size has static
+graphs of its own (``training.compiling``: one per batch shape), compiled when the size first
+appears, rather than one dynamic-shape graph for all: a new size costs one compile, never one
+per batch.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from imagenet.settings.flags import Config
+from imagenet.settings.crops import CropSchedule
 
 log = logging.getLogger(__name__)
 
 
-
-@dataclass(frozen=True)
-class CropSchedule:
-    """The training crop of every epoch (see the module docstring)."""
-
-    start: int  # px, up to ``first_epoch``
-    end: int  # px, from ``last_epoch`` on (--train-crop-size)
-    first_epoch: int
-    last_epoch: int
-    multiple: int  # px; sizes between are rounded to it
-
-    def size(self, epoch: int) -> int:
-        """The training crop of ``epoch``, pixels."""
-        if epoch <= self.first_epoch:
-            return self.start
-        if epoch >= self.last_epoch:
-            return self.end
-        fraction = (epoch - self.first_epoch) / (self.last_epoch - self.first_epoch)
-        exact = self.start + (self.end - self.start) * fraction
-        rounded = round(exact / self.multiple) * self.multiple
-        low, high = sorted((self.start, self.end))
-        return min(max(rounded, low), high)
-
-    def sizes(self, epochs: int) -> list[int]:
-        """The distinct sizes of epochs 0 .. ``epochs`` - 1, in the order they come."""
-        return list(dict.fromkeys(self.size(e) for e in range(epochs)))
-
-
-def crop_schedule(cfg: Config) -> CropSchedule | None:
-    """The schedule of the flags; None when the crop stays --train-crop-size throughout."""
-    if cfg.train_crop_start is None or cfg.train_crop_ramp is None:
-        return None
-    first, last = cfg.train_crop_ramp
-    return CropSchedule(cfg.train_crop_start, cfg.train_crop_size, first, last,
-                        cfg.train_crop_multiple)
-
-
-def train_sizes(cfg: Config) -> list[int]:
-    """Every training crop size of the run, in order ([--train-crop-size] without a ramp)."""
-    schedule = crop_schedule(cfg)
-    return schedule.sizes(cfg.epochs) if schedule is not None else [cfg.train_crop_size]
-
-
-def announce(cfg: Config, epoch: int) -> dict[str, int]:
+def announce(crops: CropSchedule, epoch: int, val_crop: int) -> dict[str, int]:
     """With progressive resizing: log the epoch's crop; its metrics.jsonl field (else {})."""
-    schedule = crop_schedule(cfg)
-    if schedule is None:
+    if not crops.progressive:
         return {}
-    size = schedule.size(epoch)
+    size = crops.size(epoch)
     log.info("=> epoch %d: training crop %d px (%d -> %d px over epochs %d-%d), validation %d "
-             "px", epoch, size, schedule.start, schedule.end, schedule.first_epoch,
-             schedule.last_epoch, cfg.val_crop_size)
+             "px", epoch, size, crops.start, crops.end, crops.first_epoch, crops.last_epoch,
+             val_crop)
     return {"train_crop_px": size}
 
 
@@ -110,10 +57,9 @@ class EpochCrop:
         return f"{type(self).__name__}({self.schedule}, {self.build(self.schedule.end)})"
 
 
-def sized_by_epoch(cfg: Config, build: Callable[[int], Callable]) -> Callable:
+def sized_by_epoch(crops: CropSchedule, build: Callable[[int], Callable]) -> Callable:
     """``build(--train-crop-size)``, or an ``EpochCrop`` of ``build`` with progressive resizing."""
-    schedule = crop_schedule(cfg)
-    return build(cfg.train_crop_size) if schedule is None else EpochCrop(schedule, build)
+    return EpochCrop(crops, build) if crops.progressive else build(crops.end)
 
 
 def follow_epoch(holder: Any, epoch: int) -> None:
@@ -131,13 +77,3 @@ class CornerCrop:
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
         return image[..., :self.size, :self.size]
-
-
-def crop_sizes(cfg: Config) -> int:
-    """How many training crop sizes the run uses (``compiling`` makes room for their graphs)."""
-    sizes = train_sizes(cfg)
-    if cfg.compile and len(sizes) > 1:
-        log.info("=> --compile with progressive resizing: static graphs for each training crop "
-                 "(%s px), each compiled in the first epoch that uses it",
-                 ", ".join(map(str, sizes)))
-    return len(sizes)

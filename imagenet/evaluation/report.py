@@ -1,5 +1,5 @@
 """Validation that says what is wrong: --tta-flip, the per-image predictions (--predictions) and
-the per-class report, with -e and after the last epoch; and -e on another ImageFolder.
+the per-class report, with -e and after the last epoch.
 
 ``Report`` takes each batch's outputs from ``engine.evaluate`` (``on_output``), keeps only the top-5
 on the device, and after the pass gathers every rank's rows to rank 0, which checks that every
@@ -12,30 +12,23 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-import os
 from collections.abc import Callable
 from itertools import accumulate
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-import imagenet.checkpoint.rundir as rundir
 import imagenet.reporting.results as results
-from imagenet.checkpoint import files
-from imagenet.data.folder import Data, build_transforms, folder_loaders, other_val_folder
+from imagenet.data.folder import Data
 from imagenet.data.shards.reader import ShardBatchSampler
-from imagenet.errors import RunError, TrainerError, UsageError
-from imagenet.launching.rendezvous import DistInfo, raise_agreed
+from imagenet.errors import RunError, TrainerError
+from imagenet.launching.collectives import DistInfo, raise_agreed
+from imagenet.reporting.logger import RunLogger
 from imagenet.settings.flags import Config
-from imagenet.settings.launch import Layout
-
-if TYPE_CHECKING:
-    from imagenet.reporting.logger import RunLogger
-    from imagenet.run.build import Run
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +85,15 @@ def sample_names(loader: DataLoader) -> Callable[[int], str]:
 # ---------------------------------------------------------------- the report
 
 class Report:
-    """The predictions of one validation pass and what ``finish`` writes from them."""
+    """The predictions of one validation pass and what ``finish`` writes from them: the files
+    go to ``output_dir`` (and ``predictions``), the confusion matrix to ``logger``'s TensorBoard
+    (a writer of its own in OUTPUT_DIR/tb without one) under ``tag``."""
 
-    def __init__(self, run: Run, logger: RunLogger | None = None, tag: str = "val") -> None:
-        self.run, self.logger, self.tag = run, logger, tag
+    def __init__(self, data: Data, dist: DistInfo, output_dir: Path, predictions: str | None,
+                 tta_flip: bool, logger: RunLogger | None = None, tag: str = "val") -> None:
+        self.data, self.dist, self.output_dir = data, dist, output_dir
+        self.predictions, self.tta_flip = predictions, tta_flip
+        self.logger, self.tag = logger, tag
         self.parts: list[tuple[torch.Tensor, ...]] = []  # per batch, on the device
 
     def add(self, output: torch.Tensor, target: torch.Tensor) -> None:
@@ -106,19 +104,19 @@ class Report:
 
     def local(self) -> dict[str, torch.Tensor]:
         """This rank's rows on the CPU, with their dataset indices."""
-        rows = {"ids": torch.tensor(sample_ids(self.run.data.val_loader), dtype=torch.long)}
+        rows = {"ids": torch.tensor(sample_ids(self.data.val_loader), dtype=torch.long)}
         if self.parts:  # a rank may have no validation image
             rows.update(zip(("target", "top", "prob"),
                             (torch.cat(part).cpu() for part in zip(*self.parts))))
         outputs = len(rows.get("target", ()))
         if outputs != len(rows["ids"]):
             raise RunError(f"the validation pass gave {outputs} outputs for "
-                           f"{len(rows['ids'])} images on rank {self.run.dist.rank}")
+                           f"{len(rows['ids'])} images on rank {self.dist.rank}")
         return rows
 
-    def finish(self, metrics: dict[str, float]) -> None:
-        """Gather the rows to rank 0, which writes the files and names the worst classes.
-        Collective: every rank calls it."""
+    def finish(self, metrics: dict[str, float], epoch: int, global_step: int) -> None:
+        """Gather the rows to rank 0, which writes the files and names the worst classes
+        (recorded at ``epoch`` and ``global_step``). Collective: every rank calls it."""
         error, rows = None, {}
         try:
             rows = self.local()
@@ -126,49 +124,46 @@ class Report:
             error = exc
         raise_agreed(error)  # before the gather: no rank may be left waiting in it
         gathered = gather_to_rank0(rows)
-        if self.run.dist.is_main:
+        if self.dist.is_main:
             try:
-                self.write(merge(gathered, self.run.data.val_size), metrics)
+                self.write(merge(gathered, self.data.val_size), metrics, epoch, global_step)
             except TrainerError as exc:
                 error = exc
             except OSError as exc:
                 error = RunError(f"cannot write the evaluation report: {exc}")
         raise_agreed(error)
 
-    def write(self, preds: results.Predictions, metrics: dict[str, float]) -> None:
+    def write(self, preds: results.Predictions, metrics: dict[str, float], epoch: int,
+              global_step: int) -> None:
         """The files, the TensorBoard image and the console lines (rank 0)."""
-        run = self.run
-        classes = run.data.classes
+        classes = self.data.classes
         if abs(preds.acc1() - metrics["acc1"]) > 1e-6:
             log.warning("the predictions' top-1 %.3f differs from the validation's %.3f",
                         preds.acc1(), metrics["acc1"])
         confusion = results.confusion_matrix(preds.target, preds.pred, len(classes))
-        rows = results.per_class(confusion, classes, run.data.train_counts)
+        rows = results.per_class(confusion, classes, self.data.train_counts)
         summary = {"images": len(preds.ids), "acc1": metrics["acc1"], "acc5": metrics["acc5"],
                    "mean_class_acc1": results.mean_class_acc1(rows), "classes": classes,
-                   "tta_flip": run.cfg.tta_flip, "epoch": run.step.epoch,
-                   "global_step": run.step.global_step}
-        written = results.write_per_class(run.output_dir, rows, confusion, classes, summary)
-        if run.cfg.predictions:
-            path = Path(run.cfg.predictions)
-            results.write_predictions(path, sample_names(run.data.val_loader), classes, preds)
+                   "tta_flip": self.tta_flip, "epoch": epoch, "global_step": global_step}
+        written = results.write_per_class(self.output_dir, rows, confusion, classes, summary)
+        if self.predictions:
+            path = Path(self.predictions)
+            results.write_predictions(path, sample_names(self.data.val_loader), classes, preds)
             written.append(path)
-        self.add_image(confusion)
+        self.add_image(confusion, global_step)
         log.info(" * per class: mean Acc@1 %.3f over %d classes; worst: %s",
                  summary["mean_class_acc1"], sum(r["acc1"] is not None for r in rows),
                  results.worst_classes(rows))
         log.info(" * wrote %s", ", ".join(map(str, written)))
 
-    def add_image(self, confusion: torch.Tensor) -> None:
+    def add_image(self, confusion: torch.Tensor, global_step: int) -> None:
         """The confusion matrix in TensorBoard (``{tag}/confusion_matrix``)."""
         logger = self.logger
         if logger is None:  # -e: a writer of its own in OUTPUT_DIR/tb
-            from imagenet.reporting.logger import RunLogger
-
-            logger = RunLogger(self.run.output_dir, True)
+            logger = RunLogger(self.output_dir, True)
         try:
             logger.images(f"{self.tag}/confusion_matrix", results.confusion_image(confusion),
-                          self.run.step.global_step)
+                          global_step)
             logger.flush()
         finally:
             if logger is not self.logger:
@@ -197,72 +192,3 @@ def merge(gathered: list[dict[str, torch.Tensor]] | None, expected: int) -> resu
     target, top, prob = (torch.cat([g[k] for g in parts])[order]
                          for k in ("target", "top", "prob"))
     return results.Predictions(ids[order], target, top, prob)
-
-
-# ---------------------------------------------------------------- before any work
-
-def check_outputs(cfg: Config, info: DistInfo) -> None:
-    """-e's OUTPUT_DIR (the reports go there) and --predictions can be written; rank 0
-    checks, every rank raises its error. Collective."""
-    error = None
-    if info.is_main:
-        try:
-            if cfg.evaluate:
-                rundir.prepare_folder(Path(cfg.output_dir))
-            if cfg.predictions:
-                check_predictions_path(Path(cfg.predictions))
-        except TrainerError as exc:
-            error = exc
-    raise_agreed(error)
-
-
-def check_predictions_path(path: Path) -> None:
-    """--predictions FILE: a file (not a folder) in a folder that exists (made) and is writable."""
-    if path.is_dir():
-        raise UsageError(f"--predictions {path} is a folder; give a file name, e.g. "
-                         f"{path / 'predictions.csv'}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--predictions {path}: cannot create its folder "
-                         f"({exc.strerror})") from None
-    if not os.access(path.parent, os.W_OK):
-        raise UsageError(f"--predictions {path}: its folder is not writable")
-
-
-# ---------------------------------------------------------------- -e --val-data FOLDER
-
-def checkpoint_classes(cfg: Config) -> tuple[Path, list[str] | None, list[int] | None]:
-    """The --resume checkpoint of -e, its class names and training images per class (either
-    None when it does not record them)."""
-    path = files.resolve_resume(cfg.resume, Path(cfg.output_dir), False, cfg.sharded_checkpoint)
-    if path is None:
-        raise UsageError("-e --val-data FOLDER evaluates a checkpoint and labels the folder's "
-                         "images with its class names: give --resume PATH")
-    meta_path = path / files.SHARDED_META if path.is_dir() else path
-    try:  # mmap: only the small entries are read, not the weights
-        meta = torch.load(meta_path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # an older file format, or a damaged one: the full load says which
-        meta = files.load_checkpoint(meta_path)
-    meta = meta if isinstance(meta, dict) else {}
-    classes, counts = meta.get("classes"), meta.get("train_class_counts")
-    return path, list(classes) if classes else None, list(counts) if counts else None
-
-
-def build_eval_data(cfg: Config, rank: int, world_size: int, layout: Layout, aug_seed: int,
-                    pin_memory: bool) -> Data:
-    """-e --val-data FOLDER: that folder's images labelled with the checkpoint's classes; DIR
-    is not read (nothing trains: the images stand in as the training set, which no step
-    reads)."""
-    path, classes, counts = checkpoint_classes(cfg)
-    folder = Path(cfg.val_data)  # type: ignore[arg-type]
-    if classes is None:
-        classes = sorted(p.name for p in folder.iterdir() if p.is_dir()) \
-            if folder.is_dir() else []
-        log.info("=> %s names no classes: label i is the i-th class folder of %s in sorted "
-                 "order, as the classic script assumes", path, folder)
-    _, val_tf = build_transforms(cfg)
-    val = other_val_folder(folder, classes, val_tf, cfg.image_backend)
-    stand_in, val_loader, _ = folder_loaders(cfg, val, val, rank, world_size, layout, aug_seed,
-                                             pin_memory)
-    return Data(stand_in, val_loader, len(classes), list(classes), len(val), train_counts=counts)

@@ -39,9 +39,9 @@ from imagenet.errors import (
     first_line,
     say_error,
 )
-from imagenet.launching.rendezvous import DistInfo, from_rank0, master_address
-from imagenet.settings.flags import Config
-from imagenet.settings.launch import agent_hosts_store, elastic_restart_count
+from imagenet.launching.collectives import DistInfo, from_rank0
+from imagenet.launching.rendezvous import master_address
+from imagenet.settings.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -218,17 +218,17 @@ def rank0_store(info: DistInfo, host: str, timeout: float) -> tuple[dist.TCPStor
     return server, from_rank0(server.port if server is not None else None)
 
 
-def start(cfg: Config, info: DistInfo) -> SharedFate | None:
+def start(plan: Plan, info: DistInfo) -> SharedFate | None:
     """This rank's mailbox on the rendezvous store; None without a process group or TCP store."""
     if not info.distributed:
         return None
-    host, port = master_address(cfg.dist_url, os.environ)
+    host, port = master_address(plan.cfg.dist_url, os.environ)
     if not host or port is None:
         return None
-    prefix = f"imagenet/failures/attempt_{elastic_restart_count()}"
-    timeout = min(cfg.dist_timeout, 60.0)
+    prefix = f"imagenet/failures/attempt_{plan.restarts}"
+    timeout = min(plan.cfg.dist_timeout, 60.0)
     server = None
-    if agent_hosts_store(os.environ):
+    if plan.agent_store:
         server, own_port = rank0_store(info, host, timeout)
         port = own_port or port
     try:
@@ -265,9 +265,9 @@ def lost_a_peer(exc: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def stop_together(cfg: Config, info: DistInfo) -> Iterator[None]:
+def stop_together(plan: Plan, info: DistInfo) -> Iterator[None]:
     """Run the body so that a failure on any rank stops every rank with the same message."""
-    fate = start(cfg, info)
+    fate = start(plan, info)
     if fate is None:
         yield
         return

@@ -1,6 +1,7 @@
-"""The process group: joining it (with errors that say what to check) and collective helpers.
+"""The process group: joining it, with errors that say what to check.
 
-What to join - ranks, device, backend, rendezvous URL - is decided in ``launch``.
+Who joins - ranks, device, backend - is the plan's (``settings.plan``); the rendezvous address
+is read here, from --dist-url or MASTER_ADDR/PORT, as torch reads it.
 """
 
 from __future__ import annotations
@@ -16,52 +17,22 @@ import socket
 import struct
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import astuple
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
-from imagenet.errors import DistributedError, TrainerError, on_every_rank
+from imagenet.errors import DistributedError
+from imagenet.launching.collectives import DistInfo
 from imagenet.reporting.stages import notice_after
-from imagenet.settings.flags import Config
-from imagenet.settings.launch import (
-    Launch,
-    choose_backend,
-    choose_device,
-    elastic_restart_count,
-    env_int,
-    local_ranks,
-    rendezvous,
-    resolve_ranks,
-)
+from imagenet.settings.launch import choose_backend, choose_device, rendezvous
+from imagenet.settings.plan import Plan
+from imagenet.settings.slurm import env_int
 
 log = logging.getLogger(__name__)
 
 PROBE_GRACE = 5.0  # seconds past --dist-timeout before a silent master store counts as hung
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    """Who this process is; passed around instead of writing into the config."""
-
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    local_world_size: int = 1
-    device: torch.device = torch.device("cpu")
-    backend: str | None = None  # None: no process group
-
-    @property
-    def distributed(self) -> bool:
-        """True when a process group exists (DDP is used)."""
-        return self.backend is not None
-
-    @property
-    def is_main(self) -> bool:
-        """Global rank 0: the only writer of files and progress."""
-        return self.rank == 0
 
 
 def master_address(init_method: str, env: Mapping[str, str]) -> tuple[str, int | None]:
@@ -117,17 +88,19 @@ def set_socket_interface(host: str, env: dict[str, str]) -> str | None:
 _created_group = False  # this process called init_process_group (so cleanup may destroy it)
 
 
-def init_distributed(cfg: Config, launch: Launch, local_index: int) -> DistInfo:
-    """Join the process group (if any) and return who this process is.
+def init_distributed(plan: Plan, local_index: int = 0) -> DistInfo:
+    """Join the process group (if any) and return who this process is (node process
+    ``local_index`` under mp.spawn).
 
     A group that already exists (Ray Train creates it before the training function runs) is
     used as it is: never a second init, and ``cleanup`` leaves it to its creator.
     """
+    cfg, launch = plan.cfg, plan.launch
     if dist.is_available() and dist.is_initialized():
-        return join_existing_group(cfg, launch)
+        return join_existing_group(plan)
     env = os.environ
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    rank, local_rank, world, local_world = resolve_ranks(launch, local_index, cfg, env)
+    rank, local_rank, world, local_world = astuple(plan.ranks(local_index))
     device = choose_device(cfg, launch, local_rank, cuda_count)
     if launch.mode == "single":
         set_device(device)
@@ -142,13 +115,13 @@ def init_distributed(cfg: Config, launch: Launch, local_index: int) -> DistInfo:
     where = f"{host}:{port} as rank {rank} of world size {world}"
     timeout = datetime.timedelta(seconds=cfg.dist_timeout)
     try:
-        if rank != 0 and port is not None and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        if rank != 0 and port is not None and not plan.agent_store:
             # Before set_device: the probe forks, and a fork must not copy a CUDA context (CUDA
             # 12's cudaSetDevice creates one).
             probe_master_store(host, port, timeout, where,  # type: ignore[arg-type]
                                cfg.dist_timeout, say=local_rank == 0)
         set_device(device)
-        store = elastic_store(env, host, port, world, timeout)  # type: ignore[arg-type]
+        store = elastic_store(plan, host, port, world, timeout)  # type: ignore[arg-type]
         if store is None and port is not None:
             store = gather(host, port, rank, world, timeout, where)  # type: ignore[arg-type]
         dist.init_process_group(backend, init_method=None if store else init_method, store=store,
@@ -166,12 +139,11 @@ def init_distributed(cfg: Config, launch: Launch, local_index: int) -> DistInfo:
     return DistInfo(rank, local_rank, world, local_world, device, backend)
 
 
-def join_existing_group(cfg: Config, launch: Launch) -> DistInfo:
-    """Who this process is in the caller's process group; its device from LOCAL_RANK."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local, local_world = local_ranks(cfg, os.environ, world)
+def join_existing_group(plan: Plan) -> DistInfo:
+    """Who this process is in the caller's process group; its device from its local rank."""
+    rank, local, world, local_world = astuple(plan.ranks())
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    device = choose_device(cfg, launch, local, cuda_count)
+    device = choose_device(plan.cfg, plan.launch, local, cuda_count)
     backend = str(dist.get_backend())
     if "nccl" in backend and device.type != "cuda":
         raise DistributedError(f"the process group this process joined uses {backend}, which "
@@ -196,7 +168,7 @@ def set_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
-def elastic_store(env: Mapping[str, str], host: str, port: int | None, world: int,
+def elastic_store(plan: Plan, host: str, port: int | None, world: int,
                   timeout: datetime.timedelta) -> dist.Store | None:
     """This attempt's view of torchrun's shared store; None when torchrun does not share it.
 
@@ -209,10 +181,10 @@ def elastic_store(env: Mapping[str, str], host: str, port: int | None, world: in
     rendezvous), TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every attempt a fresh store instead
     and turns this off (README, "Fault tolerance").
     """
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or port is None:
+    if not plan.agent_store or port is None:
         return None
     shared = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"imagenet/attempt_{elastic_restart_count(env)}", shared)
+    return dist.PrefixStore(f"imagenet/attempt_{plan.restarts}", shared)
 
 
 ARRIVED, EVERYONE = "imagenet/arrived", "imagenet/everyone"
@@ -342,24 +314,6 @@ def _explain(exc: Exception, where: str, timeout: float) -> str:
             "host, and that --world-size matches the number of processes")
 
 
-def raise_agreed(error: Exception | None) -> None:
-    """Every rank raises the error of the lowest rank that has one, or none does. Collective.
-
-    For checks that one rank (or each rank on its share) makes before the ranks go on together:
-    a rank that stopped alone would leave the others waiting in their next collective.
-    """
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list[Exception | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, error)
-        first = next((i for i, e in enumerate(gathered) if e is not None), None)
-        if first is not None and first != dist.get_rank():
-            error = gathered[first]  # a copy; this rank's own error keeps its traceback
-    if isinstance(error, TrainerError):
-        on_every_rank(error)  # no rank has to tell the others (failures)
-    if error is not None:
-        raise error
-
-
 def cleanup(failed: bool = False) -> None:
     """Leave the process group if this process created it (safe to call twice); a group the
     caller created (Ray Train) is the caller's to destroy. ``failed``: on an error path.
@@ -384,17 +338,3 @@ def teardown(backend: str, failed: bool) -> str:
     """How to leave a process group: "abort" for NCCL on an error path, else "destroy"."""
     return "abort" if failed and backend == "nccl" else "destroy"
 
-
-def from_rank0(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank (``value`` without a process group). Collective."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    holder = [value]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
-
-
-def barrier() -> None:
-    """Wait for all ranks (no-op without a process group)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()

@@ -4,7 +4,8 @@ continues with --resume auto.
 DURATION is seconds (``5400``), ``HH:MM:SS`` or ``D-HH:MM:SS``, counted from the start of
 main.py (under --multiprocessing-distributed the parent's start; under torchrun and srun each
 worker's own), or ``slurm``: the end time of this SLURM job, from SLURM_JOB_END_TIME when the
-job's environment has it, else ``squeue -h -j $SLURM_JOB_ID -o %e``.
+job's environment has it, else ``squeue -h -j $SLURM_JOB_ID -o %e``. The plan resolves it to an
+end time once (``settings.duration.end_time``).
 
 Rank 0 keeps the clock (``Deadline``). After every optimizer step and every validation batch it
 asks whether the time left still covers ``margin``: two steps (the stop is agreed over the
@@ -13,108 +14,24 @@ checkpoint's size at 50 MB/s) and ``EXIT_SECONDS`` to leave. When it does not, t
 agreed like a preemption (``preemption.StopFlag``): every rank stops after the same step, the
 state is saved, one line says so and the process exits with code 143, as a preempted one does,
 so that requeue scripts and chained jobs treat both alike. A job that starts after the last
-epoch says "nothing left to train" and exits 0 at once (``nothing_left``).
+epoch says "nothing left to train" and exits 0 at once (``run.preflight.nothing_left``).
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
-import os
-import subprocess
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-
-from imagenet.errors import RunError, TimeLimitReached, TrainerError, UsageError
-from imagenet.launching.rendezvous import raise_agreed
-from imagenet.settings.duration import parse_duration
-
-if TYPE_CHECKING:
-    from imagenet.launching.rendezvous import DistInfo
-    from imagenet.settings.flags import Config
+from imagenet.errors import TimeLimitReached
 
 log = logging.getLogger(__name__)
 
-STARTED_ENV = "IMAGENET_TRAINER_STARTED"  # a spawning main.py's start (unix time), for its ranks
 EXIT_SECONDS = 10.0  # after the last save: loader workers, the process group, the exit
 STEPS_REMEMBERED = 20  # the longest of the last 20 intervals between checks is "a step"
 WRITE_BYTES_PER_SECOND = 50e6  # assumed for the first save, until one is measured
-SQUEUE_TIMEOUT = 30.0  # seconds
-
-
-def process_start(env: Mapping[str, str] = os.environ) -> float:
-    """When this main.py started (unix time): the spawning parent's start for its ranks, else
-    this process's start from /proc (the time of this call where there is no /proc)."""
-    if env.get(STARTED_ENV):
-        return float(env[STARTED_ENV])
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return time.time()
-
-
-def slurm_end_time(env: Mapping[str, str]) -> float | None:
-    """This SLURM job's end time (unix time); None when it has none (no time limit)."""
-    if env.get("SLURM_JOB_END_TIME"):
-        return float(env["SLURM_JOB_END_TIME"])
-    job = env.get("SLURM_JOB_ID")
-    if not job:
-        raise UsageError("--time-limit slurm: this process does not run in a SLURM job (no "
-                         "SLURM_JOB_ID); give a duration instead")
-    command = ["squeue", "-h", "-j", job, "-o", "%e"]
-    shown = " ".join(command)
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=SQUEUE_TIMEOUT,
-                              env=dict(env))
-    except FileNotFoundError:
-        raise RunError(f"--time-limit slurm: `{shown}` cannot run (squeue is not on PATH); "
-                       "give a duration instead") from None
-    except subprocess.TimeoutExpired:
-        raise RunError(f"--time-limit slurm: `{shown}` gave no answer in {SQUEUE_TIMEOUT:g} s; "
-                       "give a duration instead") from None
-    if done.returncode != 0:
-        reason = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[0]
-        raise RunError(f"--time-limit slurm: `{shown}` failed ({reason}); give a duration "
-                       "instead")
-    text = (done.stdout.strip().splitlines() or [""])[0].strip()
-    if text in ("", "N/A", "NONE", "Unknown", "UNLIMITED"):
-        return None
-    try:  # squeue prints local time
-        return datetime.datetime.fromisoformat(text).timestamp()
-    except ValueError:
-        raise RunError(f"--time-limit slurm: `{shown}` printed {text!r}, not an end time; give "
-                       "a duration instead") from None
-
-
-def end_time(cfg: Config, env: Mapping[str, str]) -> tuple[float, str] | None:
-    """When --time-limit ends this run (unix time) and how to name that end; None: no limit."""
-    if cfg.time_limit is None:
-        return None
-    if cfg.time_limit == "slurm":
-        end = slurm_end_time(env)
-        if end is None:
-            log.warning("--time-limit slurm: SLURM job %s has no end time; training without a "
-                        "time limit", env.get("SLURM_JOB_ID"))
-            return None
-        return end, f"the end of SLURM job {env.get('SLURM_JOB_ID', '?')} at {clock(end)}"
-    end = process_start(env) + parse_duration(cfg.time_limit)
-    return end, f"--time-limit {cfg.time_limit} at {clock(end)}"
-
-
-def clock(when: float) -> str:
-    """A unix time as the local wall clock, to the second."""
-    return datetime.datetime.fromtimestamp(when).strftime("%Y-%m-%d %H:%M:%S")
-
-
 def duration(seconds: float) -> str:
     """Seconds as '1 h 02 min', '3 min 20 s' or '12.5 s'."""
     if seconds >= 3600:
@@ -166,23 +83,14 @@ class Deadline:
                 f"{self.save_seconds:.1f} s)")
 
 
-def deadline(cfg: Config, info: DistInfo, checkpoint_bytes: Callable[[], int],
-             env: Mapping[str, str] = os.environ) -> Deadline | None:
+def deadline(end_time: tuple[float, str] | None, is_main: bool,
+             checkpoint_bytes: Callable[[], int]) -> Deadline | None:
     """Rank 0's Deadline for --time-limit (None on other ranks and without a limit);
-    ``checkpoint_bytes()`` estimates what a save writes. Collective: rank 0's error is raised
-    on every rank."""
-    if cfg.time_limit is None:
+    ``end_time``: the plan's (when, and its name); ``checkpoint_bytes()`` estimates what a save
+    writes."""
+    if end_time is None or not is_main:
         return None
-    error, found = None, None
-    if info.is_main:
-        try:
-            found = end_time(cfg, env)
-        except TrainerError as exc:
-            error = exc
-    raise_agreed(error)
-    if found is None:
-        return None
-    end, name = found
+    end, name = end_time
     left = end - time.time()
     log.info("=> time limit: stopping in time to save before %s (%s)", name,
              f"{duration(left)} from now" if left > 0 else "past already: one step, then stop")
@@ -195,36 +103,3 @@ def reached(where: str, output_dir: Path, clock_: Deadline | None) -> TimeLimitR
     return TimeLimitReached(f"stopped {where}{details}; checkpoint saved in {output_dir}; "
                             "--resume auto continues")
 
-
-def nothing_left(cfg: Config, info: DistInfo, restarted: bool) -> str | None:
-    """The line that ends a job whose checkpoint to resume, one of OUTPUT_DIR (a chain's), has
-    trained every epoch (None: there is training to do, or the resume decides). Rank 0 reads the
-    checkpoint's position only. Collective."""
-    if cfg.evaluate or (cfg.resume is None and not restarted):
-        return None
-    line = _finished(cfg, restarted) if info.is_main else None
-    if info.distributed:
-        holder = [line]
-        dist.broadcast_object_list(holder, src=0)
-        line = holder[0]
-    return line
-
-
-def _finished(cfg: Config, restarted: bool) -> str | None:
-    """``nothing_left``'s answer on rank 0: never an error (the resume reports those)."""
-    from imagenet.checkpoint import files  # here: cli imports this module, and stays light
-
-    try:
-        folder = Path(cfg.output_dir)
-        path = files.resolve_resume(cfg.resume, folder, restarted, cfg.sharded_checkpoint)
-        if path is None or path.resolve().parent != folder.resolve():
-            return None  # a checkpoint from elsewhere: the resume checks it as usual
-        meta = path / files.SHARDED_META if path.is_dir() else path
-        ckpt = torch.load(meta, map_location="cpu", weights_only=True, mmap=True)
-        epoch, best = int(ckpt.get("epoch", 0)), files.best_acc1_of(ckpt)
-    except Exception:  # the resume itself says what is wrong with the file
-        return None
-    if epoch < cfg.epochs or ckpt.get("arch", cfg.arch) != cfg.arch:  # another -a: the resume
-        return None  # refuses it with its own message
-    return (f"=> nothing left to train: {path} has finished {epoch} of --epochs {cfg.epochs} "
-            f"(best Acc@1 {best:.3f}); give a larger --epochs to train on")

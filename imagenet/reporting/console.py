@@ -1,7 +1,6 @@
-"""What the console tells a person around the training loop: the demo's settings and where
-outputs go (start), what -e evaluates, and where a finished run's results are (start-up stages
-that take a while: ``stages``). Every line goes through logging: rank 0 prints it, other ranks
-drop it.
+"""What the console tells a person before a run starts: the demo's settings and where outputs go
+(start-up stages that take a while: ``stages``; what a run says about itself: ``run.announce``).
+Every line goes through logging: rank 0 prints it, other ranks drop it.
 """
 
 from __future__ import annotations
@@ -9,12 +8,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from imagenet.settings.flags import DEMO_DEFAULTS, Config
-
-if TYPE_CHECKING:
-    from imagenet.run.build import Run
 
 log = logging.getLogger(__name__)
 
@@ -40,41 +35,3 @@ def startup_notes(cfg: Config) -> list[str]:
                      f"current folder {Path.cwd()} (--output-dir {cfg.output_dir}); give "
                      "--output-dir DIR to keep runs apart")
     return notes
-
-
-def weights_source(run: Run, resumed: Path | None) -> str:
-    """Where the evaluated weights come from."""
-    cfg = run.cfg
-    if resumed is not None:
-        return f"checkpoint '{resumed}' (after {run.step.epoch} epoch(s))"
-    if cfg.weights or cfg.pretrained:
-        return f"torchvision weights {cfg.weights or 'DEFAULT'}"
-    return "random initial weights"
-
-
-def describe_evaluation(run: Run, resumed: Path | None) -> None:
-    """What -e evaluates: the weights, the data, its images and classes, and how it runs."""
-    cfg, d = run.cfg, run.dist
-    data = ("synthetic --dummy data" if cfg.dummy else f"the images of {cfg.val_data}"
-            if cfg.val_data else f"the validation split of {cfg.data}")
-    log.info("=> evaluating %s with %s on %s: %d images, %d classes; batches of %d per process "
-             "x %d process(es) on %s", cfg.arch, weights_source(run, resumed), data,
-             run.data.val_size, run.data.num_classes, run.layout.batch_size, d.world_size,
-             d.device)
-    if resumed is None and not (cfg.weights or cfg.pretrained):
-        log.warning("=> -e without --resume, --pretrained or --weights evaluates an untrained "
-                    "model: expect chance accuracy")
-
-
-def finished(run: Run) -> None:
-    """Where a finished run's results are: the folder, the best checkpoint, the curves."""
-    from imagenet.checkpoint import files
-
-    out = run.output_dir.resolve()
-    last = files.dcp_name(files.CHECKPOINT) if run.cfg.sharded_checkpoint else files.CHECKPOINT
-    best = [f"{run.best.path.name} (best Acc@1 {run.best.acc1:.3f})"]
-    if run.best_ema is not None:
-        best.append(f"{run.best_ema.path.name} (EMA, best Acc@1 {run.best_ema.acc1:.3f})")
-    log.info("=> outputs in %s: %s, %s (the last epoch; --resume auto continues it), "
-             "metrics.jsonl, config.json", out, ", ".join(best), last)
-    log.info("=> curves: tensorboard --logdir %s", out / "tb")

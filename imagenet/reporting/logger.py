@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from imagenet.errors import Preempted
-from imagenet.reporting.trackers import Trackers, open_trackers, tracker_names
+from imagenet.reporting.trackers import Trackers, open_trackers
+from imagenet.settings.choices import tracker_names
 
 log = logging.getLogger(__name__)
 

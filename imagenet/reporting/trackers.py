@@ -9,8 +9,6 @@ which a fresh run moves to previous/ with the rest of the record, so it starts n
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
 import logging
 import os
@@ -18,46 +16,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from imagenet.errors import RunError, UsageError, first_line
+from imagenet.errors import RunError, first_line
+from imagenet.settings.choices import install_hint, tracker_names
 
 log = logging.getLogger(__name__)
 
-TRACKERS = ("tensorboard", "mlflow", "wandb")
 RUN_IDS = "trackers.json"  # OUTPUT_DIR/trackers.json: {"mlflow": {"run_id": ...}, ...}
 # close(status): how the run ended, in each tracker's words.
 MLFLOW_STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
 WANDB_EXIT_CODE = {"finished": 0, "stopped": 143, "failed": 1}
-
-
-def parse_log_to(text: str) -> str:
-    """--log-to's value: known tracker names, comma-separated, without repeats; or 'none'."""
-    names = [n.strip().lower() for n in text.split(",") if n.strip()]
-    if names == ["none"]:
-        return "none"
-    unknown = [n for n in names if n not in TRACKERS] or ([] if names else [text])
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown tracker '{unknown[0]}': give a comma-separated list of "
-            f"{', '.join(TRACKERS)}, or none")
-    return ",".join(dict.fromkeys(names))
-
-
-def tracker_names(log_to: str) -> list[str]:
-    """The trackers of a --log-to value."""
-    return [] if log_to == "none" else log_to.split(",")
-
-
-def install_hint(name: str) -> str:
-    """The one line for a tracker whose package is missing."""
-    return (f"--log-to {name}: the {name} package is not installed; pip install "
-            f"'imagenet-trainer[{name}]' (or pip install {name})")
-
-
-def check_trackers_installed(log_to: str) -> None:
-    """Refuse, before anything starts, a tracker whose package is missing (nothing imported)."""
-    for name in tracker_names(log_to):
-        if importlib.util.find_spec(name) is None:
-            raise UsageError(install_hint(name))
 
 
 class Tracker(Protocol):

@@ -19,17 +19,18 @@ from torch.optim.swa_utils import AveragedModel
 
 import imagenet.data.shm as shm
 import imagenet.data.transforms as T
-import imagenet.evaluation.report as evaluation
+import imagenet.evaluation.eval_data as eval_data
 from imagenet.checkpoint import files
-from imagenet.data.device import use_device_decoding
+from imagenet.checkpoint.weights import read_agreed
 from imagenet.data.folder import Data, build_data
-from imagenet.data.shards import build_shard_data, data_format
+from imagenet.data.shards import build_shard_data
 from imagenet.errors import UsageError
-from imagenet.launching.rendezvous import DistInfo, from_rank0
+from imagenet.launching.collectives import DistInfo, from_rank0
 from imagenet.reporting.stages import slow_stage
 from imagenet.run.outputs import Outputs
 from imagenet.settings.flags import Config
 from imagenet.settings.launch import Layout
+from imagenet.settings.plan import Plan
 from imagenet.training.engine import Engine, EpochTotals, Options, Parts, Step
 from imagenet.training.finetune import classifier_names, prepare_model
 from imagenet.training.models import build_model, wrap
@@ -60,9 +61,8 @@ class Best:
 class Run:
     """Everything one training process holds."""
 
-    cfg: Config
+    plan: Plan  # the flags and every setting resolved from them (``cfg``, ``layout``)
     dist: DistInfo
-    layout: Layout
     output_dir: Path
     data: Data
     raw_model: nn.Module  # unwrapped: what checkpoints hold
@@ -77,6 +77,16 @@ class Run:
     # done) the whole record, written again if a kill came between the save and the log line.
     train_totals: EpochTotals | None = None
     last_record: dict[str, Any] | None = None
+
+    @property
+    def cfg(self) -> Config:
+        """The flags (``plan.cfg``)."""
+        return self.plan.cfg
+
+    @property
+    def layout(self) -> Layout:
+        """How each optimizer step's images are spread (``plan.layout``)."""
+        return self.plan.layout
 
     def images_trained(self) -> int:
         """Images of the current epoch's order trained so far, whatever layout trained them."""
@@ -107,27 +117,18 @@ def data_root(cfg: Config, output_dir: Path) -> str:
     return str(make_demo_dataset(output_dir / "demo-data"))
 
 
-def load_data(cfg: Config, dist: DistInfo, layout: Layout, root: str, aug_seed: int) -> Data:
-    """This rank's data: an ImageFolder (or --dummy data) or tar shards, as ``root`` says."""
-    if cfg.dummy and cfg.val_data:
-        raise UsageError("--val-data gives real validation images; --dummy has none: drop one")
-    uses_shards = not cfg.dummy and data_format(root, cfg.data_format) == "shards"
-    if not uses_shards and cfg.num_classes:
-        raise UsageError(f"--num-classes applies to tar shards only; '{root}' is read as an "
-                         "ImageFolder")
+def load_data(plan: Plan, dist: DistInfo, root: str, aug_seed: int) -> Data:
+    """This rank's data: an ImageFolder (or --dummy data) or tar shards, as the plan says."""
+    cfg = plan.cfg
     pin_memory = dist.device.type == "cuda"
-    if not uses_shards and cfg.evaluate and cfg.val_data:  # -e on a folder: DIR is not read
-        return evaluation.build_eval_data(cfg, dist.rank, dist.world_size, layout, aug_seed,
-                                          pin_memory)
-    on_device = use_device_decoding(cfg, dist.device.type, uses_shards)
-    if on_device and dist.is_main:
-        log.info("=> JPEGs decoded and cropped on %s (--decode-on-device %s); loader workers "
-                 "read files", dist.device, cfg.decode_on_device)
-    if uses_shards:
-        return build_shard_data(cfg, root, dist.rank, dist.world_size, layout, aug_seed,
-                                pin_memory=pin_memory)
-    return build_data(cfg, root, dist.rank, dist.world_size, layout, aug_seed,
-                      pin_memory=pin_memory, decode_on_device=on_device)
+    if plan.data_format != "shards" and cfg.evaluate and cfg.val_data:  # -e: DIR is not read
+        return eval_data.build_eval_data(plan, dist.rank, aug_seed, pin_memory)
+    if plan.decode.on_device and dist.is_main:
+        log.info("=> JPEGs decoded and cropped on %s (--decode-on-device %s: %s); loader workers "
+                 "read files", dist.device, cfg.decode_on_device, plan.decode.why)
+    if plan.data_format == "shards":
+        return build_shard_data(plan, root, dist.rank, aug_seed, pin_memory=pin_memory)
+    return build_data(plan, root, dist.rank, aug_seed, pin_memory=pin_memory)
 
 
 def amp_dtype(amp: str | None) -> torch.dtype | None:
@@ -163,33 +164,35 @@ def build_engine(cfg: Config, raw: nn.Module, model: nn.Module, device: torch.de
     return Engine(parts, opts)
 
 
-def build_run(cfg: Config, dist: DistInfo, layout: Layout) -> Run:
+def build_run(plan: Plan, dist: DistInfo) -> Run:
     """Data, model and engine for this process (no resume yet)."""
+    cfg, layout = plan.cfg, plan.layout
     output_dir = Path(cfg.output_dir)  # made, checked and locked by preflight.claim_output_dir
     # Model init uses the same seed on every rank; augmentation gets its own per-sample seeds.
     seed_process(cfg.seed)
+    eval_data.check_outputs(cfg, dist)  # -e's report folder, --predictions
     # Rank 0's seed (unseeded: its draw) is the job's augmentation seed: a sample's
     # augmentation does not depend on the rank that loads it, and the checkpoint's seed is
     # every rank's. Every rank broadcasts, seeded or not, so that flags differing across ranks
     # are reported (checkpoint.changes), not stuck in a collective only some ranks call.
     aug_seed = from_rank0(cfg.seed if cfg.seed is not None else
                           random.SystemRandom().randrange(2**31))
-    evaluation.check_outputs(cfg, dist)  # -e's report folder, --predictions
     root = data_root(cfg, output_dir)
     with slow_stage(f"reading the data set {root} (listing every image)") as stage:
-        data = load_data(cfg, dist, layout, root, aug_seed)
+        data = load_data(plan, dist, root, aug_seed)
         stage.done = (f"found {data.num_classes} classes, {data.train.images} training images "
                       f"per epoch and {data.val_size} validation images")
     if cfg.fsdp and data.val_size < dist.world_size:  # every rank joins every sharded forward
         raise UsageError(f"--fsdp: the validation set has {data.val_size} image(s), fewer than "
                          f"the {dist.world_size} processes; it needs at least one per process")
-    no_room = shm.check_room([(data.train_loader, cfg.train_crop_size),
+    no_room = shm.check_room([(data.train_loader, max(plan.train_sizes)),
                               (data.val_loader, cfg.val_crop_size)], layout.batch_size,
                              dist.local_world_size)
     if no_room:
         raise UsageError(no_room)
     raw = build_model(cfg.arch, data.num_classes, cfg.pretrained, cfg.weights).to(dist.device)
-    prepare_model(raw, cfg, data.classes)  # --finetune, --freeze-backbone: before any wrapper
+    weights = read_agreed(Path(cfg.finetune)) if cfg.finetune else None
+    prepare_model(raw, cfg, data.classes, weights)  # --finetune, --freeze-backbone: unwrapped
     if cfg.channels_last and not (cfg.fsdp and dist.distributed):
         # Not under --fsdp: torch 2.14's fully_shard refuses non-contiguous parameters
         # (NotImplementedError in FSDPParam), and gathers every weight into a view with
@@ -197,7 +200,7 @@ def build_run(cfg: Config, dist: DistInfo, layout: Layout) -> Run:
         # where most of the speed comes from; cuDNN converts the small weights per conv.
         raw = raw.to(memory_format=torch.channels_last)
     ema = build_ema(raw, cfg, layout)  # a copy of the whole model: before --fsdp shards it
-    model = wrap(raw, cfg, dist, ema)
+    model = wrap(raw, cfg, dist, ema, sizes=plan.train_sizes)
     if cfg.seed is not None:  # per-rank stream for dropout / MixUp in the training step
         torch.manual_seed(cfg.seed + dist.rank)
     steps = -(-data.train.batches // layout.grad_accum_steps)
@@ -205,5 +208,5 @@ def build_run(cfg: Config, dist: DistInfo, layout: Layout) -> Run:
                           data.train_counts)
     name = files.dcp_name if cfg.sharded_checkpoint else str  # best: a file or a directory
     best_ema = Best(output_dir / name(files.BEST_EMA)) if cfg.model_ema else None
-    return Run(cfg, dist, layout, output_dir, data, raw, engine, Step(epoch=cfg.start_epoch),
+    return Run(plan, dist, output_dir, data, raw, engine, Step(epoch=cfg.start_epoch),
                Best(output_dir / name(files.BEST)), best_ema, aug_seed)

@@ -17,14 +17,11 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from imagenet.checkpoint import files
 from imagenet.checkpoint.storage import Remote
-from imagenet.settings.launch import elastic_restart_count
-
-if TYPE_CHECKING:
-    from imagenet.run.build import Run
+from imagenet.launching.collectives import DistInfo, on_rank0
+from imagenet.settings.flags import Config
 
 log = logging.getLogger(__name__)
 
@@ -51,56 +48,50 @@ class Outputs:
     resume_from: Path | None = None
     _pending: Saved | None = None  # saved, not yet published (an epoch's end: its log first)
 
-    def saved(self, run: Run, epoch_done: bool) -> None:
+    def saved(self, saved: Saved) -> None:
         """After a save, before any rank goes on (or exits after a signal): rank 0 uploads,
         then every rank tells the caller. At the end of an epoch both wait for the epoch's
         metrics.jsonl line (``logged``): a checkpoint that is past an epoch is never published
         before that epoch's line, which a resume from it could not write again."""
-        step = run.step
-        epoch, step_in_epoch = (step.epoch + 1, 0) if epoch_done else \
-            (step.epoch, step.step_in_epoch)
-        name = files.dcp_name(files.CHECKPOINT) if run.cfg.sharded_checkpoint \
-            else files.CHECKPOINT
-        self._pending = Saved(run.output_dir / name, run.dist.rank, epoch, step_in_epoch,
-                              step.global_step, epoch_done, float(run.best.acc1))
-        if not epoch_done:
-            self.logged(run)
+        self._pending = saved
+        if not saved.epoch_done:
+            self.logged(saved.rank == 0)
 
-    def logged(self, run: Run) -> None:
+    def logged(self, is_main: bool) -> None:
         """After an epoch's log lines (and a mid-epoch save): rank 0 uploads what changed, then
         every rank tells the caller of the checkpoint saved since the last call."""
-        if self.remote is not None and run.dist.is_main:
+        if self.remote is not None and is_main:
             self.remote.push()
         saved, self._pending = self._pending, None
         if saved is not None and self.on_checkpoint is not None:
             self.on_checkpoint(saved)
 
     @contextlib.contextmanager
-    def attached(self, run: Run) -> Iterator[None]:
+    def attached(self, cfg: Config, dist: DistInfo, output_dir: Path, restarted: bool
+                 ) -> Iterator[None]:
         """Around the resume and the training: rank 0 prepares OUTPUT_DIR first (every rank
-        raises its error), and uploads what is there at the end, however the run ends."""
-        from imagenet.run.preflight import on_rank0  # preflight needs Run: imported late
-
+        raises its error), and uploads what is there at the end, however the run ends.
+        ``restarted``: torchrun restarted the job (it continues OUTPUT_DIR's checkpoint)."""
         if self.remote is not None or self.resume_from is not None:  # the same on every rank
-            on_rank0(run.dist, lambda: self.prepare(run))
+            on_rank0(dist, lambda: self.prepare(cfg, output_dir, restarted))
+        uploads = self.remote is not None and dist.is_main and not cfg.evaluate
         try:
             yield
         except BaseException:
-            if self.remote is not None and run.dist.is_main and not run.cfg.evaluate:
+            if uploads:
                 with contextlib.suppress(Exception):  # the run's own error is the one to see
-                    self.remote.push()
+                    self.remote.push()  # type: ignore[union-attr]
             raise
-        if self.remote is not None and run.dist.is_main and not run.cfg.evaluate:
-            self.remote.push()
+        if uploads:
+            self.remote.push()  # type: ignore[union-attr]
 
-    def prepare(self, run: Run) -> None:
+    def prepare(self, cfg: Config, output_dir: Path, restarted: bool) -> None:
         """Rank 0: fill the staging folder from the URL, and adopt ``resume_from``."""
-        cfg = run.cfg
         if self.remote is not None:
-            own = str(run.output_dir / files.CHECKPOINT)
-            continuing = cfg.resume in ("auto", own) or elastic_restart_count() > 0
+            own = str(output_dir / files.CHECKPOINT)
+            continuing = cfg.resume in ("auto", own) or restarted
             self.remote.attach(continuing, not cfg.evaluate)
         if self.resume_from is not None and not cfg.evaluate:
             log.info("=> resuming from %s (the caller's checkpoint of this run)",
                      self.resume_from)
-            files.atomic_copy(Path(self.resume_from), run.output_dir / files.CHECKPOINT)
+            files.atomic_copy(Path(self.resume_from), output_dir / files.CHECKPOINT)

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 from torchvision.datasets import DatasetFolder
 
 import imagenet.checkpoint.disk as disk
@@ -23,31 +22,12 @@ from imagenet.checkpoint import files
 from imagenet.checkpoint.storage import Remote
 from imagenet.data.shards.check import first_bad_shard
 from imagenet.data.shards.reader import ShardBatchSampler
-from imagenet.errors import DataError, RunError, TrainerError
-from imagenet.launching.rendezvous import DistInfo, raise_agreed
+from imagenet.errors import DataError, RunError
+from imagenet.launching.collectives import DistInfo, on_rank0, raise_agreed
 from imagenet.run.build import Run
 from imagenet.settings.flags import Config
 
 log = logging.getLogger(__name__)
-
-Result = TypeVar("Result")
-
-
-def on_rank0(info: DistInfo, check: Callable[[], Result]) -> Result | None:
-    """``check()`` on rank 0; its TrainerError is raised on every rank. Collective."""
-    error, result = None, None
-    if info.is_main:
-        try:
-            result = check()
-        except TrainerError as exc:
-            error = exc
-        except Exception as exc:
-            # A bug: the other ranks must not wait for rank 0 forever; rank 0 keeps the cause.
-            error = RunError(f"rank 0 failed its start-up checks ({type(exc).__name__}: {exc})")
-            error.__cause__ = exc
-    raise_agreed(error)
-    return result
-
 
 def claim_output_dir(cfg: Config, info: DistInfo) -> rundir.FolderLock:
     """Rank 0 makes OUTPUT_DIR, checks it can write there and takes its lock for the run; then
@@ -174,3 +154,35 @@ def first_bad_val_image(run: Run) -> DataError | None:
                              "training: fix or remove the file")
     log.debug("checked %d validation images in %.2f s", len(mine), time.perf_counter() - start)
     return None
+
+
+def nothing_left(cfg: Config, info: DistInfo, restarted: bool) -> str | None:
+    """The line that ends a job whose checkpoint to resume, one of OUTPUT_DIR (a chain's), has
+    trained every epoch (None: there is training to do, or the resume decides). Rank 0 reads the
+    checkpoint's position only. Collective."""
+    if cfg.evaluate or (cfg.resume is None and not restarted):
+        return None
+    line = _finished(cfg, restarted) if info.is_main else None
+    if info.distributed:
+        holder = [line]
+        dist.broadcast_object_list(holder, src=0)
+        line = holder[0]
+    return line
+
+
+def _finished(cfg: Config, restarted: bool) -> str | None:
+    """``nothing_left``'s answer on rank 0: never an error (the resume reports those)."""
+    try:
+        folder = Path(cfg.output_dir)
+        path = files.resolve_resume(cfg.resume, folder, restarted, cfg.sharded_checkpoint)
+        if path is None or path.resolve().parent != folder.resolve():
+            return None  # a checkpoint from elsewhere: the resume checks it as usual
+        meta = path / files.SHARDED_META if path.is_dir() else path
+        ckpt = torch.load(meta, map_location="cpu", weights_only=True, mmap=True)
+        epoch, best = int(ckpt.get("epoch", 0)), files.best_acc1_of(ckpt)
+    except Exception:  # the resume itself says what is wrong with the file
+        return None
+    if epoch < cfg.epochs or ckpt.get("arch", cfg.arch) != cfg.arch:  # another -a: the resume
+        return None  # refuses it with its own message
+    return (f"=> nothing left to train: {path} has finished {epoch} of --epochs {cfg.epochs} "
+            f"(best Acc@1 {best:.3f}); give a larger --epochs to train on")

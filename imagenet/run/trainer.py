@@ -20,24 +20,28 @@ import imagenet.data.resizing as resizing
 import imagenet.launching.timelimit as timelimit
 import imagenet.settings.recipe as recipe
 from imagenet.checkpoint.guard import last_good
-from imagenet.checkpoint.state import resume, save
 from imagenet.checkpoint.storage import stage
 from imagenet.data.device import device_batches
 from imagenet.data.folder import shutdown_workers
 from imagenet.errors import NonFiniteLossError, Preempted, on_every_rank
 from imagenet.evaluation.report import Report, for_validation
+from imagenet.launching.collectives import DistInfo
 from imagenet.launching.preemption import StopBetweenBatches, StopFlag, StopRequested
-from imagenet.launching.rendezvous import DistInfo
-from imagenet.reporting.console import describe_evaluation, finished
 from imagenet.reporting.logger import RunLogger, print_val_progress
 from imagenet.reporting.stages import FirstBatch, slow_stage
+from imagenet.run.announce import describe, describe_evaluation, finished
 from imagenet.run.build import Run, build_run
+from imagenet.run.checkpointing import resume, save
 from imagenet.run.outputs import Outputs
-from imagenet.run.preflight import check_before_training, checkpoint_bytes, claim_output_dir
-from imagenet.settings.flags import Config, get_args_parser
-from imagenet.settings.launch import Layout, elastic_restart_count
+from imagenet.run.preflight import (
+    check_before_training,
+    checkpoint_bytes,
+    claim_output_dir,
+    nothing_left,
+)
+from imagenet.settings.flags import get_args_parser
+from imagenet.settings.plan import Plan
 from imagenet.training.compiling import graphs_compiled, new_graphs
-from imagenet.training.cpu_features import native_bf16, slow_bf16_warning
 from imagenet.training.engine import (
     EpochTotals,
     Hooks,
@@ -51,23 +55,25 @@ from imagenet.training.models import for_evaluation
 log = logging.getLogger(__name__)
 
 
-def run_training(cfg: Config, dist: DistInfo, layout: Layout,
-                 outputs: Outputs | None = None) -> dict[str, float]:
+def run_training(plan: Plan, dist: DistInfo, outputs: Outputs | None = None
+                 ) -> dict[str, float]:
     """Train (or evaluate with -e) in this process; the entry point of every rank.
 
     ``outputs``: imagenet.train's caller's hooks (``imagenet.run.outputs``).
     """
-    cfg, remote = stage(cfg)  # an object-storage --output-dir: a local folder, mirrored
-    finished = timelimit.nothing_left(cfg, dist, elastic_restart_count() > 0)
+    cfg, remote = stage(plan.cfg)  # an object-storage --output-dir: a local folder, mirrored
+    plan = replace(plan, cfg=cfg)
+    finished = nothing_left(cfg, dist, plan.restarted)
     if finished:  # a chained job after the last epoch: leave at once
         log.info("%s", finished)
         return {}
-    run = build_run(cfg, dist, layout)
+    run = build_run(plan, dist)
     run.outputs = replace(outputs or Outputs(), remote=remote)
     try:
         # Rank 0 of a training run holds OUTPUT_DIR's lock until the run ends; -e only reads.
         with (contextlib.nullcontext() if cfg.evaluate else claim_output_dir(cfg, dist)), \
-                disk.full_disk_is_an_error(run.output_dir), run.outputs.attached(run):
+                disk.full_disk_is_an_error(run.output_dir), \
+                run.outputs.attached(run.cfg, dist, run.output_dir, plan.restarted):
             return resume_and_train(run)
     finally:
         # Loader workers ignore SIGTERM (preemption.ignore_stop_signals): stop them here, or
@@ -81,7 +87,7 @@ def resume_and_train(run: Run) -> dict[str, float]:
     resumed = resume(run)
     if run.cfg.evaluate:
         describe_evaluation(run, resumed)
-        return validate(run, run.engine.parts.model, report=Report(run, tag="eval"))
+        return validate(run, run.engine.parts.model, report=report_of(run, tag="eval"))
     with slow_stage("checking the disk space and every validation image") as stage:
         check_before_training(run, resumed)
         stage.done = "disk space and validation images checked"
@@ -105,7 +111,8 @@ def resume_and_train(run: Run) -> dict[str, float]:
 
 def train(run: Run, logger: RunLogger) -> dict[str, float]:
     """The epoch loop: train, validate, keep the best, checkpoint, log."""
-    stop = StopFlag(timelimit.deadline(run.cfg, run.dist, lambda: sum(checkpoint_bytes(run))))
+    stop = StopFlag(timelimit.deadline(run.plan.time_limit, run.dist.is_main,
+                                       lambda: sum(checkpoint_bytes(run))))
     stop.install()
     hooks = Hooks(on_progress=logger.progress_hook(), after_step=saver(run, stop))
     start, record = time.perf_counter(), {}
@@ -114,7 +121,7 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
         for epoch in range(run.step.epoch, run.cfg.epochs):
             run.step.epoch = epoch
             graphs = graphs_compiled() if run.cfg.compile else 0
-            crop = resizing.announce(run.cfg, epoch)  # progressive resizing: this epoch's size
+            crop = resizing.announce(run.plan.crops, epoch, run.cfg.val_crop_size)
             new_crop = crop.get("train_crop_px") not in crops_seen
             crops_seen.add(crop.get("train_crop_px"))
             # Train the rest of the epoch (all of it, unless resumed mid-epoch).
@@ -133,7 +140,7 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
             # Validate the model (and its EMA) on every image once; track the best of each.
             try:
                 # After the last epoch: predictions, per-class accuracy, confusion matrix.
-                report = Report(run, logger) if epoch == run.cfg.epochs - 1 else None
+                report = report_of(run, logger) if epoch == run.cfg.epochs - 1 else None
                 validated = validate_epoch(run, stop, report)
             except StopRequested:  # validation is not saved state; the trained epoch is
                 stop.drain()
@@ -147,7 +154,7 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
                             score=record["val_acc1"]))
             run.step.step_in_epoch = 0
             log_epoch(logger, run.step, record)
-            run.outputs.logged(run)
+            run.outputs.logged(run.dist.is_main)
             if stop.settle():  # signalled during the save: the epoch is saved, stop now
                 raise stopped(run, stop, "after")
         stop.drain()
@@ -225,8 +232,14 @@ def validate(run: Run, model: nn.Module, name: str = "", stop: StopFlag | None =
     log.info(" * %sAcc@1 %.3f Acc@5 %.3f  (%d images)", name, metrics["acc1"], metrics["acc5"],
              metrics["count"])
     if report is not None:
-        report.finish(metrics)
+        report.finish(metrics, run.step.epoch, run.step.global_step)
     return metrics
+
+
+def report_of(run: Run, logger: RunLogger | None = None, tag: str = "val") -> Report:
+    """The per-image and per-class report of a validation of ``run``."""
+    return Report(run.data, run.dist, run.output_dir, run.cfg.predictions, run.cfg.tta_flip,
+                  logger, tag)
 
 
 def validate_epoch(run: Run, stop: StopFlag, report: Report | None = None
@@ -288,27 +301,3 @@ def log_augmented_samples(run: Run, logger: RunLogger, count: int = 16) -> None:
     images = run.data.train.preview(run.step.epoch, count)
     grid = torchvision.utils.make_grid(images, nrow=8)
     logger.images("train/augmented_samples", grid, run.step.global_step)
-
-
-def describe(run: Run) -> dict[str, Any]:
-    """Derived quantities, printed at start-up and stored in config.json."""
-    d, layout = run.dist, run.layout
-    info = {"world_size": d.world_size, "batch_per_process": layout.batch_size,
-            "global_batch": layout.global_batch, "workers_per_process": layout.workers,
-            "device": str(d.device), "backend": d.backend,
-            "num_classes": run.data.num_classes,
-            "train_images": run.data.train.images,
-            "val_images": run.data.val_size,
-            "steps_per_epoch": run.engine.opts.steps_per_epoch}
-    if run.outputs.remote is not None and run.outputs.remote.output_url:
-        info["output_url"] = run.outputs.remote.output_url  # output_dir: its staging folder
-    if not run.cfg.evaluate:  # -e says what it evaluates once the weights are loaded
-        log.info("=> %s on %s: global batch %d = %d process(es) x %d images x %d accumulation "
-                 "step(s); %d loader worker(s) per process; %d classes, %d val images",
-                 run.cfg.arch, d.device, layout.global_batch, d.world_size, layout.batch_size,
-                 layout.grad_accum_steps, layout.workers, run.data.num_classes,
-                 run.data.val_size)
-    slow_bf16 = slow_bf16_warning(run.cfg.amp, d.device.type, native_bf16())
-    if slow_bf16 and d.is_main:
-        log.warning("%s", slow_bf16)
-    return info

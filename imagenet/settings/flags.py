@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import math
 import sys
 from collections.abc import Sequence
@@ -19,9 +18,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 from imagenet.errors import UsageError
-from imagenet.reporting.trackers import check_trackers_installed, parse_log_to
+from imagenet.settings.choices import check_arch, check_trackers_installed, parse_log_to
 from imagenet.settings.duration import parse_time_limit
-from imagenet.training.timm_models import TIMM_PREFIX, check_timm_arch
 
 GROUPS = ("recipe", "data", "model", "optimisation", "distributed", "checkpointing", "logging")
 AUTO_AUGMENT = ("ra", "ta_wide", "augmix", "imagenet")
@@ -642,23 +640,3 @@ def check_fsdp(cfg: Config) -> None:
                          "DDP hooks: drop one (--fsdp-reduce-dtype bf16 halves FSDP's "
                          "gradient bytes)")
 
-
-def available_archs() -> list[str]:
-    """Real classification architectures (not helpers like get_model)."""
-    import torchvision
-
-    return torchvision.models.list_models(module=torchvision.models)
-
-
-def check_arch(arch: str, weights: str | None = None, pretrained: bool = False) -> None:
-    """Raise UsageError for an unknown architecture, suggesting close names."""
-    if arch.startswith(TIMM_PREFIX):
-        check_timm_arch(arch, weights, pretrained)
-        return
-    names = available_archs()
-    if arch not in names:
-        close = difflib.get_close_matches(arch, names, n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise UsageError(f"-a/--arch: unknown architecture '{arch}'{hint} "
-                         f"(choose from torchvision.models.list_models(), e.g. resnet18, "
-                         f"resnet50, vit_b_16)")

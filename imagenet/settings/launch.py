@@ -9,7 +9,6 @@ out) except ``rendezvous``, which fills MASTER_ADDR/PORT where the launcher did 
 from __future__ import annotations
 
 import os
-import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,6 +18,14 @@ import torch.distributed as dist
 
 from imagenet.errors import UsageError
 from imagenet.settings.flags import Config
+from imagenet.settings.slurm import (
+    env_int,
+    first_slurm_host,
+    is_slurm_job_step,
+    slurm_tasks,
+    slurm_tasks_per_node,
+    unlaunched_slurm_tasks,
+)
 
 
 @dataclass(frozen=True)
@@ -32,47 +39,14 @@ class Launch:
     reason: str = ""
 
 
-def env_int(env: Mapping[str, str], name: str) -> int | None:
-    """An integer environment variable; None when unset or empty."""
-    value = env.get(name)
-    return int(value) if value not in (None, "") else None
+@dataclass(frozen=True)
+class Ranks:
+    """Who one process is among the job's processes."""
 
-
-def in_srun_step(env: Mapping[str, str]) -> bool:
-    """True in a process that ``srun`` started. An sbatch script (SLURM's batch step) also has
-    SLURM_PROCID and the allocation's SLURM_NTASKS, but no SLURM_STEP_ID: it is one process."""
-    return "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
-
-
-def slurm_tasks(env: Mapping[str, str]) -> int:
-    """Tasks of this SLURM job step (srun -n), else of the allocation; 1 outside SLURM."""
-    return env_int(env, "SLURM_STEP_NUM_TASKS") or env_int(env, "SLURM_NTASKS") or 1
-
-
-def slurm_tasks_per_node(env: Mapping[str, str]) -> int | None:
-    """Tasks of this job step on each node ('2(x3)' counts 2), if SLURM says."""
-    return (env_int(env, "SLURM_NTASKS_PER_NODE")
-            or _first_int(env.get("SLURM_STEP_TASKS_PER_NODE"))
-            or _first_int(env.get("SLURM_TASKS_PER_NODE")))
-
-
-def is_slurm_job_step(env: Mapping[str, str]) -> bool:
-    """True inside ``srun`` with several tasks (one process per task is the convention)."""
-    return in_srun_step(env) and slurm_tasks(env) > 1
-
-
-def unlaunched_slurm_tasks(env: Mapping[str, str]) -> str | None:
-    """A warning when this runs in an sbatch script whose tasks no srun started, else None.
-
-    Taking the allocation's task count as the world size would make this process rank 0 of N
-    and wait --dist-timeout for peers that never start; it runs as on a plain machine instead.
-    """
-    tasks = env_int(env, "SLURM_NTASKS") or 1
-    if "SLURM_JOB_ID" not in env or in_srun_step(env) or tasks <= 1:
-        return None
-    return (f"SLURM allocated {tasks} tasks, but srun did not start this process (no "
-            "SLURM_STEP_ID: an sbatch script runs once): it runs as one launch on this node. "
-            "For one process per task, start it with `srun python main.py ...`")
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
 
 
 def plan_launch(cfg: Config, env: Mapping[str, str], cuda_count: int) -> Launch:
@@ -260,23 +234,6 @@ def local_ranks(cfg: Config, env: Mapping[str, str], world: int) -> tuple[int, i
         env_int(env, "LOCAL_WORLD_SIZE") or world
 
 
-def _first_int(text: str | None) -> int | None:
-    match = re.match(r"\d+", text or "")
-    return int(match.group()) if match else None
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM node list: 'gpu[03-05,7],cpu1' -> 'gpu03'."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not match:
-        raise UsageError(f"cannot parse the SLURM node list '{nodelist}'; set MASTER_ADDR")
-    prefix, ranges = match.groups()
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
-
-
 def choose_backend(requested: str | None, device_type: str) -> str:
     """nccl for CUDA, gloo for CPU; an impossible request is a clear error."""
     if requested is None:
@@ -390,6 +347,19 @@ class Layout:
         return step_in_epoch * self.grad_accum_steps * self.batch_size
 
 
+def process_ranks(cfg: Config, launch: Launch, env: Mapping[str, str],
+                  group: tuple[int, int] | None) -> Ranks | None:
+    """This process's ranks where they do not depend on a spawned child's index; ``group``:
+    (rank, world size) in a process group the caller created."""
+    if group is not None:
+        rank, world = group
+        local, local_world = local_ranks(cfg, env, world)
+        return Ranks(rank, local, world, local_world)
+    if launch.mode == "spawn":
+        return None
+    return Ranks(*resolve_ranks(launch, 0, cfg, env))
+
+
 def plan_layout(cfg: Config, launch: Launch, world_size: int, local_world_size: int,
                 env: Mapping[str, str] = os.environ,
                 cpus: tuple[int, int] | None = None) -> Layout:
@@ -483,3 +453,43 @@ def auto_workers(cores: int) -> int:
     give -j, or decode on the GPU (--decode-on-device), whose workers only read files.
     """
     return max(1, min(MAX_AUTO_WORKERS, cores - 1))
+
+
+@dataclass(frozen=True)
+class Job:
+    """The launcher's part of the plan (``settings.plan``): everything read from the flags and
+    the launchers' variables about the processes."""
+
+    launch: Launch
+    layout: Layout
+    process: Ranks | None  # this process's ranks (None under mp.spawn: each child's own)
+    first_rank: int  # the lowest rank this invocation runs (0: it keeps rank 0's duties)
+    restarts: int  # torchrun's restarts of the worker group
+    agent_store: bool  # torchrun's agent hosts the rendezvous store
+    launcher: int | None  # the pid that must outlive the training processes
+    notes: tuple[str, ...]  # warnings about the launch, said once
+
+
+def plan_job(cfg: Config, env: Mapping[str, str], cuda_count: int, launch: Launch | None = None,
+             group: tuple[int, int] | None = None, cpus: tuple[int, int] | None = None) -> Job:
+    """How this invocation's processes start, who they are and how each step's images are
+    spread. ``launch``: decided by the caller (``imagenet.train``), else from the flags and
+    ``env``; ``group``: (rank, world size) of the caller's process group."""
+    check_gpu_flag(cfg.gpu, cfg.no_accel, cuda_count)
+    launch = launch or plan_launch(cfg, env, cuda_count)
+    device_type = "cuda" if cuda_count and not cfg.no_accel else "cpu"
+    if launch.mode != "single" and group is None:  # impossible requests fail here, once
+        choose_backend(cfg.dist_backend, device_type)
+        check_sync_bn(cfg.sync_bn, device_type)
+    process = process_ranks(cfg, launch, env, group)
+    ranks = process or Ranks(launch.node_rank * launch.nprocs, 0, launch.nnodes * launch.nprocs,
+                             launch.nprocs)
+    layout = plan_layout(cfg, launch, ranks.world_size, ranks.local_world_size, env, cpus)
+    notes = [note for note in (unlaunched_slurm_tasks(env),) if note]
+    overridden = overridden_flags(cfg, launch, env)
+    if overridden and ranks.rank == 0:
+        notes.append(overridden)
+    launcher = None if group is not None else os.getpid() if launch.mode == "spawn" \
+        else launcher_pid(launch, env, os.getppid())
+    return Job(launch, layout, process, ranks.rank, elastic_restart_count(env),
+               agent_hosts_store(env), launcher, tuple(notes))

@@ -77,7 +77,8 @@ def load_model(path: Path, arch: str | None, num_classes: int | None
                ) -> tuple[nn.Module, dict[str, Any]]:
     """The eager model with the checkpoint's weights (eval mode), and the metadata to store."""
     from imagenet.checkpoint import files
-    from imagenet.training.finetune import classifier_names, read_weights
+    from imagenet.checkpoint.weights import read_weights
+    from imagenet.training.finetune import classifier_names
     from imagenet.training.models import build_model
 
     weights = read_weights(path, flag="CKPT")

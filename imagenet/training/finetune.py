@@ -1,8 +1,6 @@
 """--finetune PATH and --freeze-backbone: start a run from weights it did not train.
 
-``read_weights`` reads any file people start from: this trainer's checkpoints (also EMA and best
-files, and --fsdp's, single files or --sharded-checkpoint directories), the classic script's
-(``module.`` keys), a plain state dict, a torchvision ``.pth``, a ``.safetensors`` file.
+``checkpoint.weights.read_weights`` reads the file (any checkpoint or state dict) into ``Weights``.
 ``fit_state`` decides what goes into the model: every tensor whose name and shape fit; the
 classifier's rows matched by class name when both sides name their classes; a layer whose shape
 differs is re-initialised and named. Any other missing or unexpected key is an error.
@@ -24,15 +22,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from imagenet.checkpoint import files
 from imagenet.errors import CheckpointError, TrainerError, UsageError
-from imagenet.launching.rendezvous import raise_agreed
+from imagenet.launching.collectives import raise_agreed
 from imagenet.settings.flags import Config
 
 log = logging.getLogger(__name__)
 
 COUNTER = "num_batches_tracked"  # BatchNorm's step counter: older files do not hold it
-WEIGHT_KEYS = ("state_dict", "model")  # ours and the classic's; torchvision/DeiT references'
 
 
 @dataclass(frozen=True)
@@ -43,73 +39,6 @@ class Weights:
     classes: list[str] | None  # the class names of the classifier's rows, if the file has them
     arch: str | None
     config: dict = field(default_factory=dict)  # the flags of the run that wrote it, if any
-
-
-def read_weights(path: Path, flag: str = "--finetune") -> Weights:
-    """The model weights in ``path``, whatever wrote it (see the module docstring); errors
-    name ``flag``."""
-    if path.is_dir():
-        if not files.is_checkpoint_dir(path):
-            raise UsageError(f"{flag} {path} is a folder but not a --sharded-checkpoint "
-                             f"directory (no {files.SHARDED_META} in it); give a file")
-        meta = files.load_checkpoint(path / files.SHARDED_META)
-        return _weights(_dcp_model_state(path), meta, path, flag)
-    if not path.is_file():
-        raise UsageError(f"{flag}: no file at {path}")
-    if path.suffix == ".safetensors":
-        return _weights(_safetensors(path, flag), {}, path, flag)
-    ckpt = files.load_file(path, advice="give another file")
-    if isinstance(ckpt, dict) and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
-        return _weights(ckpt, {}, path, flag)  # a plain state dict (torchvision's .pth files)
-    state = next((ckpt[k] for k in WEIGHT_KEYS if isinstance(ckpt, dict)
-                  and isinstance(ckpt.get(k), dict)), None)
-    if state is None:
-        keys = ", ".join(sorted(map(str, ckpt))[:8]) if isinstance(ckpt, dict) else \
-            type(ckpt).__name__
-        raise CheckpointError(f"{flag} {path}: no model weights in it (no 'state_dict' or "
-                              f"'model' entry; it holds {keys})")
-    return _weights(state, ckpt, path, flag)
-
-
-def _weights(state: dict, meta: dict, path: Path, flag: str) -> Weights:
-    """``Weights`` with wrapper prefixes stripped; every value must be a tensor."""
-    odd = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
-    if odd:
-        raise CheckpointError(f"{flag} {path}: '{odd[0]}' is not a tensor; the weights must "
-                              "be a state dict")
-    classes, config = meta.get("classes"), meta.get("config")
-    return Weights(files.strip_wrapper_prefixes(state),
-                   list(classes) if classes is not None else None, meta.get("arch"),
-                   config if isinstance(config, dict) else {})
-
-
-def _dcp_model_state(path: Path) -> dict[str, torch.Tensor]:
-    """The model weights of a --sharded-checkpoint directory, read in this process alone."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from imagenet.checkpoint.sharded import single_process_is_meant
-
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    state = {key.split(".", 1)[1]: torch.empty(m.size, dtype=m.properties.dtype)
-             for key, m in saved.items()
-             if key.startswith("state_dict.") and isinstance(m, TensorStorageMetadata)}
-    with single_process_is_meant():
-        dcp.load({"state_dict": state}, checkpoint_id=path, no_dist=True)
-    return state
-
-
-def _safetensors(path: Path, flag: str) -> dict[str, torch.Tensor]:
-    """A .safetensors file (timm's and Hugging Face's weights)."""
-    try:
-        from safetensors.torch import load_file
-    except ImportError:
-        raise UsageError(f"{flag} {path}: reading .safetensors needs the safetensors "
-                         "package: pip install safetensors") from None
-    try:
-        return load_file(str(path))
-    except Exception as exc:  # its errors for damaged files vary
-        raise CheckpointError(f"{flag} {path}: cannot read it ({exc})") from None
 
 
 # ---------------------------------------------------------------- the classifier
@@ -253,18 +182,11 @@ def _few(keys: list[str], n: int = 5) -> str:
     return ", ".join(keys[:n]) + more
 
 
-def weights_sum(state: dict[str, torch.Tensor]) -> float:
-    """A checksum of floating-point weights (tells two copies of a file apart)."""
-    with torch.no_grad():
-        return sum(float(t.double().sum()) for t in state.values() if t.is_floating_point())
-
-
-def load_finetune(model: nn.Module, cfg: Config, classes: Sequence[str], head: Head
-                  ) -> float:
-    """--finetune: PATH's weights into the plain ``model``; one line says what was not
-    loaded. Returns the file's ``weights_sum``."""
+def load_finetune(model: nn.Module, cfg: Config, classes: Sequence[str], head: Head,
+                  weights: Weights) -> None:
+    """--finetune: PATH's ``weights`` into the plain ``model``; one line says what was not
+    loaded."""
     path = Path(cfg.finetune)  # type: ignore[arg-type]
-    weights = read_weights(path)
     if weights.arch and weights.arch != cfg.arch:
         raise CheckpointError(f"--finetune {path} was saved for -a {weights.arch}, but this "
                               f"run uses -a {cfg.arch}; pass -a {weights.arch}")
@@ -280,7 +202,6 @@ def load_finetune(model: nn.Module, cfg: Config, classes: Sequence[str], head: H
         log.warning("--finetune %s: layers outside the classifier %s do not fit and start "
                     "from their initial values: %s", path, ", ".join(head),
                     ", ".join(fit.outside(head)))
-    return weights_sum(weights.state)
 
 
 # ---------------------------------------------------------------- --freeze-backbone
@@ -317,16 +238,18 @@ def freeze_backbone(model: nn.Module, head: Head) -> None:
 
 # ---------------------------------------------------------------- the entry point
 
-def prepare_model(model: nn.Module, cfg: Config, classes: Sequence[str]) -> None:
-    """--finetune and --freeze-backbone on the plain model, before anything wraps it.
-    Collective: every rank loads the file, and all stop with the first rank's error, or none."""
+def prepare_model(model: nn.Module, cfg: Config, classes: Sequence[str],
+                  weights: Weights | None = None) -> None:
+    """--finetune (its file's ``weights``) and --freeze-backbone on the plain model, before
+    anything wraps it. Collective: all ranks stop with the first rank's error, or none."""
     if not cfg.finetune and not cfg.freeze_backbone:
         return
-    error, checksum = None, 0.0
+    error = None
     try:
         head = classifier_names(model, len(classes))
         if cfg.finetune:
-            checksum = load_finetune(model, cfg, classes, head)
+            assert weights is not None, "--finetune: read its file first (checkpoint.weights)"
+            load_finetune(model, cfg, classes, head, weights)
         if cfg.freeze_backbone:
             if not (cfg.finetune or cfg.pretrained or cfg.weights):
                 log.warning("--freeze-backbone without --finetune, --pretrained or --weights: "
@@ -335,7 +258,15 @@ def prepare_model(model: nn.Module, cfg: Config, classes: Sequence[str]) -> None
     except TrainerError as exc:
         error = exc
     raise_agreed(error)
-    raise_agreed(other_copy(cfg.finetune, checksum) if cfg.finetune else None)
+    if cfg.finetune:
+        assert weights is not None
+        raise_agreed(other_copy(cfg.finetune, weights_sum(weights.state)))
+
+
+def weights_sum(state: dict[str, torch.Tensor]) -> float:
+    """A checksum of floating-point weights (tells two copies of a file apart)."""
+    with torch.no_grad():
+        return sum(float(t.double().sum()) for t in state.values() if t.is_floating_point())
 
 
 def other_copy(path: str, checksum: float) -> CheckpointError | None:

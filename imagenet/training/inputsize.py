@@ -12,6 +12,7 @@ embeddings and attention partitions are fixed at construction, not interpolated 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -51,20 +52,20 @@ def smallest_above(model: nn.Module, size: int) -> int | None:
     return high
 
 
-def crop_flags(cfg: Config) -> dict[str, int]:
-    """The crop sizes the run feeds the model, by flag (-e validates only)."""
+def crop_flags(cfg: Config, train_sizes: Sequence[int]) -> dict[str, int]:
+    """The crop sizes the run feeds the model, by flag (-e validates only); ``train_sizes``: the
+    plan's training crops."""
     crops = {"--val-crop-size": cfg.val_crop_size}
     if not cfg.evaluate:
         crops = {"--train-crop-size": cfg.train_crop_size, **crops}
         if cfg.train_crop_start is not None:  # progressive resizing: its smallest (rounded) size
-            from imagenet.data.resizing import train_sizes
-
-            crops = {"--train-crop-start": min(train_sizes(cfg)), **crops}
+            crops = {"--train-crop-start": min(train_sizes), **crops}
     return crops
 
 
-def check_crop_sizes(cfg: Config) -> None:
-    """UsageError naming the size ``-a`` needs when the crop flags give it one it cannot take."""
+def check_crop_sizes(cfg: Config, train_sizes: Sequence[int]) -> None:
+    """UsageError naming the size ``-a`` needs when the crop flags give it one it cannot take
+    (``train_sizes``: the plan's training crops)."""
     from imagenet.training.models import build_model  # torchvision: imported only when a run starts
 
     try:
@@ -74,7 +75,7 @@ def check_crop_sizes(cfg: Config) -> None:
         log.debug("crop sizes not checked: -a %s cannot be built on the meta device (%s)",
                   cfg.arch, exc)
         return
-    crops = crop_flags(cfg)
+    crops = crop_flags(cfg, train_sizes)
     taken = {size: accepts(model, size) for size in set(crops.values())}  # one forward each
     bad = {flag: size for flag, size in crops.items() if not taken[size]}
     if not bad:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -17,12 +17,11 @@ from torch.optim.swa_utils import AveragedModel
 
 import imagenet.training.comm_hooks as comm_hooks
 import imagenet.training.fsdp as fsdp
-from imagenet.data.resizing import crop_sizes, train_sizes
 from imagenet.errors import RunError, UsageError
-from imagenet.launching.rendezvous import DistInfo
+from imagenet.launching.collectives import DistInfo
+from imagenet.settings.choices import TIMM_PREFIX
 from imagenet.settings.flags import Config
 from imagenet.training.compiling import compile_ddp, compile_model, evaluation_twin
-from imagenet.training.timm_models import TIMM_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -110,32 +109,38 @@ def replace_classifier(model: nn.Module, num_classes: int) -> None:
 
 
 def wrap(raw: nn.Module, cfg: Config, dist: DistInfo, ema: AveragedModel | None = None,
-         compile_backend: str | Callable = "inductor") -> nn.Module:
+         compile_backend: str | Callable = "inductor", sizes: Sequence[int] = ()) -> nn.Module:
     """The module the training step calls: raw -> (SyncBN) -> (DDP + comm hook) -> (compiled),
-    or with --fsdp: raw (and ``ema``'s copy) sharded in place -> (compiled)."""
+    or with --fsdp: raw (and ``ema``'s copy) sharded in place -> (compiled). ``sizes``: the
+    run's training crops (the plan's; default --train-crop-size), each compiled statically."""
+    sizes = list(sizes) or [cfg.train_crop_size]
+    if cfg.compile and len(sizes) > 1:
+        log.info("=> --compile with progressive resizing: static graphs for each training crop "
+                 "(%s px), each compiled in the first epoch that uses it",
+                 ", ".join(map(str, sizes)))
     model = raw
     if cfg.sync_bn and dist.distributed:
         # convert_sync_batchnorm returns a new module only for a bare BatchNorm root; torchvision
         # models are containers, so ``raw`` keeps the converted layers in place.
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if cfg.fsdp and dist.distributed:
-        return shard(model, cfg, dist, ema, compile_backend)
+        return shard(model, cfg, dist, ema, compile_backend, len(sizes))
     if cfg.fsdp:
         log.info("=> one process: --fsdp has nothing to shard; training the whole model")
     if not dist.distributed:
         if cfg.ddp_comm_hook != "none":
             log.info("=> one process: --ddp-comm-hook %s has nothing to send", cfg.ddp_comm_hook)
-        return compile_model(model, compile_backend, crop_sizes(cfg)) if cfg.compile else model
+        return compile_model(model, compile_backend, len(sizes)) if cfg.compile else model
     device_ids = [dist.device.index] if dist.device.type == "cuda" else None
     # Gradients are views into DDP's all-reduce buckets: no second copy of them in memory.
     model = DDP(model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb,
                 gradient_as_bucket_view=True)
-    settle_buckets(model, train_sizes(cfg)[0])  # before a comm hook: it would count this step
+    settle_buckets(model, sizes[0])  # before a comm hook: it would count this step
     comm_hooks.register_comm_hook(model, raw, cfg, dist.backend or "gloo")
     if dist.is_main:
         comm_hooks.log_payload(raw, cfg, dist.world_size)
     # Compiled from the outside: Dynamo splits the graph at DDP's buckets (see compiling).
-    return compile_ddp(model, compile_backend, crop_sizes(cfg)) if cfg.compile else model
+    return compile_ddp(model, compile_backend, len(sizes)) if cfg.compile else model
 
 
 def settle_buckets(model: DDP, crop_size: int) -> None:
@@ -176,7 +181,7 @@ def for_evaluation(model: nn.Module) -> nn.Module:
 
 
 def shard(model: nn.Module, cfg: Config, dist: DistInfo, ema: AveragedModel | None,
-          compile_backend: str | Callable = "inductor") -> nn.Module:
+          compile_backend: str | Callable = "inductor", crop_sizes: int = 1) -> nn.Module:
     """--fsdp: shard ``model`` and the EMA's copy by the same rule, then compile."""
     units = fsdp.describe_units(model, fsdp.repeated_blocks(model))  # before classes change
     for module in ([ema.module] if ema is not None else []) + [model]:
@@ -187,7 +192,7 @@ def shard(model: nn.Module, cfg: Config, dist: DistInfo, ema: AveragedModel | No
     # Static shapes (compiling): also, with automatic dynamic shapes, inductor (torch 2.14, CPU)
     # fails to compile the backward of a recompiled FSDP graph ("Cannot convert expression to
     # float").
-    return compile_model(model, compile_backend, crop_sizes(cfg)) if cfg.compile else model
+    return compile_model(model, compile_backend, crop_sizes) if cfg.compile else model
 
 
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from imagenet.data.folder import train_batches
+from imagenet.data.samplers import train_batches
 from imagenet.settings.flags import Config
 from imagenet.settings.launch import Layout
 from imagenet.training.engine import Step

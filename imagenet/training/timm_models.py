@@ -7,60 +7,20 @@ The model then goes where a torchvision model goes (class count, EMA, FSDP units
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING
 
-from imagenet.errors import RunError, UsageError, first_line
+from imagenet.errors import RunError, first_line
+from imagenet.settings.choices import import_timm, timm_name
 
 if TYPE_CHECKING:
     from torch import nn
 
 log = logging.getLogger(__name__)
 
-TIMM_PREFIX = "timm/"  # -a timm/NAME: a timm model
-INSTALL = "pip install 'imagenet-trainer[timm]' (or pip install timm)"
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # what we normalise by
-
-
-def import_timm(arch: str) -> ModuleType:
-    """timm, or the one line that says how to install it."""
-    try:
-        import timm
-    except ImportError:
-        raise UsageError(f"-a {arch} needs timm, which is not installed: {INSTALL}") from None
-    return timm
-
-
-def timm_name(arch: str) -> str:
-    """'timm/resnet50.a1_in1k' -> 'resnet50.a1_in1k'."""
-    return arch[len(TIMM_PREFIX):]
-
-
-def check_timm_arch(arch: str, weights: str | None, pretrained: bool = False) -> None:
-    """A timm model name (and weight tag) that exists; close names when it does not."""
-    timm = import_timm(arch)
-    name = timm_name(arch)
-    base, _, tag = name.partition(".")
-    if weights:
-        raise UsageError(f"--weights names torchvision weights; for timm's, put the tag in the "
-                         f"name and add --pretrained: -a timm/{base}.TAG --pretrained (tags: "
-                         f"timm.list_pretrained('{base}.*'))")
-    if not timm.is_model(base):
-        close = difflib.get_close_matches(base, timm.list_models(), n=3)
-        hint = f"; did you mean {', '.join(f'timm/{c}' for c in close)}?" if close else ""
-        raise UsageError(f"-a/--arch: timm has no model '{base}'{hint} (choose from "
-                         "timm.list_models())")
-    tags = timm.list_pretrained(f"{base}.*")
-    if pretrained and not tags:
-        raise UsageError(f"-a {arch} --pretrained: timm has no pretrained weights for {base} "
-                         "(drop --pretrained to train it from scratch)")
-    if tag and name not in tags:
-        known = f"; it has {', '.join(tags[:6])}" if tags else " (it has no pretrained weights)"
-        raise UsageError(f"-a {arch}: timm has no weights tagged '{tag}' for {base}{known}")
 
 
 def build_timm_model(arch: str, num_classes: int, pretrained: bool) -> nn.Module:

@@ -23,19 +23,19 @@ import torch
 from imagenet.data.folder import Data, StopSafeLoader, build_transforms, loader_options
 from imagenet.data.shards.plan import STREAMS, train_batches_per_rank
 from imagenet.data.shards.reader import ShardBatchSampler, ShardSamples, ShardTrain
-from imagenet.data.shards.sources import data_format, resolve
+from imagenet.data.shards.sources import resolve
 from imagenet.errors import DataError, UsageError
-from imagenet.settings.flags import Config
-from imagenet.settings.launch import Layout
+from imagenet.settings.plan import Plan
 
-__all__ = ["build_shard_data", "data_format"]
+__all__ = ["build_shard_data"]
 
 log = logging.getLogger(__name__)
 
 
-def build_shard_data(cfg: Config, data: str, rank: int, world_size: int, layout: Layout,
-                     aug_seed: int, pin_memory: bool) -> Data:
+def build_shard_data(plan: Plan, data: str, rank: int, aug_seed: int, pin_memory: bool) -> Data:
     """Loaders for this rank from the shards ``data`` names (see ``sources``)."""
+    cfg, layout = plan.cfg, plan.layout
+    world_size = layout.world_size
     if cfg.ra_reps > 1:
         raise UsageError(f"--ra-reps {cfg.ra_reps} needs an ImageFolder: tar shards give each "
                          "process a contiguous stretch of the epoch, read once, so the copies "
@@ -46,7 +46,7 @@ def build_shard_data(cfg: Config, data: str, rank: int, world_size: int, layout:
     if steps == 0:
         raise DataError(f"the training shards hold {shards.train.total} images, fewer than one "
                         f"global batch ({world_size} process(es) x {batch}); lower -b")
-    train_tf, val_tf = build_transforms(cfg)
+    train_tf, val_tf = build_transforms(cfg, plan.crops)
     where = {"world_size": world_size, "rank": rank, "batch_size": batch}
     splits = ((shards.train, train_tf, True), (shards.val, val_tf, False))
     loaders = [StopSafeLoader(ShardSamples(tf, cfg.image_backend, len(shards.classes), train),

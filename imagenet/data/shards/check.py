@@ -11,8 +11,9 @@ all of it would download the validation set once more, so its length is checked 
 from __future__ import annotations
 
 from imagenet.data.shards.sources import ShardList
-from imagenet.data.shards.streams import is_remote, open_shard
+from imagenet.data.shards.streams import open_shard
 from imagenet.data.shards.tarreader import SampleReader, ShardError
+from imagenet.settings.sources import is_remote
 
 
 def first_bad_shard(shards: ShardList, rank: int, world_size: int) -> ShardError | None:

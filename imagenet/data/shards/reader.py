@@ -20,8 +20,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 import imagenet.data.transforms as T
-from imagenet.data.folder import seeded_call
 from imagenet.data.resizing import follow_epoch
+from imagenet.data.samplers import seeded_call
 from imagenet.data.shards.plan import BLOCK, STREAMS, EpochPlan, train_batches_per_rank
 from imagenet.data.shards.sources import ShardList
 from imagenet.data.shards.streams import open_shard

@@ -28,13 +28,13 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from imagenet.data.shards.streams import CommandFailed, is_remote, open_shard, read_small_file
+from imagenet.data.shards.streams import CommandFailed, open_shard, read_small_file
 from imagenet.data.shards.tarreader import SampleReader
 from imagenet.errors import DataError, UsageError
+from imagenet.settings.sources import INFO_NAMES, is_remote, is_shard_pattern
 
 log = logging.getLogger(__name__)
 
-INFO_NAMES = ("_info.json", "info.json")  # timm tries them in this order
 TRAIN_SPLITS = ("train",)
 VAL_SPLITS = ("validation", "val")
 _BRACES = re.compile(r"\{([^{}]*)\}")
@@ -78,30 +78,6 @@ def expand_braces(pattern: str) -> list[str]:
     else:
         items = body.split(",")
     return [head + item + rest for item in items for rest in expand_braces(tail)]
-
-
-def is_shard_pattern(data: str) -> bool:
-    """A shard list rather than a folder or base URL."""
-    return data.startswith("pipe:") or "{" in data or data.endswith(".tar")
-
-
-def data_format(data: str, requested: str) -> str:
-    """"folder" or "shards": ``requested`` unless "auto", else what ``data`` looks like."""
-    if requested != "auto":
-        return requested
-    if is_remote(data) or is_shard_pattern(data):
-        return "shards"
-    root = Path(data)
-    folder = (root / "train").is_dir() and (root / "val").is_dir()
-    shards = any((root / name).is_file() for name in INFO_NAMES)
-    if folder and shards:
-        raise UsageError(f"'{data}' holds both an ImageFolder (train/, val/) and shards "
-                         "(_info.json): give --data-format folder or --data-format shards")
-    if not folder and not shards and root.is_dir() and any(root.glob("*.tar")):
-        raise UsageError(f"'{data}' holds .tar files but no _info.json: give the training "
-                         f"shards as a pattern ('{data}/train-{{000000..000009}}.tar') and "
-                         "the validation shards with --val-data")
-    return "shards" if shards else "folder"
 
 
 def resolve(data: str, val_data: str | None, num_classes: int | None) -> ShardSet:

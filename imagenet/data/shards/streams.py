@@ -31,6 +31,7 @@ from typing import BinaryIO
 
 import imagenet.data.objectstore as objectstore
 from imagenet.data.shards.tarreader import ShardError
+from imagenet.settings.sources import is_url
 
 ATTEMPTS = 3  # tries per download
 BACKOFF = 1.0  # seconds before the second try, doubled for each further one
@@ -59,18 +60,13 @@ class CommandFailed(ShardError):
 OBJECT_BLOCK = 16 << 20  # bytes per ranged GET from object storage (a stream reads ahead)
 
 
-def is_remote(url: str) -> bool:
-    """Whether ``url`` is read by downloading (http(s), a pipe: command, object storage)."""
-    return url.startswith(("http://", "https://", "pipe:")) or objectstore.is_url(url)
-
-
 def open_shard(url: str) -> BinaryIO:
     """A buffered binary stream of the shard at ``url``; ShardError if it cannot be opened."""
     if url.startswith("pipe:"):
         return io.BufferedReader(Download(url, _PipeTry), BUFFER)
     if url.startswith(("http://", "https://")):
         return io.BufferedReader(Download(url, _HttpTry), BUFFER)
-    if objectstore.is_url(url):
+    if is_url(url):
         return io.BufferedReader(Download(url, _ObjectTry), BUFFER)
     path = url.removeprefix("file://")
     try:

@@ -1,34 +1,40 @@
-"""What a run's checkpoint holds (``save``) and how a resume puts it back (``resume``).
+"""What a run's checkpoint holds (``save``) and how a resume puts it back (``resume``): the
+``Run`` to and from the pieces of ``imagenet.checkpoint``.
 
 ``save`` is collective (it gathers every rank's RNG state); only rank 0 writes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from torch.optim.swa_utils import AveragedModel
 
 import imagenet.training.comm_hooks as comm_hooks
 import imagenet.training.fsdp as fsdp
 from imagenet.checkpoint import files, guard, history, rng, sharded
 from imagenet.checkpoint.changes import check_ranks_agree, log_changes
 from imagenet.checkpoint.source import agreed_checkpoint, broadcast_weights
-from imagenet.errors import CheckpointError, TrainerError, on_every_rank
-from imagenet.launching.rendezvous import barrier
+from imagenet.checkpoint.states import (
+    ema_state,
+    flags_kept,
+    load_ema_state,
+    model_state,
+    optimizer_state,
+    restore_optimizer,
+    resumed_best,
+    same_optimizer,
+    same_order,
+)
+from imagenet.errors import TrainerError, on_every_rank
+from imagenet.launching.collectives import barrier
 from imagenet.run.build import Run
-from imagenet.settings.flags import Config
-from imagenet.settings.launch import elastic_restart_count
+from imagenet.run.outputs import Saved
 from imagenet.training.engine import EpochTotals, Step
-from imagenet.training.models import unwrap
 from imagenet.training.position import (
     EpochStart,
     ResumePoint,
@@ -98,52 +104,6 @@ def epoch_so_far(run: Run) -> dict[str, float]:
         run.train_totals = EpochTotals.starting(run.dist.device)
     return run.train_totals.of_job()
 
-
-# ---- the model, optimizer and EMA states: plain, DDP and FSDP alike (FSDP gathers to rank 0)
-
-def model_state(model: nn.Module) -> dict[str, Any]:
-    """The unwrapped model's state_dict; sharded, gathered to rank 0 ({} elsewhere; collective)."""
-    model = unwrap(model)
-    return fsdp.gathered_model_state(model) if fsdp.is_sharded(model) else model.state_dict()
-
-
-def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The classic ``optimizer.state_dict()`` (keyed by parameter index) for every mode;
-    sharded, gathered to rank 0 ({} elsewhere; collective)."""
-    if fsdp.is_sharded(model):
-        return fsdp.gathered_optimizer_state(unwrap(model), optimizer)
-    return optimizer.state_dict()
-
-
-def ema_state(ema: AveragedModel) -> dict[str, Any]:
-    """``ema.state_dict()``; sharded, gathered to rank 0 ({} elsewhere; collective)."""
-    if not fsdp.is_sharded(ema):
-        return ema.state_dict()
-    weights = fsdp.gathered_model_state(ema.module)
-    if not weights:
-        return {}
-    return {"n_averaged": ema.n_averaged.clone(), **{f"module.{k}": v for k, v in weights.items()}}
-
-
-def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                         state: dict[str, Any]) -> None:
-    """Load a classic optimizer state_dict into the (possibly sharded) optimizer."""
-    if fsdp.is_sharded(model):
-        fsdp.load_optimizer_state(unwrap(model), optimizer, state)
-    else:
-        optimizer.load_state_dict(state)
-
-
-def load_ema_state(ema: AveragedModel, state: dict[str, Any]) -> None:
-    """Load ``ema.state_dict()`` into the (possibly sharded) EMA."""
-    if not fsdp.is_sharded(ema):
-        ema.load_state_dict(state)
-        return
-    fsdp.load_model_state(ema.module, {k[len("module."):]: v for k, v in state.items()
-                                       if k.startswith("module.")})
-    ema.n_averaged.copy_(state["n_averaged"])
-
-
 def ema_weights_state(run: Run, ema: dict[str, Any]) -> dict[str, Any]:
     """model_best_ema.pth.tar: the EMA weights (``ema``: the checkpoint's EMA state) as a plain
     model checkpoint (``-e --resume``)."""
@@ -169,7 +129,7 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
     start = time.perf_counter()
     if run.cfg.sharded_checkpoint:
         save_sharded(run, is_best, epoch_done, is_best_ema, score)
-        run.outputs.saved(run, epoch_done)
+        run.outputs.saved(saved_record(run, epoch_done))
         return time.perf_counter() - start
     payload = checkpoint_state(run, epoch_done)
     guard.refuse_non_finite(payload, run.dist.is_main, run.output_dir, run.step.epoch,
@@ -183,11 +143,22 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
         files.atomic_save(payload, run.output_dir / files.CHECKPOINT, copies=best + kept)
         if score is not None and run.cfg.keep_checkpoints:
             history.prune(run.output_dir, sharded=False)
-    run.outputs.saved(run, epoch_done)  # uploaded (object storage), reported (imagenet.train)
+    # Uploaded (object storage), reported (imagenet.train)
+    run.outputs.saved(saved_record(run, epoch_done))
     # No rank moves on (or exits after a signal) before the file is in place: under mp.spawn the
     # first rank to exit makes the parent terminate the others, rank 0 included.
     barrier()
     return time.perf_counter() - start
+
+
+def saved_record(run: Run, epoch_done: bool) -> Saved:
+    """The checkpoint just written, as ``imagenet.train``'s ``on_checkpoint`` receives it."""
+    step = run.step
+    epoch, step_in_epoch = (step.epoch + 1, 0) if epoch_done else \
+        (step.epoch, step.step_in_epoch)
+    name = files.dcp_name(files.CHECKPOINT) if run.cfg.sharded_checkpoint else files.CHECKPOINT
+    return Saved(run.output_dir / name, run.dist.rank, epoch, step_in_epoch, step.global_step,
+                 epoch_done, float(run.best.acc1))
 
 
 def save_sharded(run: Run, is_best: bool, epoch_done: bool, is_best_ema: bool,
@@ -196,14 +167,17 @@ def save_sharded(run: Run, is_best: bool, epoch_done: bool, is_best_ema: bool,
     out = run.output_dir
     meta = checkpoint_state(run, epoch_done, weights=False)
     # Each rank checks the shards it is about to write; all stop if one holds NaN/inf.
-    local = sharded.local_tensors(sharded.sharded_state(run))
+    parts, is_main = run.engine.parts, run.dist.is_main
+    local = sharded.local_tensors(sharded.sharded_state(run.raw_model, parts.optimizer, parts.ema))
     guard.refuse_non_finite({**meta, **local}, True, out, run.step.epoch, run.step.step_in_epoch)
     if is_best_ema:
-        sharded.save_ema_weights(run, {**ema_weights_state(run, {}), "state_dict": None},
-                                 out / files.dcp_name(files.BEST_EMA))
+        assert parts.ema is not None
+        sharded.save_ema_weights(parts.ema, {**ema_weights_state(run, {}), "state_dict": None},
+                                 out / files.dcp_name(files.BEST_EMA), is_main)
     best = (out / files.dcp_name(files.BEST),) if is_best else ()
-    kept = tuple(keep_epoch(run, score)) if run.dist.is_main else ()
-    sharded.save(run, meta, out / files.dcp_name(files.CHECKPOINT), copies=best + kept)
+    kept = tuple(keep_epoch(run, score)) if is_main else ()
+    sharded.save(run.raw_model, parts.optimizer, parts.ema, meta,
+                 out / files.dcp_name(files.CHECKPOINT), is_main, copies=best + kept)
     if run.dist.is_main and score is not None and run.cfg.keep_checkpoints:
         history.prune(out, sharded=True)
 
@@ -226,7 +200,8 @@ def load_weights(run: Run, ckpt: dict[str, Any], path: Path) -> None:
     parts = run.engine.parts
     if path.is_dir():  # resharded to this run
         with flags_kept(parts.optimizer):
-            sharded.load(run, path, optimizer=same_optimizer(ckpt, run.cfg))
+            sharded.load(run.raw_model, parts.optimizer, parts.ema, path, run.cfg.arch,
+                          run.data.classes, with_optimizer=same_optimizer(ckpt, run.cfg))
         return
     files.load_model_state(run.raw_model, ckpt, path, run.cfg.arch)
     guard.check_resumable(ckpt, path, run.data.classes)
@@ -249,9 +224,9 @@ def resume(run: Run) -> Path | None:
     """
     check_ranks_agree(run.cfg, run.dist.world_size)
     found = agreed_checkpoint(run.cfg.resume, run.output_dir, run.dist,
-                              run.cfg.sharded_checkpoint)
+                              run.cfg.sharded_checkpoint, run.plan.restarted)
     if found is None:
-        if run.cfg.resume == "auto" or elastic_restart_count() > 0:
+        if run.cfg.resume == "auto" or run.plan.restarted:
             log.info("=> no checkpoint in %s: starting fresh", run.output_dir)
         place_schedule(run, run.step.epoch, 0)  # --start-epoch N: epoch N's learning rate
         return None
@@ -323,44 +298,10 @@ def keep_seed(run: Run, ckpt: dict[str, Any], rng_restored: bool) -> None:
     log.info("=> --seed %s is not applied: a resumed run keeps the checkpoint's seed %s (data "
              "order, augmentation, dropout); start a fresh run for another seed",
              "unset" if run.cfg.seed is None else run.cfg.seed, saved)
-    run.cfg = dataclasses.replace(run.cfg, seed=saved)  # config.json and checkpoints say so
+    # config.json and checkpoints say so
+    run.plan = dataclasses.replace(run.plan, cfg=dataclasses.replace(run.cfg, seed=saved))
     if saved is not None and not rng_restored:  # as build_run seeds this rank's stream
         torch.manual_seed(saved + run.dist.rank)
-
-
-def restore_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
-                      ckpt: dict[str, Any], cfg: Config) -> None:
-    """The saved optimizer state (momentum, Adam moments) with this command line's
-    hyper-parameters (--lr, --wd, --momentum, ...), which a plain load would overwrite."""
-    if not ckpt.get("optimizer") or not same_optimizer(ckpt, cfg):
-        return
-    with flags_kept(optimizer):
-        try:
-            load_optimizer_state(model, optimizer, ckpt["optimizer"])
-        except (ValueError, CheckpointError) as exc:  # --norm-/--bias-weight-decay changed
-            log.warning("the optimizer state does not fit this run's parameter groups (%s): "
-                        "it starts afresh", exc)
-
-
-def same_optimizer(ckpt: dict[str, Any], cfg: Config) -> bool:
-    """Whether the checkpoint's optimizer state fits --opt (a warning when it does not)."""
-    saved_opt = (ckpt.get("config") or {}).get("opt", "sgd")  # the classic used SGD
-    if saved_opt != cfg.opt:
-        log.warning("--opt changed from %s to %s: the optimizer state starts afresh", saved_opt,
-                    cfg.opt)
-    return saved_opt == cfg.opt
-
-
-@contextlib.contextmanager
-def flags_kept(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Load the saved optimizer state inside: this command line's hyper-parameters (--lr, --wd,
-    --momentum, ...), which a load overwrites, are put back after it."""
-    own = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    yield
-    for group, flags in zip(optimizer.param_groups, own):
-        params = group["params"]
-        group.clear()  # the saved settings, initial_lr included, give way to the flags'
-        group.update(flags, params=params)
 
 
 def place_schedule(run: Run, epoch: int, step_in_epoch: int) -> None:
@@ -394,11 +335,6 @@ def log_approximation(run: Run, point: ResumePoint, order_kept: bool = True) -> 
              point.step_in_epoch, steps)
 
 
-def same_order(ckpt: dict[str, Any], cfg: Config) -> bool:
-    """True when the checkpoint's epochs have this run's order (the same --ra-reps)."""
-    return int((ckpt.get("config") or {}).get("ra_reps", 1)) == cfg.ra_reps
-
-
 def same_layout(run: Run, ckpt: dict[str, Any]) -> bool:
     """True when the checkpoint's world size, batch and accumulation match this run's."""
     layout = run.layout
@@ -406,20 +342,3 @@ def same_layout(run: Run, ckpt: dict[str, Any]) -> bool:
             and ckpt.get("batch_size") == layout.batch_size
             and ckpt.get("grad_accum_steps", 1) == layout.grad_accum_steps)
 
-
-def resumed_best(ckpt: dict[str, Any], path: Path, output_dir: Path, key: str = "best_acc1",
-                 best_file: str = files.BEST) -> float:
-    """``key`` of the checkpoint, or of ``best_file`` next to it if that is higher.
-
-    Best files are written before checkpoint.pth.tar; a kill in between leaves one ahead, and
-    forgetting its accuracy would let a worse epoch overwrite it.
-    """
-    best = files.best_acc1_of(ckpt, key)
-    if path.resolve().parent != output_dir.resolve():
-        return best
-    on_disk = files.best_acc1_on_disk(output_dir, best_file)
-    if on_disk is not None and on_disk > best:
-        log.info("=> %s records best Acc@1 %.3f (the checkpoint %.3f): keeping the higher",
-                 best_file, on_disk, best)
-        return on_disk
-    return best

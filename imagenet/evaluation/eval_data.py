@@ -1,0 +1,85 @@
+"""Before -e or the last validation writes anything: its folder and --predictions can be written;
+and -e --val-data FOLDER, another ImageFolder labelled with the checkpoint's classes (no DIR).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+import imagenet.checkpoint.rundir as rundir
+from imagenet.checkpoint import files
+from imagenet.data.folder import Data, build_transforms, folder_loaders, other_val_folder
+from imagenet.errors import TrainerError, UsageError
+from imagenet.launching.collectives import DistInfo, raise_agreed
+from imagenet.settings.flags import Config
+from imagenet.settings.plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+def check_outputs(cfg: Config, info: DistInfo) -> None:
+    """-e's OUTPUT_DIR (the reports go there) and --predictions can be written; rank 0
+    checks, every rank raises its error. Collective."""
+    error = None
+    if info.is_main:
+        try:
+            if cfg.predictions:
+                check_predictions_path(Path(cfg.predictions))
+            if cfg.evaluate:
+                rundir.prepare_folder(Path(cfg.output_dir))
+        except TrainerError as exc:
+            error = exc
+    raise_agreed(error)
+
+
+def check_predictions_path(path: Path) -> None:
+    """--predictions FILE: a file (not a folder) in a folder that exists (made) and is writable."""
+    if path.is_dir():
+        raise UsageError(f"--predictions {path} is a folder; give a file name, e.g. "
+                         f"{path / 'predictions.csv'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--predictions {path}: cannot create its folder "
+                         f"({exc.strerror})") from None
+    if not os.access(path.parent, os.W_OK):
+        raise UsageError(f"--predictions {path}: its folder is not writable")
+
+
+def checkpoint_classes(cfg: Config) -> tuple[Path, list[str] | None, list[int] | None]:
+    """The --resume checkpoint of -e, its class names and training images per class (either
+    None when it does not record them)."""
+    path = files.resolve_resume(cfg.resume, Path(cfg.output_dir), False, cfg.sharded_checkpoint)
+    if path is None:
+        raise UsageError("-e --val-data FOLDER evaluates a checkpoint and labels the folder's "
+                         "images with its class names: give --resume PATH")
+    meta_path = path / files.SHARDED_META if path.is_dir() else path
+    try:  # mmap: only the small entries are read, not the weights
+        meta = torch.load(meta_path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # an older file format, or a damaged one: the full load says which
+        meta = files.load_checkpoint(meta_path)
+    meta = meta if isinstance(meta, dict) else {}
+    classes, counts = meta.get("classes"), meta.get("train_class_counts")
+    return path, list(classes) if classes else None, list(counts) if counts else None
+
+
+def build_eval_data(plan: Plan, rank: int, aug_seed: int, pin_memory: bool) -> Data:
+    """-e --val-data FOLDER: that folder's images labelled with the checkpoint's classes; DIR
+    is not read (nothing trains: the images stand in as the training set, which no step
+    reads)."""
+    cfg = plan.cfg
+    path, classes, counts = checkpoint_classes(cfg)
+    folder = Path(cfg.val_data)  # type: ignore[arg-type]
+    if classes is None:
+        classes = sorted(p.name for p in folder.iterdir() if p.is_dir()) \
+            if folder.is_dir() else []
+        log.info("=> %s names no classes: label i is the i-th class folder of %s in sorted "
+                 "order, as the classic script assumes", path, folder)
+    _, val_tf = build_transforms(cfg, plan.crops)
+    val = other_val_folder(folder, classes, val_tf, cfg.image_backend)
+    stand_in, val_loader = folder_loaders(cfg, val, val, rank, plan.layout, aug_seed, pin_memory)
+    return Data(stand_in, val_loader, len(classes), list(classes), len(val), train_counts=counts)

@@ -1,0 +1,162 @@
+"""The job's plan: the command line (with a recipe file's values), the launcher's environment and
+the machine, resolved once into every setting the later stages read.
+
+``make_plan`` runs before any process, model or loader is built: in main.py's process (under
+--multiprocessing-distributed the parent, which hands the plan to its children), in each process
+a launcher started, and in ``imagenet.train``. Every stage after it reads ``Plan`` fields: none
+reads the launchers' variables (RANK, SLURM_*, TORCHELASTIC_*), and none derives a setting from
+the flags again (the per-process batch and workers, the crop of each epoch, where JPEGs are
+decoded, whether this is a restart). The rendezvous alone still reads MASTER_ADDR/PORT, as torch
+does.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from imagenet.errors import UsageError
+from imagenet.settings.crops import CropSchedule, crop_schedule
+from imagenet.settings.duration import end_time
+from imagenet.settings.flags import Config
+from imagenet.settings.launch import Launch, Layout, Ranks, plan_job
+from imagenet.settings.sources import data_format
+
+
+@dataclass(frozen=True)
+class Decode:
+    """Where training JPEGs are decoded and cropped: by the loader workers or on the device."""
+
+    on_device: bool
+    why: str  # for the start-up line
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything resolved before the first process is built (see the module docstring)."""
+
+    cfg: Config  # the flags, a recipe file's values and --demo's, validated
+    launch: Launch  # how the processes start, and why
+    layout: Layout  # world size, images per process and micro-batch, accumulation, workers
+    crops: CropSchedule  # the training crop of every epoch
+    data_format: str  # how DIR is read: "folder", "shards" or "dummy"
+    device_type: str  # where the processes train: "cuda" or "cpu"
+    decode: Decode
+    restarts: int  # torchrun's restarts of the worker group (TORCHELASTIC_RESTART_COUNT)
+    agent_store: bool  # torchrun's agent hosts the rendezvous store the workers share
+    started: float  # unix time main.py started: --time-limit counts from it
+    time_limit: tuple[float, str] | None  # --time-limit's end (unix time) and its name; rank 0
+    process: Ranks | None = None  # this process's ranks (None under mp.spawn: each child's own)
+    launcher: int | None = None  # the pid that must outlive the training processes
+    # (mp.spawn's parent, torchrun's agent): killed, it cannot stop them; they stop on their own
+    notes: tuple[str, ...] = field(default=())  # warnings about the launch, said once
+
+    def ranks(self, local_index: int = 0) -> Ranks:
+        """The ranks of this node's process ``local_index`` (0 outside mp.spawn)."""
+        if self.process is not None:
+            return self.process
+        launch = self.launch
+        return Ranks(launch.node_rank * launch.nprocs + local_index, local_index,
+                     launch.nnodes * launch.nprocs, launch.nprocs)
+
+    @property
+    def restarted(self) -> bool:
+        """torchrun restarted the worker group: it continues OUTPUT_DIR's checkpoint."""
+        return self.restarts > 0
+
+    @property
+    def train_sizes(self) -> list[int]:
+        """Every training crop size of the run, in order."""
+        return self.crops.sizes(self.cfg.epochs) if self.crops.progressive else [self.crops.end]
+
+
+def process_start() -> float:
+    """When this process started (unix time), from /proc; the time of this call where there is
+    no /proc. A spawned child gets its parent's in the plan."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+def source_format(cfg: Config) -> str:
+    """How DIR is read: "dummy", "folder" (also the demo's data, written later) or "shards"."""
+    if cfg.dummy:
+        if cfg.val_data:
+            raise UsageError("--val-data gives real validation images; --dummy has none: drop "
+                             "one")
+        return "dummy"
+    if cfg.demo:
+        return "folder"
+    found = data_format(cfg.data, cfg.data_format)
+    if found != "shards" and cfg.num_classes:
+        raise UsageError(f"--num-classes applies to tar shards only; '{cfg.data}' is read as an "
+                         "ImageFolder")
+    return found
+
+
+def device_conflict(cfg: Config, fmt: str) -> str | None:
+    """What rules out decoding on the device, or None."""
+    if fmt == "dummy":
+        return "--dummy data is not decoded"
+    if fmt == "shards":
+        return "tar shards are decoded by the loader workers (ImageFolder data only)"
+    if cfg.image_backend == "pil":
+        return "--image-backend pil decodes with PIL"
+    if cfg.auto_augment:
+        return "--auto-augment runs per image on the CPU"
+    if cfg.random_erase > 0:
+        return "--random-erase runs per image on the CPU"
+    return None
+
+
+def decode_path(cfg: Config, fmt: str, device_type: str) -> Decode:
+    """--decode-on-device: where training JPEGs are decoded (auto: on a CUDA device, where
+    nothing needs per-image CPU work)."""
+    if cfg.decode_on_device == "off":
+        return Decode(False, "--decode-on-device off")
+    conflict = device_conflict(cfg, fmt)
+    if cfg.decode_on_device == "on":
+        if conflict:
+            raise UsageError(f"--decode-on-device on: {conflict}; drop one")
+        return Decode(True, "--decode-on-device on")
+    if conflict:
+        return Decode(False, f"auto: {conflict}")
+    if device_type != "cuda":
+        return Decode(False, "auto: no CUDA device")
+    return Decode(True, "auto: a CUDA device and ImageFolder JPEGs")
+
+
+def make_plan(cfg: Config, env: Mapping[str, str], cuda_count: int,
+              launch: Launch | None = None, group: tuple[int, int] | None = None,
+              cpus: tuple[int, int] | None = None) -> Plan:
+    """The plan of this invocation; UsageError for what cannot work, before anything starts.
+
+    ``launch``: decided by the caller (``imagenet.train``), else from the flags and ``env``;
+    ``group``: (rank, world size) of the caller's process group; ``cpus``: (cores this process
+    may use, cores of the machine), None reads them.
+    """
+    job = plan_job(cfg, env, cuda_count, launch, group, cpus)
+    fmt = source_format(cfg)
+    device_type = "cuda" if cuda_count and not cfg.no_accel else "cpu"
+    started = process_start()
+    # Rank 0 keeps the clock: only its plan asks SLURM for the job's end (squeue)
+    limit = end_time(cfg.time_limit, env, started) if job.first_rank == 0 else None
+    return Plan(cfg, job.launch, job.layout, crop_schedule(cfg), fmt, device_type,
+                decode_path(cfg, fmt, device_type), job.restarts, job.agent_store, started,
+                limit, job.process, job.launcher, job.notes)
+
+
+def fixed_plan(cfg: Config, layout: Layout, device_type: str = "cpu") -> Plan:
+    """The plan of a process whose layout is given (benchmarks and tests that build a run's
+    parts directly): one launch of its own, nothing read from the environment."""
+    fmt = source_format(cfg)
+    return Plan(cfg, Launch("single", reason="given layout"), layout, crop_schedule(cfg), fmt,
+                device_type, decode_path(cfg, fmt, device_type), 0, False, time.time(), None,
+                Ranks(0, 0, layout.world_size, 1))
