@@ -93,7 +93,7 @@ def prepare_folder(folder: Path) -> None:
                          "you can write, or fix its permissions") from None
 
 
-def lock_folder(folder: Path) -> FolderLock:
+def lock_folder(folder: Path, slurm_job: str | None = None) -> FolderLock:
     """Take OUTPUT_DIR's lock for this process's life, or refuse naming the run that holds it."""
     path = folder / LOCK
     try:
@@ -120,16 +120,16 @@ def lock_folder(folder: Path) -> FolderLock:
                     "another host would not be refused", folder, caveat)
     with contextlib.suppress(OSError):  # a full disk: said by the space check, not here
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps(holder_record()).encode() + b"\n")
+        os.write(fd, json.dumps(holder_record(slurm_job)).encode() + b"\n")
     return FolderLock(path, fd)
 
 
-def holder_record() -> dict[str, object]:
-    """Who holds the lock, as written into the lock file."""
+def holder_record(slurm_job: str | None = None) -> dict[str, object]:
+    """Who holds the lock, as written into the lock file (``slurm_job``: its SLURM job id)."""
     record: dict[str, object] = {"host": socket.gethostname(), "pid": os.getpid(),
                                  "started": datetime.datetime.now().isoformat(timespec="seconds")}
-    if os.environ.get("SLURM_JOB_ID"):
-        record["slurm_job"] = os.environ["SLURM_JOB_ID"]
+    if slurm_job:
+        record["slurm_job"] = slurm_job
     return record
 
 

@@ -1,1 +1,9 @@
-"""launching."""
+"""Launching: the processes find each other, stay together and stop together.
+
+  rendezvous   joins the process group the plan describes, with errors that say what to check.
+  collectives  who this process is (``DistInfo``); one rank's error raised on every rank, rank 0's
+               value on every rank, a barrier; all of them without a group too.
+  failures     one rank's failure stops every rank within seconds, with its message.
+  preemption   SIGTERM/SIGUSR1/SIGINT and a dead launcher: finish the step, agree, stop.
+  timelimit    --time-limit: rank 0's clock asks for that stop in time to save.
+"""

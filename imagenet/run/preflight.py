@@ -29,7 +29,8 @@ from imagenet.settings.flags import Config
 
 log = logging.getLogger(__name__)
 
-def claim_output_dir(cfg: Config, info: DistInfo) -> rundir.FolderLock:
+def claim_output_dir(cfg: Config, info: DistInfo, slurm_job: str | None = None
+                     ) -> rundir.FolderLock:
     """Rank 0 makes OUTPUT_DIR, checks it can write there and takes its lock for the run; then
     (and only then) removes temp files a killed writer left. Collective.
 
@@ -39,7 +40,7 @@ def claim_output_dir(cfg: Config, info: DistInfo) -> rundir.FolderLock:
 
     def claim() -> rundir.FolderLock:
         rundir.prepare_folder(folder)
-        lock = rundir.lock_folder(folder)
+        lock = rundir.lock_folder(folder, slurm_job)
         if lock.fd is not None:  # without a lock, a temp file may be another writer's
             files.remove_stale_temp_files(folder)
         return lock

@@ -49,6 +49,7 @@ class Plan:
     agent_store: bool  # torchrun's agent hosts the rendezvous store the workers share
     started: float  # unix time main.py started: --time-limit counts from it
     time_limit: tuple[float, str] | None  # --time-limit's end (unix time) and its name; rank 0
+    slurm_job: str | None  # SLURM_JOB_ID (the run folder's lock names it)
     process: Ranks | None = None  # this process's ranks (None under mp.spawn: each child's own)
     launcher: int | None = None  # the pid that must outlive the training processes
     # (mp.spawn's parent, torchrun's agent): killed, it cannot stop them; they stop on their own
@@ -150,7 +151,7 @@ def make_plan(cfg: Config, env: Mapping[str, str], cuda_count: int,
     limit = end_time(cfg.time_limit, env, started) if job.first_rank == 0 else None
     return Plan(cfg, job.launch, job.layout, crop_schedule(cfg), fmt, device_type,
                 decode_path(cfg, fmt, device_type), job.restarts, job.agent_store, started,
-                limit, job.process, job.launcher, job.notes)
+                limit, env.get("SLURM_JOB_ID"), job.process, job.launcher, job.notes)
 
 
 def fixed_plan(cfg: Config, layout: Layout, device_type: str = "cpu") -> Plan:
@@ -158,5 +159,5 @@ def fixed_plan(cfg: Config, layout: Layout, device_type: str = "cpu") -> Plan:
     parts directly): one launch of its own, nothing read from the environment."""
     fmt = source_format(cfg)
     return Plan(cfg, Launch("single", reason="given layout"), layout, crop_schedule(cfg), fmt,
-                device_type, decode_path(cfg, fmt, device_type), 0, False, time.time(), None,
+                device_type, decode_path(cfg, fmt, device_type), 0, False, time.time(), None, None,
                 Ranks(0, 0, layout.world_size, 1))
