@@ -473,7 +473,7 @@ def test_ctrl_c_while_python_imports_waits_for_the_import(tmp_path, where):
     code = live.finish()
     assert code == 130, live.output
     assert "Traceback" not in live.output and "RuntimeError" not in live.output, live.output
-    imported = re.search(r"\|\s+imagenet\.trainer$", live.output, re.M)
+    imported = re.search(r"\|\s+imagenet\.run\.trainer$", live.output, re.M)
     assert imported, live.output[-3000:]  # the import finished, then the interrupt came
     assert "interrupted" in live.output[imported.end():], live.output[-3000:]
 
