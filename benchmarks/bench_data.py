@@ -48,12 +48,14 @@ def photo_like(rng: np.random.Generator, width: int, height: int) -> np.ndarray:
     return np.clip(out, 0, 255).astype(np.uint8)
 
 
-def write_photo_like_jpegs(folder: Path, count: int = 200, seed: int = 0) -> list[Path]:
-    """``count`` JPEGs (quality 90) of ImageNet-like sizes (~470x360 on average), deterministic."""
+def write_photo_like_jpegs(folder: Path, count: int = 200, seed: int = 0,
+                           first: int = 0) -> list[Path]:
+    """``count`` JPEGs (quality 90) of ImageNet-like sizes (~470x360 on average), deterministic;
+    named from ``first`` on (several writers can share a folder)."""
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
-    for i in range(count):
+    for i in range(first, first + count):
         width = int(np.clip(rng.normal(470, 80), 200, 800))
         # Mostly landscape 4:3, some 3:2, square, portrait and 16:9, like ImageNet's photos.
         aspect = rng.choice([0.75] * 5 + [0.667] * 3 + [0.5625, 1.0, 1.333])

@@ -1,31 +1,37 @@
-"""Does the trainer work on this node's GPUs, and is it fast? About ten minutes; run by hand.
+"""Does the trainer work on this node's GPUs, and is it fast? Run by hand.
 
-    python benchmarks/gpu_smoke.py                 # all local GPUs; work files in a temp folder
+    python benchmarks/gpu_smoke.py --quick         # one GPU's table in at most ~7 minutes
+    python benchmarks/gpu_smoke.py                 # all local GPUs, every launcher (~15 min)
     python benchmarks/gpu_smoke.py --out /scratch/smoke --keep
 
-Every line of the table at the end is one check, PASS / FAIL / info, with its numbers:
+Every line of the table printed at the end is one check, PASS / FAIL / info, with its numbers:
 
-- every launcher on all local GPUs (main.py's own spawn, --multiprocessing-distributed,
-  torchrun, and srun inside a SLURM allocation), each process on its own GPU and none on GPU 0
-  but rank 0's;
+- ResNet-50, bf16 + channels_last + compile, -b 256: on --dummy data (at least 200 steps an
+  epoch), and on a JPEG folder it writes with every core, decoded by the loader workers and on
+  the GPU: img/s per GPU, the share of time waiting for data, what the epoch boundary costs (the
+  wait in the first steps of epoch 1), peak memory; which path --decode-on-device auto picks
+  here and why; against the targets (>= 97% of the steady step rate on --dummy, >= 95% of
+  --dummy on JPEGs under auto with data-wait < 5%, the device path at least the workers' where
+  auto picks it);
 - DDP and FSDP with --compile --amp bf16 (--channels-last with DDP): no graph compiled after the
   first epoch;
 - SIGTERM in the middle of an epoch, then --resume auto: the final weights are bitwise those of
   an uninterrupted run;
-- ResNet-50, bf16 + channels_last + compile, on --dummy data and on a JPEG folder it writes
-  (decoded on the GPU, and by the loader workers): img/s per GPU, the share of time waiting for
-  data, max memory per GPU; against the targets (A100: >= 3,000 img/s per GPU on --dummy, >= 95%
-  of that on JPEGs with 16 cores per GPU, data-wait < 5%).
+- (not --quick) every launcher on all local GPUs (main.py's own spawn,
+  --multiprocessing-distributed, torchrun, and srun inside a SLURM allocation), each process on
+  its own GPU; fp32 without compile (the classic's settings); --seed (cuDNN autotuning off).
 
 Without a CUDA device it says so in one line and exits 0. tests/test_cuda.py runs the same
-checks at a small scale.
+checks at a small scale; --cpu-dry-run N runs them on the CPU (checks this script).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -44,10 +50,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_data import write_photo_like_jpegs  # noqa: E402
 
 TARGET_DUMMY = 3000  # img/s per A100, ResNet-50 bf16 + channels_last + compile
+TARGET_STEADY = 0.97  # of the steady step rate, for a whole --dummy epoch
 TARGET_REAL = 0.95  # of the --dummy img/s, on JPEGs, with 16 cores per GPU
 TARGET_WAIT = 0.05  # share of the training time waiting for data
 FAST = ["-a", "resnet50", "--amp", "bf16", "--channels-last", "--compile", "-b", "256",
         "-p", "20"]
+CLASSIC = ["-a", "resnet50", "-b", "256", "-p", "20"]  # fp32, eager: the classic's settings
+PROGRESS = re.compile(r"Epoch: \[(\d+)\]\[ *(\d+)/(\d+)\]  Time +([\d.]+)  Data +([\d.]+)")
 
 
 @dataclass
@@ -61,18 +70,22 @@ class Result:
 
 @dataclass
 class Scale:
-    """How big the runs are: the full smoke test, or tests/test_cuda.py's small one."""
+    """How big the runs are: the full smoke test, --quick, or tests/test_cuda.py's small one."""
 
     unique_images: int = 1000  # distinct JPEGs written; the folders hard-link them
-    train_per_gpu: int = 20000  # images per GPU and epoch in the throughput runs
+    train_per_gpu: int = 20000  # images per GPU and epoch in the JPEG throughput runs
+    dummy_per_gpu: int = 256 * 200  # images per GPU and epoch on --dummy (200 steps of 256)
     small_per_gpu: int = 512  # in the functional runs
     tiny: tuple[str, ...] = ("-a", "resnet18", "--train-crop-size", "64", "--val-resize-size",
                              "72", "--val-crop-size", "64", "-b", "32", "-p", "2")
     timeout: float = 900
-    targets: bool = True  # judge img/s against the targets (the full scale only)
+    targets: bool = True  # judge img/s against the targets (not at the small scale)
+    quick: bool = False  # one GPU's table, no launchers, no extra settings
 
 
-SMALL = Scale(unique_images=64, train_per_gpu=256, small_per_gpu=128, targets=False)
+QUICK = Scale(unique_images=2000, train_per_gpu=256 * 60, timeout=300, quick=True)
+SMALL = Scale(unique_images=64, train_per_gpu=256, dummy_per_gpu=256, small_per_gpu=128,
+              targets=False)
 
 
 @dataclass
@@ -198,13 +211,24 @@ def failed(name: str, ran: Ran) -> Result:
 # ---------------------------------------------------------------- the data
 
 
+def write_unique(folder: Path, count: int) -> list[Path]:
+    """``count`` photo-like JPEGs, written by a process per core (one core writes ~17 a second)."""
+    cores = max(1, min(len(os.sched_getaffinity(0)), count // 16 or 1))
+    chunk = -(-count // cores)
+    jobs = [(folder, min(chunk, count - k * chunk), k, k * chunk) for k in range(cores)
+            if count - k * chunk > 0]
+    with multiprocessing.get_context("spawn").Pool(len(jobs)) as pool:
+        parts = pool.starmap(write_photo_like_jpegs, jobs)
+    return [path for part in parts for path in part]
+
+
 def write_folders(node: Node) -> None:
     """Photo-like JPEGs, hard-linked into a small and a large ImageFolder (10 classes)."""
-    unique = write_photo_like_jpegs(node.work / "unique", node.scale.unique_images)
+    unique = write_unique(node.work / "unique", node.scale.unique_images)
     for name, per_gpu in (("small", node.scale.small_per_gpu),
                           ("large", node.scale.train_per_gpu)):
         root = node.work / name
-        for split, count in (("train", per_gpu * node.gpus), ("val", max(per_gpu // 10, 1)
+        for split, count in (("train", per_gpu * node.gpus), ("val", max(per_gpu // 10, 10)
                                                               * node.gpus)):
             for i in range(count):
                 folder = root / split / f"class{i % 10}"
@@ -301,66 +325,145 @@ def resume_bitwise(node: Node) -> list[Result]:
                    + (f" (first: {differ[0]})" if differ else ""))]
 
 
+@dataclass
+class Speed:
+    """One throughput run's epoch after the one that compiled."""
+
+    images_per_sec: float  # per GPU
+    wait: float  # share of the epoch's time waiting for data
+    steady: float  # img/s per GPU of its steady steps (the median progress window)
+    boundary: float  # seconds the first progress window of the epoch waited beyond steady
+    graphs: int  # compiled after epoch 0
+    memory: float | None  # peak device memory, GB (metrics.jsonl)
+
+
+def speed_of(ran: Ran, out: Path, gpus: int, batch: int = 256) -> Speed:
+    """Epoch 1 of a run (epoch 0 compiles): its img/s, data-wait, steady rate, boundary cost."""
+    epochs = ran.metrics(out)
+    last = epochs[-1] if len(epochs) > 1 else (epochs or [{}])[-1]
+    windows = [m for m in PROGRESS.finditer(ran.out) if int(m.group(1)) == len(epochs) - 1]
+    steps = [int(m.group(2)) - (int(windows[i - 1].group(2)) if i else 0)
+             for i, m in enumerate(windows)]
+    times = sorted(float(m.group(4)) for m in windows) or [0.0]
+    steady_step = times[len(times) // 2]
+    data = [float(m.group(5)) * n for m, n in zip(windows, steps)]
+    later = sorted(data[1:]) or [0.0]
+    boundary = max(0.0, (data[0] if data else 0.0) - later[len(later) // 2])
+    return Speed(last.get("train_images_per_sec", 0.0) / gpus, last.get("train_data_wait", 1.0),
+                 batch / steady_step if steady_step else 0.0, boundary,
+                 sum(e.get("compiled_graphs", 0) for e in epochs[1:]),
+                 last.get("train_max_mem_gb"))
+
+
+def auto_choice(node: Node) -> str:
+    """What --decode-on-device auto picks on this node, and why (the trainer's own rule)."""
+    sys.path.insert(0, str(ROOT))
+    from imagenet.settings.flags import parse_config
+    from imagenet.settings.plan import make_plan
+
+    cfg = parse_config([str(node.folders["large"]), *FAST])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
+    plan = make_plan(cfg, env, 0 if node.cpu else torch.cuda.device_count())
+    return ("on" if plan.decode.on_device else "off") + f" ({plan.decode.why})"
+
+
 def throughput(node: Node) -> list[Result]:
-    """ResNet-50 bf16 + channels_last + compile on --dummy and on JPEGs (decoded on the GPU
-    and by the workers): img/s per GPU, data-wait, recompiles, memory; against the targets."""
-    per_gpu = node.scale.train_per_gpu
+    """ResNet-50 bf16 + channels_last + compile on --dummy and on JPEGs (decoded by the workers
+    and on the GPU): img/s per GPU, data-wait, the epoch boundary, recompiles, memory; which
+    path auto picks; against the targets."""
+    per_gpu = node.scale.dummy_per_gpu
     dummy = ["--dummy", "--dummy-size", str(per_gpu * node.gpus), "--dummy-classes", "10",
-             "--dummy-val-size", str(per_gpu // 10 * node.gpus)]
+             "--dummy-val-size", str(max(per_gpu // 20, 256) * node.gpus)]
     large = str(node.folders["large"])
-    runs = {"--dummy": dummy, "JPEGs, --decode-on-device on": [large, "--decode-on-device", "on"],
-            "JPEGs, --decode-on-device off": [large, "--decode-on-device", "off"]}
-    speeds: dict[str, float] = {}
+    runs = {"--dummy": dummy, "JPEGs, --decode-on-device off": [large, "--decode-on-device",
+                                                               "off"],
+            "JPEGs, --decode-on-device on": [large, "--decode-on-device", "on"]}
+    speeds: dict[str, Speed] = {}
     results = []
     for name, args in runs.items():
         out = node.work / f"speed-{len(results)}"
-        ran = run(node.torchrun(*args, *FAST, "--epochs", "3", "--output-dir", str(out)),
-                  node.env(), node.scale.timeout)
+        cmd = node.main_py(*args, *FAST) if node.gpus == 1 else node.torchrun(*args, *FAST)
+        ran = run([*cmd, "--epochs", "2", "--output-dir", str(out)], node.env(),
+                  node.scale.timeout)
         if ran.code != 0:
             results.append(failed(f"ResNet-50 {name}", ran))
             continue
-        later = ran.metrics(out)[1:]  # epoch 0 compiles
-        speed = sum(e["train_images_per_sec"] for e in later) / max(len(later), 1) / node.gpus
-        wait = max((e["train_data_wait"] for e in later), default=1.0)
-        graphs = sum(e.get("compiled_graphs", 0) for e in later)
-        speeds[name] = speed
-        ok, numbers = speed_verdict(name, speed, wait, speeds, node.scale.targets)
-        results.append(Result(f"ResNet-50 {name}", False if graphs else ok,
-                              f"{numbers}; {graphs} graphs compiled after epoch 0; max memory "
-                              f"per GPU {memory(ran)}"))
+        speed = speeds[name] = speed_of(ran, out, node.gpus)
+        ok, numbers = speed_verdict(name, speed, speeds, node)
+        results.append(Result(f"ResNet-50 {name}", False if speed.graphs else ok,
+                              f"{numbers}; {speed.graphs} graphs compiled after epoch 0; peak "
+                              f"memory {memory(ran, speed)}"))
+    choice = auto_choice(node)
+    picked = speeds.get(f"JPEGs, --decode-on-device {choice.split()[0]}")
+    other = speeds.get(f"JPEGs, --decode-on-device {'off' if choice.startswith('on') else 'on'}")
+    fine = None if picked is None or other is None else \
+        picked.images_per_sec >= 0.97 * other.images_per_sec
+    results.append(Result("--decode-on-device auto", fine if node.scale.targets else None,
+                          f"picks {choice}" + ("" if picked is None or other is None else
+                                               f": {picked.images_per_sec:,.0f} img/s vs "
+                                               f"{other.images_per_sec:,.0f} the other way")))
     return results
 
 
-def speed_verdict(name: str, speed: float, wait: float, speeds: dict[str, float],
-                  targets: bool = True) -> tuple[bool | None, str]:
+def speed_verdict(name: str, speed: Speed, speeds: dict[str, Speed], node: Node
+                  ) -> tuple[bool | None, str]:
     """PASS/FAIL against the targets on an A100 or newer; information elsewhere (and without
     ``targets``: runs too small to measure)."""
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    targeted = targets and any(t in gpu for t in ("A100", "H100", "H200", "B200"))
-    numbers = f"{speed:,.0f} img/s per GPU ({gpu}), data-wait {100 * wait:.1f}%"
+    targeted = node.scale.targets and any(t in gpu for t in ("A100", "H100", "H200", "B200"))
+    numbers = (f"{speed.images_per_sec:,.0f} img/s per GPU ({gpu}; steady steps "
+               f"{speed.steady:,.0f}), data-wait {100 * speed.wait:.1f}%, epoch boundary "
+               f"{speed.boundary:.2f} s")
     if name == "--dummy":
-        return (speed >= TARGET_DUMMY if targeted else None), \
-            numbers + f" (target {TARGET_DUMMY:,})"
-    ratio = speed / max(speeds.get("--dummy", speed), 1e-9)
-    cores = len(os.sched_getaffinity(0)) / max(torch.cuda.device_count(), 1)
+        of_steady = speed.images_per_sec / max(speed.steady, 1e-9)
+        numbers += f", {100 * of_steady:.0f}% of the steady rate (target " \
+                   f"{100 * TARGET_STEADY:.0f}%, >= {TARGET_DUMMY:,} img/s)"
+        return (of_steady >= TARGET_STEADY and speed.images_per_sec >= TARGET_DUMMY
+                if targeted else None), numbers
+    dummy = speeds.get("--dummy")
+    ratio = speed.images_per_sec / max(dummy.images_per_sec if dummy else 0.0, 1e-9)
+    cores = len(os.sched_getaffinity(0)) / max(node.gpus, 1)
     numbers += f", {100 * ratio:.0f}% of --dummy with {cores:.0f} cores per GPU " \
-               f"(target {100 * TARGET_REAL:.0f}%, data-wait < {100 * TARGET_WAIT:.0f}%)"
-    if not targeted or cores < 16:
-        return None, numbers
-    return ratio >= TARGET_REAL and wait < TARGET_WAIT, numbers
+               f"(target {100 * TARGET_REAL:.0f}% under auto, data-wait < {100 * TARGET_WAIT:.0f}%)"
+    return None, numbers  # judged for the path auto picks: the "--decode-on-device auto" line
 
 
-def memory(ran: Ran) -> str:
-    """'0: 11.2 GB, 1: 11.0 GB' from the run's nvidia-smi samples."""
-    return ", ".join(f"{i}: {mb / 1024:.1f} GB" for i, mb in sorted(ran.max_mem_mb.items())) \
-        or "n/a"
+def memory(ran: Ran, speed: Speed | None = None) -> str:
+    """Peak memory per GPU: the trainer's own (metrics.jsonl) and what nvidia-smi saw."""
+    smi = ", ".join(f"{i}: {mb / 1024:.1f} GB" for i, mb in sorted(ran.max_mem_mb.items()))
+    own = f"{speed.memory:.1f} GB allocated" if speed and speed.memory is not None else ""
+    return "; ".join(x for x in (own, f"nvidia-smi {smi}" if smi else "") if x) or "n/a"
+
+
+def settings(node: Node) -> list[Result]:
+    """The classic's settings (fp32, eager) and --seed (cuDNN autotuning off) on --dummy: what
+    each costs against the fast settings (information; the classic script is not run here)."""
+    per_gpu = node.scale.dummy_per_gpu // 2
+    dummy = ["--dummy", "--dummy-size", str(per_gpu * node.gpus), "--dummy-classes", "10",
+             "--dummy-val-size", str(256 * node.gpus)]
+    results = []
+    for name, flags in (("fp32, no compile (the classic's settings)", CLASSIC),
+                        ("--seed 0 (cuDNN autotuning off), fp32", [*CLASSIC, "--seed", "0"])):
+        out = node.work / f"settings-{len(results)}"
+        cmd = node.main_py(*dummy, *flags) if node.gpus == 1 else node.torchrun(*dummy, *flags)
+        ran = run([*cmd, "--epochs", "2", "--output-dir", str(out)], node.env(),
+                  node.scale.timeout)
+        if ran.code != 0:
+            results.append(failed(f"ResNet-50 {name}", ran))
+            continue
+        speed = speed_of(ran, out, node.gpus)
+        results.append(Result(f"ResNet-50 {name}", None,
+                              f"{speed.images_per_sec:,.0f} img/s per GPU (steady steps "
+                              f"{speed.steady:,.0f})"))
+    return results
 
 
 # ---------------------------------------------------------------- the table
 
 
 CHECKS = {"launchers": launchers, "features": features, "resume": resume_bitwise,
-          "throughput": throughput}
+          "throughput": throughput, "settings": settings}
+QUICK_CHECKS = ("throughput", "features", "resume")
 
 
 def table(results: list[Result]) -> str:
@@ -374,23 +477,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="work folder (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
-    parser.add_argument("--only", nargs="+", choices=tuple(CHECKS), default=list(CHECKS),
-                        help="run only these checks (default: all of them, in this order)")
+    parser.add_argument("--quick", action="store_true",
+                        help="one GPU's table in at most ~7 minutes: throughput (--dummy, JPEGs "
+                             "on both decode paths, the epoch boundary, auto's choice), DDP/FSDP "
+                             "+ compile, SIGTERM + resume")
+    parser.add_argument("--only", nargs="+", choices=tuple(CHECKS), default=None,
+                        help="run only these checks (default: all of them, in this order; "
+                             "with --quick: throughput features resume)")
     parser.add_argument("--cpu-dry-run", type=int, metavar="N",
                         help="run the checks on the CPU with N processes, at a small scale "
                              "(checks this script, not the GPUs)")
     args = parser.parse_args(argv)
+    names = args.only or (list(QUICK_CHECKS) if args.quick else list(CHECKS))
     if args.cpu_dry_run:
         work = args.out or Path(tempfile.mkdtemp(prefix="gpu_smoke-"))
-        return report(run_checks(Node(args.cpu_dry_run, work, SMALL, cpu=True), args.only))
+        return report(run_checks(Node(args.cpu_dry_run, work, SMALL, cpu=True), names))
     if not torch.cuda.is_available():
         print("gpu_smoke: no CUDA device here (torch.cuda.is_available() is False); nothing "
               "to check")
         return 0
     work = args.out or Path(tempfile.mkdtemp(prefix="gpu_smoke-"))
-    node = Node(torch.cuda.device_count(), work, Scale())
+    node = Node(1 if args.quick else torch.cuda.device_count(), work,
+                QUICK if args.quick else Scale())
+    env_gpus = {} if not args.quick else {"CUDA_VISIBLE_DEVICES": os.environ.get(
+        "CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+    os.environ.update(env_gpus)  # --quick: one GPU, whatever the node has
     try:
-        return report(run_checks(node, args.only))
+        return report(run_checks(node, names))
     finally:
         if not args.keep and args.out is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -412,8 +525,8 @@ def run_checks(node: Node, names: Sequence[str]) -> list[Result]:
 
 
 def report(results: list[Result]) -> int:
-    """Print the table; exit code 1 if any check failed."""
-    print(table(results))
+    """Print the table (last: nothing follows it); exit code 1 if any check failed."""
+    print(table(results), flush=True)
     return 1 if any(r.ok is False for r in results) else 0
 
 

@@ -195,3 +195,38 @@ def test_small_buckets_with_compile_are_refused():
     with pytest.raises(UsageError, match="--bucket-cap-mb 0.5 with --compile.*at least 1 MB"):
         parse_config(["data", "--compile", "--bucket-cap-mb", "0.5"])
     parse_config(["data", "--bucket-cap-mb", "0.5"])  # fine uncompiled
+
+
+# ---------------------------------------------------------------- the GPU's fast paths
+
+
+def test_fused_optimizer_steps_on_cuda_where_torch_has_them():
+    from imagenet.training.optim import build_optimizer, use_fused
+
+    def cfg(*flags):
+        return parse_config(["data", *flags])
+
+    assert use_fused("cuda", cfg()) and use_fused("cuda", cfg("--opt", "adamw"))
+    assert not use_fused("cuda", cfg("--opt", "rmsprop"))  # torch has no fused RMSprop
+    assert not use_fused("cuda", cfg("--fsdp"))  # DTensor parameters
+    assert not use_fused("cpu", cfg())  # the CPU keeps the foreach step (and the tests' numbers)
+    model = nn.Linear(4, 2)
+    assert build_optimizer(model, cfg(), fused=True).param_groups[0]["fused"]
+    assert not build_optimizer(model, cfg()).param_groups[0].get("fused")
+
+
+def test_compile_mode_reaches_torch_compile(monkeypatch):
+    from imagenet.errors import UsageError
+    from imagenet.training import compiling
+
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: calls.append(kw) or model)
+    compiling.compile_model(nn.Linear(2, 2), "inductor", 1, "reduce-overhead")
+    compiling.compile_model(nn.Linear(2, 2), "eager", 1, "reduce-overhead")  # inductor's only
+    compiling.compile_model(nn.Linear(2, 2))
+    assert [c.get("mode") for c in calls] == ["reduce-overhead", None, None]
+    assert all(c["dynamic"] is False for c in calls)
+    assert parse_config(["data", "--compile", "--compile-mode", "max-autotune"]).compile_mode \
+        == "max-autotune"
+    with pytest.raises(UsageError, match="--compile-mode reduce-overhead applies to --compile"):
+        parse_config(["data", "--compile-mode", "reduce-overhead"])

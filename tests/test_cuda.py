@@ -18,6 +18,7 @@ import torch
 from helpers import ROOT, tiny_engine, tiny_net, write_image_folder
 
 from imagenet.data import device as gpu_data
+from imagenet.data import prefetch
 from imagenet.data.folder import build_datasets
 from imagenet.data.samplers import SeededDataset
 from imagenet.settings.crops import crop_schedule
@@ -72,7 +73,7 @@ def test_nvjpeg_crops_are_the_cpu_path_s_crops(tmp_path: Path):
     keys = [(1, i) for i in range(len(cpu_set))]
     cpu = torch.stack([SeededDataset(cpu_set, 3)[k][0] for k in keys]).float()
     batch = gpu_data.collate([SeededDataset(encoded, 3)[k] for k in keys])
-    images, labels = gpu_data.device_crops(cfg, crop_schedule(cfg))[0](batch, torch.device("cuda"))
+    images, labels = gpu_data.device_crops(cfg)[0](batch, torch.device("cuda"))
     assert images.is_cuda and labels.is_cuda and images.shape == cpu.shape
     diff = (images.cpu().float() - cpu).abs()
     assert diff.mean() < 2 and diff.amax() < 40, (diff.mean(), diff.amax())
@@ -85,7 +86,7 @@ def test_side_stream_batches_arrive_whole():
     batches = [(torch.full((64, 3, 32, 32), i, dtype=torch.uint8).pin_memory(),
                 torch.full((64,), i).pin_memory()) for i in range(20)]
     seen = []
-    for images, labels in gpu_data.device_batches(batches, device, None):
+    for images, labels in prefetch.device_batches(batches, device, None):
         assert images.is_cuda and labels.is_cuda
         seen.append((int(images.float().mean()), int(labels[0])))
         torch.cuda._sleep(100_000)  # a busy training stream

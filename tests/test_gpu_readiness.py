@@ -192,3 +192,27 @@ def test_gpu_smoke_without_a_gpu_says_so_in_one_line():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines() == [
         "gpu_smoke: no CUDA device here (torch.cuda.is_available() is False); nothing to check"]
+
+
+def test_gpu_smoke_reads_a_run_s_epoch_boundary_and_steady_rate(tmp_path):
+    """gpu_smoke's numbers from a run's progress lines and metrics.jsonl: the steady step rate
+    (the median window), the epoch boundary (the first window's wait beyond the usual one)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_smoke
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(
+        '{"epoch": 0, "train_images_per_sec": 400.0, "compiled_graphs": 3}\n'
+        '{"epoch": 1, "train_images_per_sec": 5000.0, "train_data_wait": 0.04, '
+        '"compiled_graphs": 0, "train_max_mem_gb": 21.5}\n')
+    lines = [f"Epoch: [1][{s:>3}/100]  Time  {t:.3f}  Data  {d:.3f}  Loss 1.0e+00"
+             for s, t, d in ((20, 0.090, 0.050), (40, 0.040, 0.001), (60, 0.040, 0.001),
+                             (80, 0.041, 0.002), (100, 0.040, 0.001))]
+    ran = gpu_smoke.Ran(0, "\n".join(["Epoch: [0][ 20/100]  Time  1.000  Data  0.900", *lines]),
+                        "", 60.0, {}, {})
+    speed = gpu_smoke.speed_of(ran, out, gpus=1)
+    assert speed.images_per_sec == 5000 and speed.wait == 0.04 and speed.graphs == 0
+    assert speed.steady == pytest.approx(256 / 0.040)
+    assert speed.boundary == pytest.approx(20 * 0.050 - 20 * 0.001)  # 0.98 s more than usual
+    assert speed.memory == 21.5

@@ -1,29 +1,32 @@
 """--decode-on-device: JPEGs decoded (nvJPEG, batched) and cropped, resized and flipped on the
-training device; loader workers only read files. And the side stream that copies every batch.
+training device; loader workers only read files.
 
 Who does what:
 
 - a worker reads a file and its JPEG header (``read_encoded``), draws the sample's crop box and
-  flip exactly as ``transforms.RandomResizedCropFlip`` would from the same per-sample seed
-  (``EncodedTrainItem``), and ships the encoded bytes with the box; ``collate`` packs a batch
-  into one flat byte tensor (one shared-memory segment per batch, not one per image);
-- the training process decodes the batch on its device in one ``decode_jpeg`` call, crops,
-  resizes and flips each image there (``DeviceCrops``), on a side stream one batch ahead
-  (``DeviceBatches``), so the step that trains on the batch never waits for the copy.
+  flip exactly as ``transforms.RandomResizedCropFlip`` would from the same per-sample seed, at
+  its epoch's crop size (``EncodedTrainItem``; progressive resizing as on the CPU path), and
+  ships the encoded bytes with the box; ``collate`` packs a batch into one flat byte tensor
+  (one shared-memory segment per batch, not one per image);
+- the training process decodes the batch on its device in one ``decode_jpeg`` call, then crops,
+  resizes and flips the whole batch in one batched resampling (``resample``) (``DeviceCrops``),
+  in a thread and on a CUDA stream of its own, ahead of the step (``prefetch``).
 
 Files nvJPEG cannot decode (PNG and other formats, CMYK or 12-bit JPEGs, a JPEG without its end
-marker) are decoded and augmented by the worker as on the CPU path, and shipped finished. The
-same code runs on the CPU (the tests compare it image for image with the CPU path there: the
-same crop boxes and flips, the same pixels); on CUDA nvJPEG's pixels differ from libjpeg-turbo's
-by rounding.
+marker) are decoded and augmented by the worker as on the CPU path, and shipped finished. On the
+CPU the device path resizes image by image with torchvision's kernels, so the tests can compare
+it image for image with the CPU path (the same crop boxes and flips, the same pixels); on CUDA
+nvJPEG's pixels differ from libjpeg-turbo's by rounding, and the batched resampling from
+torchvision's uint8 kernels by rounding (within one grey level, bilinear).
 """
 
 from __future__ import annotations
 
 import logging
 import struct
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,6 +34,8 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
 import imagenet.data.transforms as T
+from imagenet.data.resample import FILTERS, Windows, resample
+from imagenet.data.resizing import sized_by_epoch
 from imagenet.errors import DataError
 from imagenet.settings.crops import CropSchedule
 from imagenet.settings.flags import Config
@@ -95,42 +100,55 @@ def read_encoded(path: str | Path) -> tuple[torch.Tensor, str]:
     return T.decode_image(data, path), str(path)  # type: ignore[return-value]
 
 
+BOX = ("top", "left", "height", "width", "flip", "size")  # a row of EncodedBatch.boxes
+
+
 class EncodedTrainItem:
     """Transform: (image, path) -> (payload, box, path). A JPEG's payload is its bytes and box is
-    (top, left, height, width, flip), drawn as ``RandomResizedCropFlip`` draws them; any other
-    image is augmented here on the CPU path, and its box is ``FINISHED``."""
+    (top, left, height, width, flip, size), drawn as ``RandomResizedCropFlip`` draws them (``size``
+    is the crop it resizes to); any other image is augmented here on the CPU path, and its box
+    starts with ``FINISHED``."""
 
     def __init__(self, crops: T.RandomResizedCropFlip) -> None:
         self.crops = crops
 
     def __call__(self, item: tuple[torch.Tensor, str]) -> tuple[torch.Tensor, torch.Tensor, str]:
         image, path = item
+        size = self.crops.size
         if image.dim() == 3:
-            return self.crops(image), torch.full((5,), FINISHED), path
+            return self.crops(image), torch.tensor([FINISHED] * 5 + [size]), path
         _, _, height, width, _ = jpeg_frame(image.numpy())  # type: ignore[misc]
         u = torch.rand(23, dtype=torch.float64).tolist()  # the draw RandomResizedCropFlip makes
         top, left, h, w = self.crops.crop_box(height, width, u)
-        return image, torch.tensor([top, left, h, w, int(u[22] < 0.5)]), path
+        return image, torch.tensor([top, left, h, w, int(u[22] < 0.5), size]), path
+
+
+def encoded_train_item(size: int, interpolation: str, scale: tuple[float, float]
+                       ) -> EncodedTrainItem:
+    """The worker's training transform for crops of ``size`` (picklable: a module function)."""
+    return EncodedTrainItem(T.RandomResizedCropFlip(size, interpolation, scale))
 
 
 class EncodedValItem:
     """Transform: (image, path) -> (payload, box, path) for validation (no randomness)."""
 
-    def __init__(self, finish: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.finish = finish
+    def __init__(self, finish: Callable[[torch.Tensor], torch.Tensor], size: int) -> None:
+        self.finish, self.size = finish, size
 
     def __call__(self, item: tuple[torch.Tensor, str]) -> tuple[torch.Tensor, torch.Tensor, str]:
         image, path = item
         if image.dim() == 3:
-            return self.finish(image), torch.full((5,), FINISHED), path
-        return image, torch.zeros(5, dtype=torch.long), path
+            return self.finish(image), torch.tensor([FINISHED] * 5 + [self.size]), path
+        return image, torch.tensor([0] * 5 + [self.size]), path
 
 
-def item_transforms(cfg: Config, crops: CropSchedule) -> tuple[EncodedTrainItem, EncodedValItem]:
-    """The workers' transforms for training and validation items."""
-    boxes = T.RandomResizedCropFlip(crops.end, cfg.interpolation, (cfg.train_crop_scale, 1.0))
+def item_transforms(cfg: Config, crops: CropSchedule) -> tuple[Callable, EncodedValItem]:
+    """The workers' transforms for training items (at each epoch's crop size) and validation
+    items."""
+    train = sized_by_epoch(crops, partial(encoded_train_item, interpolation=cfg.interpolation,
+                                          scale=(cfg.train_crop_scale, 1.0)))
     val = T.val_transform(cfg.val_resize_size, cfg.val_crop_size, cfg.interpolation)
-    return EncodedTrainItem(boxes), EncodedValItem(val)
+    return train, EncodedValItem(val, cfg.val_crop_size)
 
 
 @dataclass
@@ -139,7 +157,7 @@ class EncodedBatch:
 
     data: torch.Tensor  # the payloads, concatenated (flattened: finished images too)
     sizes: list[int]  # bytes of each payload
-    boxes: torch.Tensor  # (N, 5): crop box and flip, or FINISHED
+    boxes: torch.Tensor  # (N, 6): ``BOX`` (top, left, height, width, flip, size), or FINISHED
     paths: list[str]  # for error messages
 
 
@@ -158,37 +176,74 @@ def collate(items: Sequence[tuple[tuple[torch.Tensor, torch.Tensor, str], int]]
 
 @dataclass(frozen=True)
 class DeviceCrops:
-    """A batch's images on ``device``: decoded together, then each cropped and resized to
-    ``size`` (training: the worker's box and flip) or resized to ``resize`` and centre-cropped
-    to ``size`` (validation, ``resize`` given)."""
+    """A batch's images on ``device``: decoded together, then cropped and resized (training: each
+    image's box and flip, to the batch's crop size) or resized to ``resize`` and centre-cropped to
+    ``size`` (validation, ``resize`` given). ``batched``: one batched resampling for the whole
+    batch (``resample``); None = on CUDA, image by image with torchvision's kernels elsewhere."""
 
     size: int
     interpolation: str = "bilinear"
     resize: int | None = None
+    batched: bool | None = None
 
     def __call__(self, batch: tuple[EncodedBatch, torch.Tensor], device: torch.device
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         encoded, labels = batch
-        images = decode(encoded, device, self.size)
-        mode = T.interpolation_mode(self.interpolation)
-        out = [image if box[0] == FINISHED else self.crop(image, box, mode)
-               for image, box in zip(images, encoded.boxes.tolist())]
-        return torch.stack(out), labels.to(device, non_blocking=True)
+        size = self.size if self.resize is not None else int(encoded.boxes[0, 5])
+        images = decode(encoded, device, size)
+        boxes = encoded.boxes.tolist()
+        jpegs = [i for i, box in enumerate(boxes) if box[0] != FINISHED]
+        batched = device.type == "cuda" if self.batched is None else self.batched
+        if batched and jpegs and self.interpolation in FILTERS:
+            out = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=device)
+            done = [i for i in range(len(images)) if i not in set(jpegs)]
+            if done:
+                out[done] = torch.stack([images[i] for i in done])
+            out[jpegs] = self.resample([images[i] for i in jpegs],
+                                       [boxes[i] for i in jpegs], size)
+        else:
+            mode = T.interpolation_mode(self.interpolation)
+            out = torch.stack([image if box[0] == FINISHED else self.crop(image, box, size, mode)
+                               for image, box in zip(images, boxes)])
+        return out, labels.to(device, non_blocking=True)
 
-    def crop(self, image: torch.Tensor, box: list[int], mode) -> torch.Tensor:
-        """One decoded image -> its (3, size, size) crop."""
+    def resample(self, images: list[torch.Tensor], boxes: list[list[int]], size: int
+                 ) -> torch.Tensor:
+        """The JPEGs' crops in one batched resampling (see ``resample``)."""
+        n = len(images)
+        heights = torch.tensor([image.shape[-2] for image in images])
+        widths = torch.tensor([image.shape[-1] for image in images])
+        if self.resize is None:  # training: the worker's box, resized to the crop size
+            box = torch.tensor(boxes)
+            full = torch.full((n,), size)
+            rows = Windows(box[:, 0], box[:, 2], full, torch.zeros(n, dtype=torch.long))
+            cols = Windows(box[:, 1], box[:, 3], full, torch.zeros(n, dtype=torch.long))
+            return resample(images, rows, cols, size, box[:, 4], self.interpolation)
+        # Validation: the short side resized to ``resize`` (the long one as torchvision rounds
+        # it), then the centre ``size`` x ``size`` of that, as F.resize + F.center_crop do.
+        short = torch.minimum(heights, widths)
+        out_h = torch.where(heights == short, self.resize, self.resize * heights // short)
+        out_w = torch.where(widths == short, self.resize, self.resize * widths // short)
+        zero = torch.zeros(n, dtype=torch.long)
+        rows = Windows(zero, heights, out_h, ((out_h - size) / 2).round().long())
+        cols = Windows(zero, widths, out_w, ((out_w - size) / 2).round().long())
+        return resample(images, rows, cols, size, torch.zeros(n), self.interpolation)
+
+    def crop(self, image: torch.Tensor, box: list[int], size: int, mode) -> torch.Tensor:
+        """One decoded image -> its (3, size, size) crop, with torchvision's kernels."""
         if self.resize is not None:
             image = F.resize(image, [self.resize], interpolation=mode, antialias=True)
             return F.center_crop(image, [self.size])
-        top, left, h, w, flip = box
+        top, left, h, w, flip, _ = box
         crop = image[:, top:top + h, left:left + w]
-        out = F.resize(crop, [self.size, self.size], interpolation=mode, antialias=True)
+        out = F.resize(crop, [size, size], interpolation=mode, antialias=True)
         return out.flip(-1) if flip else out
 
 
-def device_crops(cfg: Config, crops: CropSchedule) -> tuple[DeviceCrops, DeviceCrops]:
-    """The training and validation ``DeviceCrops`` of the flags."""
-    return (DeviceCrops(crops.end, cfg.interpolation),
+def device_crops(cfg: Config) -> tuple[DeviceCrops, DeviceCrops]:
+    """The training and validation ``DeviceCrops`` of the flags (the training crop's size comes
+    with each batch: progressive resizing)."""
+    return (DeviceCrops(cfg.train_crop_size, cfg.interpolation),
             DeviceCrops(cfg.val_crop_size, cfg.interpolation, cfg.val_resize_size))
 
 
@@ -224,64 +279,3 @@ def decode_jpegs(data: list[torch.Tensor], paths: list[str], device: torch.devic
             image = T.decode_image(one.numpy().tobytes(), path)
             images.append(image.to(device))  # type: ignore[union-attr]
     return images
-
-
-# ---------------------------------------------------------------- the stream
-
-
-Finish = Callable[[object, torch.device], tuple[torch.Tensor, torch.Tensor]]
-
-
-class DeviceBatches:
-    """``loader``'s batches as device tensors (uint8 images, labels), made one batch ahead on a
-    side CUDA stream: the copy (and the decode) of batch k+1 overlaps the step on batch k.
-
-    ``finish`` turns a loader batch into device tensors (``DeviceCrops``); None copies a batch
-    of uint8 images. On the CPU the batches are finished in turn, without a stream.
-    """
-
-    def __init__(self, loader: Iterable, device: torch.device, finish: Finish | None) -> None:
-        self.loader, self.device, self.finish = loader, device, finish
-
-    def __len__(self) -> int:
-        return len(self.loader)  # type: ignore[arg-type]
-
-    def _load(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.finish is not None:
-            return self.finish(batch, self.device)
-        images, labels = batch
-        return (images.to(self.device, non_blocking=True),
-                labels.to(self.device, non_blocking=True))
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if self.device.type != "cuda":
-            yield from (self._load(batch) for batch in self.loader)
-            return
-        stream = torch.cuda.Stream(self.device)
-        pending = None
-        for batch in self.loader:
-            with torch.cuda.stream(stream):
-                ready = self._load(batch)
-            if pending is not None:
-                yield self._hand_over(pending, stream)
-            pending = ready
-        if pending is not None:
-            yield self._hand_over(pending, stream)
-
-    def _hand_over(self, tensors: tuple[torch.Tensor, torch.Tensor], stream: torch.cuda.Stream
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Make the training stream wait for ``stream``'s work on ``tensors``, and keep their
-        memory from being reused before the training stream is done with them."""
-        current = torch.cuda.current_stream(self.device)
-        current.wait_stream(stream)
-        for t in tensors:
-            t.record_stream(current)
-        return tensors
-
-
-def device_batches(loader: Iterable, device: torch.device, finish: Finish | None) -> Iterable:
-    """``loader`` as the training step should read it: on the device through a side stream
-    (CUDA) and/or finished by ``finish``; unchanged on the CPU without ``finish``."""
-    if device.type != "cuda" and finish is None:
-        return loader
-    return DeviceBatches(loader, device, finish)

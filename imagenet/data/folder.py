@@ -360,7 +360,7 @@ def build_data(plan: Plan, data_root: str | Path, rank: int, aug_seed: int,
     (JPEGs decoded where the plan says)."""
     cfg, on_device = plan.cfg, plan.decode.on_device
     train, val, classes = build_datasets(cfg, plan.crops, Path(data_root), on_device)
-    finish = device_decoding.device_crops(cfg, plan.crops) if on_device else None
+    finish = device_decoding.device_crops(cfg) if on_device else None
     folder_train, val_loader = folder_loaders(cfg, train, val, rank, plan.layout, aug_seed,
                                               pin_memory, finish)
     return Data(folder_train, val_loader, len(classes), list(classes), len(val),

@@ -11,7 +11,6 @@ import logging
 import platform
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -176,16 +175,12 @@ class RunLogger:
         self._trackers.final({k.split("/")[-1]: v for k, v in metrics.items()}, step)
 
     def progress_hook(self) -> Callable[[dict], None] | None:
-        """The engine's ``on_progress``: the progress line (with the images/s of all ranks since
-        this logger started) and the step scalars in TensorBoard; None off rank 0."""
+        """The engine's ``on_progress``: the progress line (its images/s: all ranks, over the
+        record's own window) and the step scalars in TensorBoard; None off rank 0."""
         if not self.enabled:
             return None
-        start, images = time.perf_counter(), 0
 
         def on_progress(record: dict) -> None:
-            nonlocal images
-            images += record["images"]
-            record["images_per_sec"] = images / max(time.perf_counter() - start, 1e-9)
             print_train_progress(record)
             self.scalars("step", {k: record[k] for k in ("loss", "lr", "images_per_sec",
                                                           "data_wait")}, record["global_step"])

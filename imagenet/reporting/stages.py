@@ -64,7 +64,9 @@ def slow_stage(what: str) -> Iterator[Stage]:
 
 
 class FirstBatch:
-    """``loader``'s batches; starting its workers and waiting for its first batch are stages."""
+    """``loader``'s batches; starting its workers and waiting for its first batch are stages.
+    ``iter()`` starts the loader at once (its workers begin to prefetch); the first ``next()``
+    waits for the first batch."""
 
     def __init__(self, loader: Iterable, workers: int, name: str) -> None:
         self.loader, self.workers, self.name = loader, workers, name
@@ -77,10 +79,24 @@ class FirstBatch:
                         if self.workers else f"starting the {self.name} loader") as stage:
             batches = iter(self.loader)
             stage.done = f"{self.name} loader started"
+        return _FirstWaited(batches, self.name)
+
+
+class _FirstWaited:
+    """An iterator whose first batch is a start-up stage."""
+
+    def __init__(self, batches: Iterator, name: str) -> None:
+        self.batches, self.name, self.first = batches, name, True
+
+    def __iter__(self) -> _FirstWaited:
+        return self
+
+    def __next__(self):
+        if not self.first:
+            return next(self.batches)
+        self.first = False
         with slow_stage(f"waiting for the first {self.name} batch (reading and decoding its "
                         "images)") as stage:
-            first = next(batches, None)
+            batch = next(self.batches)  # StopIteration: an empty loader
             stage.done = f"first {self.name} batch ready"
-        if first is not None:
-            yield first
-            yield from batches
+        return batch

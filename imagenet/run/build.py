@@ -34,7 +34,13 @@ from imagenet.settings.plan import Plan
 from imagenet.training.engine import Engine, EpochTotals, Options, Parts, Step
 from imagenet.training.finetune import classifier_names, prepare_model
 from imagenet.training.models import build_model, wrap
-from imagenet.training.optim import build_criterion, build_ema, build_optimizer, build_scheduler
+from imagenet.training.optim import (
+    build_criterion,
+    build_ema,
+    build_optimizer,
+    build_scheduler,
+    use_fused,
+)
 from imagenet.training.position import EpochStart, images_trained
 
 log = logging.getLogger(__name__)
@@ -123,9 +129,12 @@ def load_data(plan: Plan, dist: DistInfo, root: str, aug_seed: int) -> Data:
     pin_memory = dist.device.type == "cuda"
     if plan.data_format != "shards" and cfg.evaluate and cfg.val_data:  # -e: DIR is not read
         return eval_data.build_eval_data(plan, dist.rank, aug_seed, pin_memory)
-    if plan.decode.on_device and dist.is_main:
-        log.info("=> JPEGs decoded and cropped on %s (--decode-on-device %s: %s); loader workers "
-                 "read files", dist.device, cfg.decode_on_device, plan.decode.why)
+    if dist.is_main and plan.decode.on_device:
+        log.info("=> JPEGs decoded and cropped on %s (--decode-on-device %s); loader workers "
+                 "read files", dist.device, plan.decode.why)
+    elif dist.is_main and plan.data_format == "folder" and dist.device.type == "cuda":
+        log.info("=> JPEGs decoded and cropped by the loader workers (--decode-on-device %s)",
+                 plan.decode.why)
     if plan.data_format == "shards":
         return build_shard_data(plan, root, dist.rank, aug_seed, pin_memory=pin_memory)
     return build_data(plan, root, dist.rank, aug_seed, pin_memory=pin_memory)
@@ -147,7 +156,7 @@ def build_engine(cfg: Config, raw: nn.Module, model: nn.Module, device: torch.de
     ``class_counts``: training images per class (--class-balanced-loss).
     """
     head = classifier_names(raw, num_classes) if cfg.backbone_lr_scale != 1.0 else None
-    optimizer = build_optimizer(raw, cfg, head)
+    optimizer = build_optimizer(raw, cfg, head, fused=use_fused(device.type, cfg))
     parts = Parts(
         model=model, criterion=build_criterion(cfg, class_counts).to(device),
         optimizer=optimizer,

@@ -7,7 +7,7 @@ import datetime
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -21,8 +21,8 @@ import imagenet.launching.timelimit as timelimit
 import imagenet.settings.recipe as recipe
 from imagenet.checkpoint.guard import last_good
 from imagenet.checkpoint.storage import stage
-from imagenet.data.device import device_batches
 from imagenet.data.folder import shutdown_workers
+from imagenet.data.prefetch import device_batches
 from imagenet.errors import NonFiniteLossError, Preempted, on_every_rank
 from imagenet.evaluation.report import Report, for_validation
 from imagenet.launching.collectives import DistInfo
@@ -117,6 +117,7 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
     stop.install()
     hooks = Hooks(on_progress=logger.progress_hook(), after_step=saver(run, stop))
     start, record = time.perf_counter(), {}
+    upcoming: Iterator | None = None  # the next epoch's batches, loading during validation
     try:
         crops_seen: set[int | None] = set()  # a crop size's first epoch compiles its graphs
         for epoch in range(run.step.epoch, run.cfg.epochs):
@@ -127,13 +128,16 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
             crops_seen.add(crop.get("train_crop_px"))
             # Train the rest of the epoch (all of it, unless resumed mid-epoch).
             steps_before = run.step.global_step
-            trained = train_rest_of_epoch(run, hooks)
+            trained = train_rest_of_epoch(run, hooks, upcoming)
+            upcoming = None
             record = {"epoch": epoch, "lr": run.engine.parts.optimizer.param_groups[0]["lr"],
                       **prefixed("train_", trained), **crop}
             # A signal stopped training: every rank saved this step's state; exit 143.
             if stop.stopping:
                 stop.drain()
                 raise stopped(run, stop)
+            if epoch + 1 < run.cfg.epochs:  # no empty pipeline at the next epoch's start
+                upcoming = next_epoch_batches(run, epoch + 1)
             # The trained epoch is saved before it is validated: a signal or an error during
             # validation loses none of it (a resume then only validates).
             if run.step.global_step > steps_before:
@@ -162,6 +166,7 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
     except NonFiniteLossError as exc:
         raise on_every_rank(NonFiniteLossError(f"{exc}; {last_good(run.output_dir)}")) from None
     finally:
+        close(upcoming)  # stopped before the next epoch: its batches are not needed
         stop.uninstall()
     if record:
         logger.hparams({k: v for k, v in run.cfg.to_dict().items() if v is not None},
@@ -172,18 +177,43 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
     return {"best_acc1": run.best.acc1, **record}
 
 
-def train_rest_of_epoch(run: Run, hooks: Hooks) -> dict[str, float]:
+def train_rest_of_epoch(run: Run, hooks: Hooks, batches: Iterator | None = None
+                        ) -> dict[str, float]:
     """Train the epoch from ``run.step.step_in_epoch`` on, continuing the same data order;
-    the metrics of the whole epoch, every rank's (a resume's checkpoint holds the earlier part)."""
+    the metrics of the whole epoch, every rank's (a resume's checkpoint holds the earlier part).
+    ``batches``: the epoch's, already loading (``next_epoch_batches``)."""
     if run.train_totals is None:
         run.train_totals = EpochTotals.starting(run.dist.device)
     if run.step.step_in_epoch >= run.engine.opts.steps_per_epoch:
         # Resumed after the last step: only the validation is left.
+        close(batches)
         return epoch_metrics(run.train_totals.of_job())
-    run.data.train.continue_after(run.step.epoch, run.images_trained())
-    loader = device_batches(FirstBatch(run.data.train_loader, run.layout.workers, "training"),
-                            run.dist.device, run.data.train_finish)
-    return train_one_epoch(run.engine, loader, run.step, hooks, run.train_totals)
+    if batches is None:
+        run.data.train.continue_after(run.step.epoch, run.images_trained())
+        batches = epoch_batches(run)
+    return train_one_epoch(run.engine, batches, run.step, hooks, run.train_totals)
+
+
+def epoch_batches(run: Run) -> Iterator:
+    """The training batches from the data's position on, on the device; their loading starts
+    now (the workers prefetch, and with workers a thread decodes ahead: ``data.prefetch``)."""
+    return iter(device_batches(FirstBatch(run.data.train_loader, run.layout.workers, "training"),
+                               run.dist.device, run.data.train_finish,
+                               threaded=run.layout.workers > 0))
+
+
+def next_epoch_batches(run: Run, epoch: int) -> Iterator:
+    """Epoch ``epoch``'s batches from its start, loading while this epoch validates and saves:
+    the same batches in the same order as when the epoch begins (every sample's augmentation is
+    a function of its seed, epoch and index), so a resume and an uninterrupted run agree."""
+    run.data.train.continue_after(epoch, 0)
+    return epoch_batches(run)
+
+
+def close(batches: Iterator | None) -> None:
+    """Stop a batch thread that is no longer needed (see ``data.prefetch``)."""
+    if batches is not None and hasattr(batches, "close"):
+        batches.close()
 
 
 def saver(run: Run, stop: StopFlag) -> Callable[[Step, Callable[[], None]], bool]:
@@ -219,7 +249,7 @@ def validate(run: Run, model: nn.Module, name: str = "", stop: StopFlag | None =
     ``report``, the per-image and per-class results are written too.
     """
     loader = device_batches(FirstBatch(run.data.val_loader, run.layout.workers, "validation"),
-                            run.dist.device, run.data.val_finish)
+                            run.dist.device, run.data.val_finish, threaded=run.layout.workers > 0)
     if stop is not None:
         # should_stop is collective: every rank asks as often as the largest shard has batches.
         largest_shard = math.ceil(run.data.val_size / run.dist.world_size)
@@ -288,10 +318,12 @@ def log_epoch(logger: RunLogger, step: Step, record: dict[str, Any]) -> None:
                              if k in record}, step.global_step)
     if "train_images_per_sec" in record:
         wait, compiled = record.get("train_data_wait"), record.get("compiled_graphs")
-        log.info("=> epoch %d trained at %.1f img/s%s%s", step.epoch,
+        memory = record.get("train_max_mem_gb")
+        log.info("=> epoch %d trained at %.1f img/s%s%s%s", step.epoch,
                  record["train_images_per_sec"],
                  "" if wait is None else f", waiting for data {100 * wait:.0f}% of the time",
-                 "" if compiled is None else f"; {compiled} graph(s) compiled")
+                 "" if compiled is None else f"; {compiled} graph(s) compiled",
+                 "" if memory is None else f"; peak device memory {memory:.1f} GB")
     logger.flush()
 
 

@@ -25,6 +25,7 @@ GROUPS = ("recipe", "data", "model", "optimisation", "distributed", "checkpointi
 AUTO_AUGMENT = ("ra", "ta_wide", "augmix", "imagenet")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 DATA_FORMATS = ("auto", "folder", "shards")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def _flag(*names: str, group: str, help: str, **kwargs: Any) -> Any:
@@ -182,6 +183,12 @@ class Config:
                           help="torch.compile the model (the DDP-wrapped one: graphs split at "
                                "DDP's buckets); static shapes, every batch shape compiled once, "
                                "in the first epoch")
+    compile_mode: str = _flag("--compile-mode", group="model", default="default",
+                              choices=COMPILE_MODES,
+                              help="with --compile: inductor's mode; reduce-overhead replays "
+                                   "CUDA graphs (fewer kernel launches per step), max-autotune "
+                                   "also tunes kernels (long first epoch); see docs/gpu.md "
+                                   "(default: %(default)s)")
     model_ema: bool = _flag("--model-ema", group="model", default=False, action="store_true",
                             help="keep, evaluate and checkpoint an exponential moving average "
                                  "of the weights")
@@ -540,6 +547,9 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--num-classes must be at least 1, got {cfg.num_classes}")
     if cfg.nproc_per_node is not None and cfg.nproc_per_node < 1:
         raise UsageError(f"--nproc-per-node must be at least 1, got {cfg.nproc_per_node}")
+    if cfg.compile_mode != "default" and not cfg.compile:
+        raise UsageError(f"--compile-mode {cfg.compile_mode} applies to --compile: add --compile "
+                         "(or drop --compile-mode)")
     if cfg.compile and not cfg.fsdp and cfg.bucket_cap_mb < 1:
         # torch's DDPOptimizer requires buckets no smaller than DDP's first one (1 MB).
         raise UsageError(f"--bucket-cap-mb {cfg.bucket_cap_mb:g} with --compile: a compiled DDP "

@@ -117,21 +117,35 @@ def device_conflict(cfg: Config, fmt: str) -> str | None:
     return None
 
 
-def decode_path(cfg: Config, fmt: str, device_type: str) -> Decode:
-    """--decode-on-device: where training JPEGs are decoded (auto: on a CUDA device, where
-    nothing needs per-image CPU work)."""
+# --decode-on-device auto: the loader workers decode when there are enough of them to feed the
+# GPU. Measured per worker (benchmarks/bench_data.py, 465x375 px JPEGs, 224 px crops): ~840
+# img/s (1,118 img/s on one core, a worker reaching ~75% of it), so 8 workers give ~6,700 img/s,
+# the rate of ResNet-50 with bf16 + channels_last + compile on an H200 (issue #27: 15 workers
+# trained 4,013 img/s there, the device path 3,384 img/s). With fewer, the GPU decodes.
+AUTO_WORKERS = 8
+WORKER_RATE = 840  # img/s per loader worker, measured (see above)
+
+
+def decode_path(cfg: Config, fmt: str, device_type: str, workers: int = 0) -> Decode:
+    """--decode-on-device: where training JPEGs are decoded. ``auto``: on a CUDA device when the
+    ``workers`` loader workers of a process could not keep up (``AUTO_WORKERS``), and nothing
+    needs per-image CPU work."""
     if cfg.decode_on_device == "off":
-        return Decode(False, "--decode-on-device off")
+        return Decode(False, "off")
     conflict = device_conflict(cfg, fmt)
     if cfg.decode_on_device == "on":
         if conflict:
             raise UsageError(f"--decode-on-device on: {conflict}; drop one")
-        return Decode(True, "--decode-on-device on")
+        return Decode(True, "on")
     if conflict:
         return Decode(False, f"auto: {conflict}")
     if device_type != "cuda":
         return Decode(False, "auto: no CUDA device")
-    return Decode(True, "auto: a CUDA device and ImageFolder JPEGs")
+    supply = f"{workers} loader worker(s) per process decode ~{workers * WORKER_RATE:,} img/s"
+    if workers >= AUTO_WORKERS:
+        return Decode(False, f"auto: {supply}, enough for a GPU (the device path is for fewer "
+                             f"than {AUTO_WORKERS}; --decode-on-device on forces it)")
+    return Decode(True, f"auto: {supply}, too few for a GPU: the GPU decodes (nvJPEG)")
 
 
 def make_plan(cfg: Config, env: Mapping[str, str], cuda_count: int,
@@ -150,8 +164,9 @@ def make_plan(cfg: Config, env: Mapping[str, str], cuda_count: int,
     # Rank 0 keeps the clock: only its plan asks SLURM for the job's end (squeue)
     limit = end_time(cfg.time_limit, env, started) if job.first_rank == 0 else None
     return Plan(cfg, job.launch, job.layout, crop_schedule(cfg), fmt, device_type,
-                decode_path(cfg, fmt, device_type), job.restarts, job.agent_store, started,
-                limit, env.get("SLURM_JOB_ID"), job.process, job.launcher, job.notes)
+                decode_path(cfg, fmt, device_type, job.layout.workers), job.restarts,
+                job.agent_store, started, limit, env.get("SLURM_JOB_ID"), job.process,
+                job.launcher, job.notes)
 
 
 def fixed_plan(cfg: Config, layout: Layout, device_type: str = "cpu") -> Plan:
@@ -159,5 +174,5 @@ def fixed_plan(cfg: Config, layout: Layout, device_type: str = "cpu") -> Plan:
     parts directly): one launch of its own, nothing read from the environment."""
     fmt = source_format(cfg)
     return Plan(cfg, Launch("single", reason="given layout"), layout, crop_schedule(cfg), fmt,
-                device_type, decode_path(cfg, fmt, device_type), 0, False, time.time(), None, None,
-                Ranks(0, 0, layout.world_size, 1))
+                device_type, decode_path(cfg, fmt, device_type, layout.workers), 0, False,
+                time.time(), None, None, Ranks(0, 0, layout.world_size, 1))

@@ -33,21 +33,24 @@ _EVALUATION: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDi
 
 
 def compile_model(model: nn.Module, backend: str | Callable = "inductor",
-                  crop_sizes: int = 1) -> nn.Module:
+                  crop_sizes: int = 1, mode: str = "default") -> nn.Module:
     """``model`` compiled with static shapes (a graph per batch shape), with room for the
-    graphs of ``crop_sizes`` training crop sizes."""
+    graphs of ``crop_sizes`` training crop sizes; ``mode``: inductor's (--compile-mode:
+    "reduce-overhead" replays CUDA graphs), for the inductor backend only."""
     import torch._dynamo  # only when compiling: importing Dynamo takes a while
 
     limit = torch._dynamo.config.recompile_limit
     torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT * crop_sizes)
+    if backend == "inductor" and mode != "default":
+        return torch.compile(model, dynamic=False, backend=backend, mode=mode)
     return torch.compile(model, dynamic=False, backend=backend)
 
 
 def compile_ddp(ddp: nn.Module, backend: str | Callable = "inductor",
-                crop_sizes: int = 1) -> nn.Module:
+                crop_sizes: int = 1, mode: str = "default") -> nn.Module:
     """A DDP module compiled from the outside, and its inner module compiled for validation."""
-    compiled = compile_model(ddp, backend, crop_sizes)
-    _EVALUATION[compiled] = compile_model(ddp.module, backend, crop_sizes)
+    compiled = compile_model(ddp, backend, crop_sizes, mode)
+    _EVALUATION[compiled] = compile_model(ddp.module, backend, crop_sizes, mode)
     return compiled
 
 

@@ -147,11 +147,13 @@ class _Clock:
     epoch_start: float
     window_start: float
     first_step: int  # step_in_epoch when this process began the epoch (resumed: not 0)
+    window_first_step: int  # step_in_epoch when the current progress window began
     data_time: float = 0.0  # waiting for the loader in this window
     epoch_data_time: float = 0.0  # waiting for the loader since the epoch (re)started
 
-    def restart(self) -> None:
+    def restart(self, step_in_epoch: int) -> None:
         self.window_start, self.data_time = time.perf_counter(), 0.0
+        self.window_first_step = step_in_epoch
 
 
 def to_device(images: torch.Tensor, target: torch.Tensor, opts: Options
@@ -244,7 +246,9 @@ def train_one_epoch(engine: Engine, loader: Iterable, step: Step, hooks: Hooks =
     sums = _Sums(opts.device, totals.sums)
     bad_step = torch.full((), -1, dtype=torch.long, device=opts.device)
     start, seconds_before = time.perf_counter(), totals.seconds
-    clock = _Clock(start, start, step.step_in_epoch)
+    clock = _Clock(start, start, step.step_in_epoch, step.step_in_epoch)
+    if opts.device.type == "cuda":  # the epoch's peak, reported at its end
+        torch.cuda.reset_peak_memory_stats(opts.device)
     loss = torch.zeros((), device=opts.device)
     tick = start
     for group in _micro_batches(loader, opts.grad_accum_steps):
@@ -263,7 +267,7 @@ def train_one_epoch(engine: Engine, loader: Iterable, step: Step, hooks: Hooks =
             if hooks.on_progress is not None:
                 hooks.on_progress(_progress(engine, step, sums, loss, clock))
             sums.restart()
-            clock.restart()
+            clock.restart(step.step_in_epoch)
         if stop:
             break
         tick = time.perf_counter()
@@ -271,8 +275,20 @@ def train_one_epoch(engine: Engine, loader: Iterable, step: Step, hooks: Hooks =
     elapsed = time.perf_counter() - start
     totals.seconds = seconds_before + elapsed
     # data_wait: this process's share of the time it trained the epoch, spent waiting for data
-    return {**epoch_metrics(totals.of_job()),
-            "data_wait": clock.epoch_data_time / max(elapsed, 1e-9)}
+    metrics = {**epoch_metrics(totals.of_job()),
+               "data_wait": clock.epoch_data_time / max(elapsed, 1e-9)}
+    if opts.device.type == "cuda":
+        metrics["max_mem_gb"] = peak_memory_gb(opts.device)
+    return metrics
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """The most device memory this process's tensors held since the last reset, GiB; the
+    largest of every rank's (collective with a process group)."""
+    peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak)
 
 
 def check_finite(bad_step: torch.Tensor, epoch: int) -> None:
@@ -307,7 +323,7 @@ def _progress(engine: Engine, step: Step, sums: _Sums, loss: torch.Tensor,
     window_time = now - clock.window_start
     n = max(w["count"], 1)
     done_here = step.step_in_epoch - clock.first_step
-    steps_in_window = min(max(done_here, 1), opts.print_freq)
+    steps_in_window = max(step.step_in_epoch - clock.window_first_step, 1)  # the last: fewer
     per_step = (now - clock.epoch_start) / max(done_here, 1)
     remaining_epoch = (opts.steps_per_epoch - step.step_in_epoch) * per_step
     remaining_run = remaining_epoch + (opts.epochs - step.epoch - 1) * opts.steps_per_epoch \
@@ -321,6 +337,9 @@ def _progress(engine: Engine, step: Step, sums: _Sums, loss: torch.Tensor,
         "data_time": clock.data_time / steps_in_window,
         "data_wait": clock.data_time / max(window_time, 1e-9),
         "images": w["count"] * opts.world_size,  # all ranks, this window
+        # this window's images over its time (not since the run began: compiling, validation
+        # and saves would count)
+        "images_per_sec": w["count"] * opts.world_size / max(window_time, 1e-9),
         "eta_epoch": remaining_epoch, "eta_run": remaining_run,
     }
     if opts.device.type == "cuda":

@@ -130,7 +130,8 @@ def wrap(raw: nn.Module, cfg: Config, dist: DistInfo, ema: AveragedModel | None 
     if not dist.distributed:
         if cfg.ddp_comm_hook != "none":
             log.info("=> one process: --ddp-comm-hook %s has nothing to send", cfg.ddp_comm_hook)
-        return compile_model(model, compile_backend, len(sizes)) if cfg.compile else model
+        return compile_model(model, compile_backend, len(sizes), cfg.compile_mode) \
+            if cfg.compile else model
     device_ids = [dist.device.index] if dist.device.type == "cuda" else None
     # Gradients are views into DDP's all-reduce buckets: no second copy of them in memory.
     model = DDP(model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb,
@@ -140,7 +141,8 @@ def wrap(raw: nn.Module, cfg: Config, dist: DistInfo, ema: AveragedModel | None 
     if dist.is_main:
         comm_hooks.log_payload(raw, cfg, dist.world_size)
     # Compiled from the outside: Dynamo splits the graph at DDP's buckets (see compiling).
-    return compile_ddp(model, compile_backend, len(sizes)) if cfg.compile else model
+    return compile_ddp(model, compile_backend, len(sizes), cfg.compile_mode) \
+        if cfg.compile else model
 
 
 def settle_buckets(model: DDP, crop_size: int) -> None:
@@ -192,7 +194,8 @@ def shard(model: nn.Module, cfg: Config, dist: DistInfo, ema: AveragedModel | No
     # Static shapes (compiling): also, with automatic dynamic shapes, inductor (torch 2.14, CPU)
     # fails to compile the backward of a recompiled FSDP graph ("Cannot convert expression to
     # float").
-    return compile_model(model, compile_backend, crop_sizes) if cfg.compile else model
+    return compile_model(model, compile_backend, crop_sizes, cfg.compile_mode) \
+        if cfg.compile else model
 
 
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:

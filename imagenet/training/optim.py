@@ -58,20 +58,32 @@ def scale_backbone_lr(model: nn.Module, groups: list[dict], head: Head, lr: floa
     return heads + rest
 
 
-def build_optimizer(model: nn.Module, cfg: Config, head: Head | None = None
-                    ) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: Config, head: Head | None = None,
+                    fused: bool = False) -> torch.optim.Optimizer:
     """The optimizer named by --opt (classic default: SGD with momentum); ``head``: the
-    classifier's name, for --backbone-lr-scale."""
+    classifier's name, for --backbone-lr-scale; ``fused``: torch's fused step (one kernel for
+    all parameters) where --opt has one (``use_fused``)."""
     groups = param_groups(model, cfg.weight_decay, cfg.norm_weight_decay, cfg.bias_weight_decay)
     if head is not None and cfg.backbone_lr_scale != 1.0:
         groups = scale_backbone_lr(model, groups, head, cfg.lr, cfg.backbone_lr_scale)
+    extra = {"fused": True} if fused and cfg.opt in FUSED else {}
     if cfg.opt in ("sgd", "sgd_nesterov"):
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum,
-                               nesterov=cfg.opt == "sgd_nesterov")
+                               nesterov=cfg.opt == "sgd_nesterov", **extra)
     if cfg.opt == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr)
+        return torch.optim.AdamW(groups, lr=cfg.lr, **extra)
     # RMSprop settings of torchvision's recipes (TF-style epsilon and decay).
     return torch.optim.RMSprop(groups, lr=cfg.lr, momentum=cfg.momentum, eps=0.0316, alpha=0.9)
+
+
+FUSED = ("sgd", "sgd_nesterov", "adamw")  # --opt values with a fused step in torch
+
+
+def use_fused(device_type: str, cfg: Config) -> bool:
+    """Whether the optimizer steps fused: on CUDA (one kernel instead of a foreach chain over
+    every parameter), not under --fsdp (its parameters are DTensors, whose fused step this torch
+    does not promise); on the CPU the default foreach step keeps the tests' numbers."""
+    return device_type == "cuda" and not cfg.fsdp and cfg.opt in FUSED
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config,
