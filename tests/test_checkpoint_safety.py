@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import pickle
 import random
+import re
 import signal
 import time
 from pathlib import Path
@@ -207,3 +208,90 @@ def test_a_best_file_is_written_for_the_first_epoch_even_at_zero_accuracy(tmp_pa
     assert not best.update(0.0)
     assert best.update(10.0) and best.update(12.5)
     assert not best.update(10.0) and not best.update(12.5) and best.acc1 == 12.5
+
+
+# ---- checksums: a damaged checkpoint is never loaded silently
+
+
+def flip_a_bit_in_the_weights(path: Path) -> None:
+    """Flip one bit inside the largest tensor's bytes, leaving torch.save's zip structure whole
+    (torch does not check the zip's own CRCs: the file still loads)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        entry = max(archive.infolist(), key=lambda e: e.file_size)
+        with open(path, "rb") as f:  # the local header: 30 bytes + name + extra
+            f.seek(entry.header_offset + 26)
+            name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(
+                f.read(2), "little")
+    offset = entry.header_offset + 30 + name_len + extra_len + entry.file_size // 2
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_a_flipped_bit_or_a_cut_is_named_not_loaded(tmp_path):
+    path = tmp_path / files.CHECKPOINT
+    payload = {"epoch": 3, "state_dict": {"w": torch.arange(100_000, dtype=torch.float32)},
+               "config": {"lr": 0.1}}
+    files.atomic_save(payload, path)
+    loaded = files.load_checkpoint(path)
+    assert loaded["checksum"].startswith("sha256:") and loaded["epoch"] == 3
+    flip_a_bit_in_the_weights(path)
+    raw = torch.load(path, map_location="cpu", weights_only=True)  # torch itself says nothing
+    assert not torch.equal(raw["state_dict"]["w"], payload["state_dict"]["w"])
+    with pytest.raises(CheckpointError, match="is damaged: its contents do not match the "
+                                              "checksum"):
+        files.load_checkpoint(path)
+    files.atomic_save(payload, path)
+    path.write_bytes(path.read_bytes()[:-5000])  # a copy cut short
+    with pytest.raises(CheckpointError, match="truncated or damaged"):
+        files.load_checkpoint(path)
+    # A file written without a checksum (the classic script's) loads as before.
+    torch.save({"epoch": 1, "state_dict": {"w": torch.ones(3)}}, path)
+    assert files.load_checkpoint(path)["epoch"] == 1
+
+
+def test_the_checksum_covers_every_value_not_only_the_tensors(tmp_path):
+    path = tmp_path / "c.pth.tar"
+    files.atomic_save({"epoch": 3, "state_dict": {"w": torch.ones(2)}}, path)
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    saved["epoch"] = 4  # as if a bit of the pickled position had flipped
+    torch.save(saved, path)
+    with pytest.raises(CheckpointError, match="damaged"):
+        files.load_checkpoint(path)
+
+
+@pytest.mark.slow
+def test_resume_auto_falls_back_to_the_newest_intact_checkpoint(image_folder, tmp_path):
+    """A bit flipped in checkpoint.pth.tar: --resume auto names it, says which checkpoint it
+    uses instead (the history's), and the run ends as an uninterrupted one does."""
+    flags = [str(image_folder), *TINY, "--seed", "0", "-j", "0", "--keep-checkpoints", "3"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert run_main(*flags, "--epochs", "3", "--output-dir", str(whole)).returncode == 0
+    assert run_main(*flags, "--epochs", "2", "--output-dir", str(cut)).returncode == 0
+    flip_a_bit_in_the_weights(cut / files.CHECKPOINT)
+    proc = run_main(*flags, "--epochs", "3", "--output-dir", str(cut), "--resume", "auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "checkpoint.pth.tar is damaged" in out, out[-3000:]
+    # The history's epoch-1 file (or model_best, when it is that same file), not the damaged
+    # one under its other names (hard links).
+    used = re.search(r"resuming from (\S+) instead, the newest intact checkpoint \(epoch 1,", out)
+    assert used and Path(used[1]).name in ("checkpoint_epoch001.pth.tar",
+                                           "model_best.pth.tar"), out[-3000:]
+    assert "Traceback" not in out
+    a = torch.load(whole / files.CHECKPOINT, map_location="cpu", weights_only=True)
+    b = torch.load(cut / files.CHECKPOINT, map_location="cpu", weights_only=True)
+    for key, value in a["state_dict"].items():
+        assert torch.equal(value, b["state_dict"][key]), key
+    # Asked for by name, the damaged file is an error: one line, no fall-back.
+    damaged = tmp_path / "damaged.pth.tar"
+    damaged.write_bytes((whole / files.CHECKPOINT).read_bytes())
+    flip_a_bit_in_the_weights(damaged)
+    proc = run_main(*flags, "--epochs", "4", "--output-dir", str(tmp_path / "named"),
+                    "--resume", str(damaged))
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {damaged} is damaged")

@@ -1,7 +1,14 @@
-"""Checkpoint files: atomic writes, safe loads, strict model loading, which file a resume uses."""
+"""Checkpoint files: atomic writes, safe loads, strict model loading, which file a resume uses.
+
+Every checkpoint carries a checksum of its own contents (``CHECKSUM``: a SHA-256 of every tensor's
+bytes, shapes and dtypes and of every other value, in order), computed when it is written and
+checked when it is loaded: a flipped bit or a truncated copy is named at once, never trained on.
+A file written before checksums (the classic script's, an older run's) loads as before.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import pickle
@@ -11,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import numpy as np
 import torch
 
 import imagenet.checkpoint.disk as disk
@@ -31,6 +39,56 @@ ZIP_MAGIC, PICKLE_MAGIC = b"PK\x03\x04", b"\x80"  # torch.save's zip format; leg
 # --sharded-checkpoint: a directory per checkpoint (checkpoint.dcp/ ...) whose trainer state (no
 # weights) is this file; the weights are torch.distributed.checkpoint shards next to it.
 SHARDED_META = "trainer_state.pth.tar"
+CHECKSUM = "checksum"  # the key of a checkpoint's own checksum ("sha256:HEX"); see the docstring
+
+
+def state_digest(obj: Any) -> str:
+    """"sha256:HEX" of ``obj``: every tensor's dtype, shape and bytes, every other value's repr,
+    the keys and the order, as ``torch.load`` gives them back."""
+    digest = hashlib.sha256()
+    _feed(digest, obj)
+    return f"sha256:{digest.hexdigest()}"
+
+
+def _feed(digest: Any, obj: Any) -> None:
+    if isinstance(obj, torch.Tensor):
+        tensor = obj.detach().cpu().contiguous()
+        digest.update(f"T{tensor.dtype}{tuple(tensor.shape)}".encode())
+        if tensor.numel():
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    elif isinstance(obj, np.ndarray):
+        digest.update(f"A{obj.dtype}{obj.shape}".encode())
+        digest.update(np.ascontiguousarray(obj).tobytes())
+    elif isinstance(obj, Mapping):
+        digest.update(b"{")
+        for key, value in obj.items():
+            _feed(digest, key)
+            _feed(digest, value)
+        digest.update(b"}")
+    elif isinstance(obj, (list, tuple)):
+        digest.update(b"(" if isinstance(obj, tuple) else b"[")
+        for value in obj:
+            _feed(digest, value)
+        digest.update(b"]")
+    else:
+        digest.update(f"{type(obj).__name__}:{obj!r};".encode())
+
+
+def with_checksum(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """``obj`` with its checksum added (a dict checkpoint written by ``atomic_save``)."""
+    content = {k: v for k, v in obj.items() if k != CHECKSUM}
+    return {**content, CHECKSUM: state_digest(content)}
+
+
+def check_checksum(obj: Any, path: Path, advice: str) -> None:
+    """CheckpointError when ``obj`` (loaded from ``path``) does not match the checksum written
+    with it; nothing to check for a file without one."""
+    if not isinstance(obj, Mapping) or CHECKSUM not in obj:
+        return
+    content = {k: v for k, v in obj.items() if k != CHECKSUM}
+    if state_digest(content) != obj[CHECKSUM]:
+        raise CheckpointError(f"{path} is damaged: its contents do not match the checksum "
+                              f"written with it (a flipped bit, a bad copy); {advice}")
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -60,7 +118,7 @@ def atomic_save(obj: Mapping[str, Any], path: Path, copies: Sequence[Path] = ())
     tmp = _tmp_name(path)
     try:
         try:
-            _save_and_sync(obj, tmp)
+            _save_and_sync(with_checksum(obj), tmp)
             for copy in copies:
                 atomic_copy(tmp, copy)
             os.replace(tmp, path)
@@ -246,6 +304,7 @@ def load_file(path: Path, advice: str = "use an older copy or start without --re
     except Exception as exc:  # torch raises many types for damaged files (EOF, zip, KeyError)
         raise CheckpointError(f"{path} is truncated or damaged ({_first_line(exc)}); "
                               f"{advice}") from None
+    check_checksum(ckpt, path, advice)
     return ckpt
 
 

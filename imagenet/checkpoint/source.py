@@ -36,7 +36,49 @@ def resolve_and_load(resume: str | None, output_dir: Path, sharded: bool,
     path = files.resolve_resume(resume, output_dir, restarted, sharded)
     if path is None:
         return None
-    return path, files.load_checkpoint(path / files.SHARDED_META if path.is_dir() else path)
+    try:
+        return path, files.load_checkpoint(path / files.SHARDED_META if path.is_dir() else path)
+    except errors.CheckpointError as exc:
+        own = path.resolve().parent == output_dir.resolve()
+        if not (own and (resume == "auto" or restarted)) or path.is_dir():
+            raise  # a file the user named: its error is the answer
+        fallback = newest_intact(output_dir, path)
+        if fallback is None:
+            raise errors.CheckpointError(f"{exc}; no intact checkpoint to fall back to in "
+                                         f"{output_dir} (its history or previous/)") from None
+        older, ckpt = fallback
+        log.warning("=> %s; resuming from %s instead, the newest intact checkpoint (epoch %s, "
+                    "step %s)", exc, older, ckpt.get("epoch"), ckpt.get("global_step"))
+        return fallback
+
+
+def fallback_candidates(output_dir: Path) -> list[Path]:
+    """The checkpoints --resume auto may fall back to, newest first: the history
+    (--keep-checkpoints), the best file (a whole checkpoint of its epoch) and previous/ (this
+    folder's earlier runs)."""
+    names = [files.BEST, files.EPOCH_PATTERN]
+    found = {p for name in names for p in output_dir.glob(name)}
+    found |= {p for name in (files.CHECKPOINT, *names)
+              for p in output_dir.glob(f"previous/*/{name}")}
+    return sorted((p for p in found if p.is_file()), key=lambda p: p.stat().st_mtime,
+                  reverse=True)
+
+
+def newest_intact(output_dir: Path, damaged: Path) -> Found | None:
+    """The newest checkpoint of ``output_dir`` that loads and matches its checksum, other than
+    ``damaged`` (and its hard links); None when there is none."""
+    try:
+        skip = damaged.stat().st_ino
+    except OSError:
+        skip = None
+    for candidate in fallback_candidates(output_dir):
+        if skip is not None and candidate.stat().st_ino == skip:
+            continue  # the damaged file under another name (a hard link)
+        try:
+            return candidate, files.load_checkpoint(candidate)
+        except errors.CheckpointError as exc:
+            log.warning("=> not falling back to %s: %s", candidate, exc)
+    return None
 
 
 def identity(ckpt: dict[str, Any]) -> list[Any]:
