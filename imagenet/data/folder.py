@@ -29,6 +29,7 @@ from imagenet.data.samplers import (
 )
 from imagenet.errors import DataError, UsageError
 from imagenet.launching.preemption import ignore_stop_signals, stop_signals_blocked
+from imagenet.launching.watchdog import stacks_dir, worker_stacks
 from imagenet.settings.crops import CropSchedule
 from imagenet.settings.flags import Config
 from imagenet.settings.launch import Layout
@@ -177,7 +178,15 @@ def loader_options(workers: int, prefetch: int = 4) -> dict[str, Any]:
     # Workers ignore SIGTERM/SIGUSR1/SIGINT sent to the whole process group (SLURM, Ctrl-C): the
     # training process saves first and then shuts them down.
     return {"persistent_workers": True, "prefetch_factor": prefetch,
-            "worker_init_fn": ignore_stop_signals} if workers > 0 else {}
+            "worker_init_fn": partial(init_worker, stacks=stacks_dir())} if workers > 0 else {}
+
+
+def init_worker(worker_id: int, stacks: str | None = None) -> None:
+    """A loader worker's start: deaf to the stop signals (the training process stops it), and
+    ready to write its Python stacks into ``stacks`` when a hang is reported
+    (``launching.watchdog``; passed along, not inherited: workers may be spawned)."""
+    ignore_stop_signals(worker_id)
+    worker_stacks(stacks)
 
 
 def check_folder(root: Path, need_val: bool = True) -> tuple[Path, Path]:

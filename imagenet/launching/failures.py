@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+import imagenet.launching.watchdog as watchdog
 from imagenet.errors import (
     DistributedError,
     Preempted,
@@ -266,8 +267,23 @@ def lost_a_peer(exc: BaseException) -> bool:
 
 @contextlib.contextmanager
 def stop_together(plan: Plan, info: DistInfo) -> Iterator[None]:
-    """Run the body so that a failure on any rank stops every rank with the same message."""
+    """Run the body so that a failure on any rank stops every rank with the same message, and a
+    hang every rank (``watchdog``)."""
     fate = start(plan, info)
+    dog = watchdog.start(plan.hang_timeout, info.rank, info.world_size,
+                         Path(plan.cfg.output_dir), fate.store if fate else None,
+                         f"imagenet/hang/attempt_{plan.restarts}", host_id())
+    try:
+        with _fate(fate, info):
+            yield
+    finally:
+        if dog is not None:
+            dog.close()
+
+
+@contextlib.contextmanager
+def _fate(fate: SharedFate | None, info: DistInfo) -> Iterator[None]:
+    """``stop_together``'s failure mailboxes around the body."""
     if fate is None:
         yield
         return

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+import imagenet.launching.watchdog as watchdog
 import imagenet.training.comm_hooks as comm_hooks
 import imagenet.training.fsdp as fsdp
 from imagenet.checkpoint import files, guard, history, rng, sharded
@@ -127,6 +128,8 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
     checkpoint is also kept as checkpoint_epochNNN.pth.tar when it is among the best (``history``).
     """
     start = time.perf_counter()
+    watchdog.beat(f"saving a checkpoint at epoch {run.step.epoch}, step "
+                  f"{run.step.step_in_epoch}")
     if run.cfg.sharded_checkpoint:
         save_sharded(run, is_best, epoch_done, is_best_ema, score)
         run.outputs.saved(saved_record(run, epoch_done))
@@ -148,6 +151,7 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
     # No rank moves on (or exits after a signal) before the file is in place: under mp.spawn the
     # first rank to exit makes the parent terminate the others, rank 0 included.
     barrier()
+    watchdog.beat("checkpoint saved")
     return time.perf_counter() - start
 
 

@@ -18,6 +18,7 @@ from torchvision.datasets import DatasetFolder
 import imagenet.checkpoint.disk as disk
 import imagenet.checkpoint.rundir as rundir
 import imagenet.data.transforms as T
+import imagenet.launching.watchdog as watchdog
 from imagenet.checkpoint import files
 from imagenet.checkpoint.storage import Remote
 from imagenet.data.shards.check import first_bad_shard
@@ -148,6 +149,7 @@ def first_bad_val_image(run: Run) -> DataError | None:
     start = time.perf_counter()
     mine = samples[run.dist.rank::run.dist.world_size]
     for path, _ in mine:
+        watchdog.beat(f"checking validation image {path}")
         try:
             T.check_image_file(path, run.cfg.image_backend)
         except DataError as exc:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torchvision
@@ -18,6 +19,7 @@ from torch import nn
 import imagenet.checkpoint.disk as disk
 import imagenet.data.resizing as resizing
 import imagenet.launching.timelimit as timelimit
+import imagenet.launching.watchdog as watchdog
 import imagenet.settings.recipe as recipe
 from imagenet.checkpoint.guard import last_good
 from imagenet.checkpoint.storage import stage
@@ -67,6 +69,7 @@ def run_training(plan: Plan, dist: DistInfo, outputs: Outputs | None = None
     if finished:  # a chained job after the last epoch: leave at once
         log.info("%s", finished)
         return {}
+    watchdog.report_to(Path(cfg.output_dir))  # a hang's stacks: the run's (staging) folder
     run = build_run(plan, dist)
     run.outputs = replace(outputs or Outputs(), remote=remote)
     try:
@@ -85,7 +88,11 @@ def run_training(plan: Plan, dist: DistInfo, outputs: Outputs | None = None
 def resume_and_train(run: Run) -> dict[str, float]:
     """Resume, check that the run can finish, then train (or evaluate with -e)."""
     derived = describe(run)
+    # The hang watch starts here: building the model and the data is the start-up stages'
+    watchdog.beat("built the model and the data")
+    watchdog.phase("resuming from the checkpoint")
     resumed = resume(run)
+    watchdog.beat("resumed")
     if run.cfg.evaluate:
         describe_evaluation(run, resumed)
         return validate(run, run.engine.parts.model, report=report_of(run, tag="eval"))
@@ -106,6 +113,7 @@ def resume_and_train(run: Run) -> dict[str, float]:
                                                 "torchvision_models": torchvision.__version__,
                                                 **recipe.record(run.cfg.config,
                                                                     get_args_parser())})
+        watchdog.phase("reading the augmented samples for TensorBoard")
         log_augmented_samples(run, logger)
         return train(run, logger)
 

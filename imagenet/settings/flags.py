@@ -307,6 +307,13 @@ class Config:
                                 type=float, metavar="SEC",
                                 help="give up when peers do not arrive or answer, seconds "
                                      "(default: %(default)s)")
+    hang_timeout: float | None = _flag(
+        "--hang-timeout", group="distributed", default=None, type=float, metavar="SEC",
+        help="a rank that makes no progress (a training step, a validation batch, a save) for "
+             "this long is a hang: every rank writes its Python stacks to OUTPUT_DIR/hang/, one "
+             "line names the rank that stopped and where, and every process exits with code "
+             "143 so that a requeue resumes; 0 = off (default: 300, at most half of "
+             "--dist-timeout)")
     multiprocessing_distributed: bool = _flag(
         "--multiprocessing-distributed", group="distributed", default=False, action="store_true",
         help="start one process per local device with mp.spawn and train with DDP")
@@ -511,7 +518,8 @@ def validate(cfg: Config) -> None:
     for name, value in positive.items():
         if value <= 0:
             raise UsageError(f"{name} must be positive, got {value}")
-    non_negative = {"--lr": cfg.lr, "--momentum": cfg.momentum, "--wd": cfg.weight_decay,
+    non_negative = {"--hang-timeout": cfg.hang_timeout or 0, "--lr": cfg.lr,
+                    "--momentum": cfg.momentum, "--wd": cfg.weight_decay,
                     "-j/--workers": cfg.workers or 0, "--start-epoch": cfg.start_epoch,
                     "--save-every": cfg.save_every, "--label-smoothing": cfg.label_smoothing,
                     "--mixup-alpha": cfg.mixup_alpha, "--cutmix-alpha": cfg.cutmix_alpha,

@@ -50,6 +50,7 @@ class Plan:
     started: float  # unix time main.py started: --time-limit counts from it
     time_limit: tuple[float, str] | None  # --time-limit's end (unix time) and its name; rank 0
     slurm_job: str | None  # SLURM_JOB_ID (the run folder's lock names it)
+    hang_timeout: float  # seconds without progress that make a hang (0: not watched)
     process: Ranks | None = None  # this process's ranks (None under mp.spawn: each child's own)
     launcher: int | None = None  # the pid that must outlive the training processes
     # (mp.spawn's parent, torchrun's agent): killed, it cannot stop them; they stop on their own
@@ -148,6 +149,18 @@ def decode_path(cfg: Config, fmt: str, device_type: str, workers: int = 0) -> De
     return Decode(True, f"auto: {supply}, too few for a GPU: the GPU decodes (nvJPEG)")
 
 
+HANG_TIMEOUT = 300.0  # seconds: a step or a save of ResNet-50 takes well under a second on a GPU,
+# the first step with --compile about a minute; half of --dist-timeout at most, so that a hang is
+# noticed, and its stacks written, before a collective times out
+
+
+def hang_timeout(cfg: Config) -> float:
+    """--hang-timeout, or its default (``HANG_TIMEOUT``, at most half of --dist-timeout)."""
+    if cfg.hang_timeout is not None:
+        return cfg.hang_timeout
+    return min(HANG_TIMEOUT, cfg.dist_timeout / 2)
+
+
 def make_plan(cfg: Config, env: Mapping[str, str], cuda_count: int,
               launch: Launch | None = None, group: tuple[int, int] | None = None,
               cpus: tuple[int, int] | None = None) -> Plan:
@@ -165,8 +178,8 @@ def make_plan(cfg: Config, env: Mapping[str, str], cuda_count: int,
     limit = end_time(cfg.time_limit, env, started) if job.first_rank == 0 else None
     return Plan(cfg, job.launch, job.layout, crop_schedule(cfg), fmt, device_type,
                 decode_path(cfg, fmt, device_type, job.layout.workers), job.restarts,
-                job.agent_store, started, limit, env.get("SLURM_JOB_ID"), job.process,
-                job.launcher, job.notes)
+                job.agent_store, started, limit, env.get("SLURM_JOB_ID"),
+                hang_timeout(cfg), job.process, job.launcher, job.notes)
 
 
 def fixed_plan(cfg: Config, layout: Layout, device_type: str = "cpu") -> Plan:
@@ -175,4 +188,4 @@ def fixed_plan(cfg: Config, layout: Layout, device_type: str = "cpu") -> Plan:
     fmt = source_format(cfg)
     return Plan(cfg, Launch("single", reason="given layout"), layout, crop_schedule(cfg), fmt,
                 device_type, decode_path(cfg, fmt, device_type, layout.workers), 0, False,
-                time.time(), None, None, Ranks(0, 0, layout.world_size, 1))
+                time.time(), None, None, hang_timeout(cfg), Ranks(0, 0, layout.world_size, 1))

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import imagenet.launching.watchdog as watchdog
 import imagenet.training.fsdp as fsdp
 from imagenet.data.transforms import normalize
 from imagenet.errors import NonFiniteLossError, RunError, on_every_rank
@@ -251,14 +252,20 @@ def train_one_epoch(engine: Engine, loader: Iterable, step: Step, hooks: Hooks =
         torch.cuda.reset_peak_memory_stats(opts.device)
     loss = torch.zeros((), device=opts.device)
     tick = start
+    where = f"of epoch {step.epoch}, step {step.step_in_epoch + 1} of {opts.steps_per_epoch}"
+    watchdog.beat(f"starting epoch {step.epoch} at step {step.step_in_epoch}")
+    watchdog.phase(f"waiting for the training batch {where}")
     for group in _micro_batches(loader, opts.grad_accum_steps):
         waited = time.perf_counter() - tick
         clock.data_time += waited
         clock.epoch_data_time += waited
+        watchdog.phase(f"training step {where} (forward, backward, gradient reduction)")
         loss = _forward_backward(engine, group, sums, bad_step, step)
         _optimizer_step(engine, step)
         step.step_in_epoch += 1
         step.global_step += 1
+        where = f"of epoch {step.epoch}, step {step.step_in_epoch + 1} of {opts.steps_per_epoch}"
+        watchdog.beat(f"epoch {step.epoch}, step {step.step_in_epoch} trained")
         totals.seconds = seconds_before + time.perf_counter() - start
         check = partial(check_finite, bad_step, step.epoch)
         stop = hooks.after_step(step, check) if hooks.after_step is not None else False
@@ -270,6 +277,7 @@ def train_one_epoch(engine: Engine, loader: Iterable, step: Step, hooks: Hooks =
             clock.restart(step.step_in_epoch)
         if stop:
             break
+        watchdog.phase(f"waiting for the training batch {where}")
         tick = time.perf_counter()
     check_finite(bad_step, step.epoch)
     elapsed = time.perf_counter() - start
@@ -367,7 +375,10 @@ def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count:
         fsdp.broadcast_buffers(model)  # rank 0's BatchNorm statistics, as under DDP
         rounds = _most_batches(total_batches, opts.device)
     spare, done = None, 0
+    watchdog.beat("starting a validation")
+    watchdog.phase(f"waiting for validation batch 1 of {total_batches}")
     for i, (images, target) in enumerate(loader):
+        watchdog.phase(f"validation batch {i + 1} of {total_batches}")
         images, target = to_device(images, target, opts)
         spare, done = images[:1], i + 1
         with autocast(opts.device, opts.amp_dtype):
@@ -377,6 +388,8 @@ def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count:
         sums.add(loss.float() * images.shape[0], correct[0], correct[1], images.shape[0])
         if on_output is not None:
             on_output(output, target)
+        watchdog.beat(f"validation batch {i + 1} of {total_batches} done")
+        watchdog.phase(f"waiting for validation batch {i + 2} of {total_batches}")
         if on_progress is not None and ((i + 1) % opts.print_freq == 0 or i + 1 == total_batches):
             local = sums.read()
             on_progress({"batch": i + 1, "batches": total_batches,

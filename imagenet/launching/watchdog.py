@@ -1,0 +1,327 @@
+"""--hang-timeout: a rank that makes no progress is noticed, explained and ended.
+
+Progress is a training step, a validation batch, a checkpoint save (``beat``); between them a
+rank says what it is waiting for (``phase``). A thread of each rank looks every second: once the
+rank's last progress is older than --hang-timeout (the clock starts at its first step, so
+building, compiling and loading are --dist-timeout's and the start-up stages'), the run hangs:
+
+- the thread publishes "hang" in the rendezvous store, so that every rank's thread dumps its
+  Python stacks (all threads) at once, however its main thread is stuck;
+- it names the rank that stopped: one that no longer answers (stopped with SIGSTOP, killed, its
+  node gone: its thread stopped publishing its heartbeat), else one waiting for its data (a
+  loader worker blocked on a read), else every rank stuck in the same collective;
+- a rank that no longer answers and runs on this host is asked for its stacks (SIGCONT, then
+  SIGUSR2: Python's faulthandler) and killed; loader workers dump theirs the same way;
+- the stacks go to OUTPUT_DIR/hang/ (rank{R}.txt, rank{R}-worker{PID}.txt, report.json), one
+  ``error:`` line says who stopped and where, and every process exits with the requeue code
+  (143), its loader workers killed: a requeue resumes from the last checkpoint (``--resume
+  auto``).
+
+The heartbeat is a key per rank in the store that mailboxes one rank's failure to the others
+(``failures``); a single process needs none. No collective ever runs in the thread.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from imagenet.errors import Preempted, say_error
+
+log = logging.getLogger(__name__)
+
+REQUEUE = Preempted.exit_code
+STACKS_SIGNAL = signal.SIGUSR2  # a process asked for its Python stacks (faulthandler)
+LOOK = 1.0  # seconds between the thread's looks (at most; less for a short --hang-timeout)
+SILENT = 10.0  # seconds without a heartbeat after which a rank no longer answers
+STORE_TIMEOUT = 10.0  # seconds for one store request of the thread
+DUMP_WAIT = 3.0  # seconds for the other ranks to write their stacks before this rank exits
+HANG_DIR = "hang"
+_dog: Watchdog | None = None
+_stacks_dir: str | None = None  # where loader workers write their stacks (set before they start)
+
+
+def beat(what: str) -> None:
+    """Progress: ``what`` was just done (a step, a validation batch, a save)."""
+    dog = _dog
+    if dog is not None:
+        dog.progress, dog.what = time.time(), what
+
+
+def phase(what: str) -> None:
+    """What this rank does or waits for now (not progress; said if it hangs there)."""
+    dog = _dog
+    if dog is not None:
+        dog.what = what
+
+
+def stacks_dir() -> str | None:
+    """Where this rank's loader workers write their stacks (None: no hang watch)."""
+    return _stacks_dir
+
+
+def worker_stacks(folder: str | None) -> None:
+    """In a loader worker (``worker_init_fn``): die with the training process (even blocked on
+    a read that never returns), and write Python's stacks into ``folder`` when asked (SIGUSR2),
+    so that a hang report shows where the worker was stuck."""
+    die_with_parent()
+    if folder is None:
+        return
+    with _keep_going():
+        path = Path(folder) / f"worker{os.getpid()}.txt"
+        faulthandler.register(STACKS_SIGNAL, file=open(path, "w"), all_threads=True)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when the thread that started it exits (prctl
+    PR_SET_PDEATHSIG); nothing elsewhere."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class _keep_going:
+    """Suppress OSError: a report that cannot be written must not stop the run."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, *_: object) -> bool:
+        return kind is not None and issubclass(kind, OSError)
+
+
+class Watchdog:
+    """This rank's watch (see the module docstring)."""
+
+    def __init__(self, timeout: float, rank: int, world: int, output_dir: Path,
+                 store: dist.Store | None = None, prefix: str = "imagenet/hang",
+                 host: str = "") -> None:
+        self.timeout, self.rank, self.world = timeout, rank, world
+        self.output_dir, self.store, self.prefix, self.host = output_dir, store, prefix, host
+        self.progress: float | None = None  # wall time of the last progress (None: not yet)
+        self.what = "starting"
+        self.stacks = Path(tempfile.mkdtemp(prefix=f"imagenet-stacks-{rank}-"))
+        self.own = open(self.stacks / f"rank{rank}.txt", "w")
+        faulthandler.register(STACKS_SIGNAL, file=self.own, all_threads=True)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        global _dog, _stacks_dir
+        _dog, _stacks_dir = self, str(self.stacks)
+        self.thread.start()
+        return self
+
+    def close(self) -> None:
+        """The run ended (however): stop watching, drop the stack files."""
+        global _dog, _stacks_dir
+        self.stop.set()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout=5)
+        _dog, _stacks_dir = None, None
+        with _keep_going():
+            faulthandler.unregister(STACKS_SIGNAL)
+        self.own.close()
+        shutil.rmtree(self.stacks, ignore_errors=True)
+
+    # ---------------------------------------------------------------- the thread
+
+    def _key(self, *parts: object) -> str:
+        return "/".join((self.prefix, *map(str, parts)))
+
+    def _watch(self) -> None:
+        look = min(LOOK, max(self.timeout / 10, 0.05))
+        while not self.stop.wait(look):
+            now = time.time()
+            self._publish(now)
+            told = self._told_of_hang()
+            if told is not None:
+                self._end(told, found=False)
+            if self.progress is not None and now - self.progress > self.timeout:
+                self._end(self._who_stopped(now), found=True)
+
+    def _publish(self, now: float) -> None:
+        if self.store is None:
+            return
+        beat = {"alive": now, "progress": self.progress, "what": self.what, "host": self.host,
+                "pid": os.getpid()}
+        with _keep_going(), _store_errors():
+            self.store.set(self._key("heartbeat", self.rank), json.dumps(beat))
+
+    def _told_of_hang(self) -> dict | None:
+        """The rank another rank found stopped, once one did (None: no hang so far)."""
+        if self.store is None:
+            return None
+        try:
+            if self.store.check([self._key("hang")]):
+                return json.loads(self.store.get(self._key("hang")))
+        except Exception:  # the store does not answer: this rank's own clock decides
+            return None
+        return None
+
+    def _heartbeats(self) -> dict[int, dict] | None:
+        """Every rank's last heartbeat (None: the store does not answer)."""
+        keys = [self._key("heartbeat", r) for r in range(self.world)]
+        try:
+            present = [r for r, key in enumerate(keys) if self.store.check([key])]
+            values = self.store.multi_get([keys[r] for r in present]) if present else []
+        except Exception:
+            return None
+        return {r: json.loads(v) for r, v in zip(present, values)}
+
+    def _who_stopped(self, now: float) -> dict:
+        """Which rank stopped, and where (see the module docstring)."""
+        mine = {"rank": self.rank, "what": self.what, "progress": self.progress,
+                "pid": os.getpid(), "host": self.host, "silent": False}
+        if self.store is None or self.world == 1:
+            return mine
+        beats = self._heartbeats()
+        if beats is None:  # the store's host (rank 0) does not answer: it stopped
+            return {"rank": 0, "what": "unknown (its store does not answer)", "progress": None,
+                    "pid": None, "host": None, "silent": True}
+        silent = [r for r in range(self.world)
+                  if r not in beats or now - beats[r]["alive"] > max(SILENT, 3 * LOOK)]
+        if silent:
+            r = silent[0]
+            beat = beats.get(r, {})
+            return {"rank": r, "what": beat.get("what", "unknown (no heartbeat yet)"),
+                    "progress": beat.get("progress"), "pid": beat.get("pid"),
+                    "host": beat.get("host"), "silent": True}
+        waiting = [r for r in range(self.world) if beats[r]["what"].startswith("waiting for")]
+        r = waiting[0] if waiting else min(beats, key=lambda q: beats[q]["progress"] or 0)
+        return {**beats[r], "rank": r, "silent": False}
+
+    def _end(self, stopped: dict, found: bool) -> None:
+        """Dump stacks, name the rank that stopped, end every process of this rank with the
+        requeue code. ``found``: this rank found it (else another rank told it)."""
+        report = self.output_dir / HANG_DIR
+        with _keep_going():
+            report.mkdir(parents=True, exist_ok=True)
+            faulthandler.dump_traceback(file=self.own, all_threads=True)
+            self.own.flush()
+        if found:
+            if self.store is not None:
+                with _store_errors():
+                    self.store.set(self._key("hang"), json.dumps(stopped))
+            self._ask_stacks(stopped)
+        self._ask_worker_stacks()
+        time.sleep(DUMP_WAIT if self.world > 1 else 0.5)  # their stacks, on disk
+        with _keep_going():
+            for path in self.stacks.iterdir():
+                name = path.name if path.name.startswith("rank") else \
+                    f"rank{self.rank}-{path.name}"
+                shutil.copyfile(path, report / name)
+        shutil.rmtree(self.stacks, ignore_errors=True)
+        line = describe(stopped, self.timeout, time.time(), report)
+        if found:
+            with _keep_going():
+                (report / "report.json").write_text(json.dumps(
+                    {**stopped, "found_by": self.rank, "hang_timeout": self.timeout,
+                     "at": datetime.datetime.now().isoformat(timespec="seconds"),
+                     "message": line}, indent=2) + "\n")
+        say_error(line, self.rank)
+        if found and stopped.get("silent"):
+            _end_if_here(stopped, self.host)
+        # The loader workers die with this process (``die_with_parent``): killed here first,
+        # their death would raise in the main thread, which is still running.
+        os._exit(REQUEUE)
+
+    def _ask_stacks(self, stopped: dict) -> None:
+        """A rank on this host that no longer answers: continue it for its stacks."""
+        pid = stopped.get("pid")
+        if not stopped.get("silent") or pid is None or stopped.get("host") != self.host:
+            return
+        with _keep_going():
+            os.kill(pid, STACKS_SIGNAL)  # pending until it runs again
+            os.kill(pid, signal.SIGCONT)
+
+    def _ask_worker_stacks(self) -> None:
+        for child in multiprocessing.active_children():
+            with _keep_going():
+                os.kill(child.pid, STACKS_SIGNAL)
+
+
+class _store_errors:
+    """Suppress a store that does not answer (its host stopped): the thread goes on."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, *_: object) -> bool:
+        return kind is not None and issubclass(kind, Exception)
+
+
+def _end_if_here(stopped: dict, host: str, within: float = 10.0) -> None:
+    """The rank that stopped, when it runs on this host: continued for its stacks
+    (``Watchdog._ask_stacks``), its own watch ends it with the requeue code; killed if it has
+    not within ``within`` seconds (nothing else would: a stopped process ignores SIGTERM)."""
+    pid = stopped.get("pid")
+    if not pid or stopped.get("host") != host:
+        return
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and not _exited(pid):
+        time.sleep(0.1)
+    with _keep_going():
+        os.kill(pid, signal.SIGKILL)
+
+
+def _exited(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def describe(stopped: dict, timeout: float, now: float, report: Path) -> str:
+    """The one line of a hang."""
+    since = stopped.get("progress")
+    quiet = f"{now - since:.0f} s" if since else "a while"
+    how = (f"stopped answering (its last progress {quiet} ago)" if stopped.get("silent") else
+           f"made no progress for {quiet} (--hang-timeout {timeout:g})")
+    place = f" (host {stopped['host'].split('/')[0]}, pid {stopped['pid']})" \
+        if stopped.get("host") and stopped.get("pid") else ""
+    return (f"hang: rank {stopped['rank']} {how}; it was at: {stopped.get('what') or 'unknown'}"
+            f"{place}; every rank's Python stacks are in {report}; exit {REQUEUE} so that a "
+            "requeue resumes from the last checkpoint")
+
+
+def report_to(output_dir: Path) -> None:
+    """Write a hang's report into ``output_dir``/hang (the run's folder, once it is known: an
+    object-storage --output-dir's local staging folder)."""
+    if _dog is not None:
+        _dog.output_dir = output_dir
+
+
+def start(timeout: float, rank: int, world: int, output_dir: Path,
+          store: dist.Store | None = None, prefix: str = "imagenet/hang",
+          host: str = "") -> Watchdog | None:
+    """This rank's watchdog (None with --hang-timeout 0)."""
+    if timeout <= 0:
+        return None
+    if store is not None:
+        store = store.clone() if hasattr(store, "clone") else store
+        store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT))
+    return Watchdog(timeout, rank, world, output_dir, store, prefix, host).start()

@@ -1,0 +1,153 @@
+"""--hang-timeout: a rank that stops making progress is noticed within the timeout, every rank
+writes its Python stacks to OUTPUT_DIR/hang/, one line names the rank that stopped and where,
+every process exits with the requeue code 143 and none is left behind; --resume auto then
+continues exactly. Real processes, real signals (SIGSTOP), a real blocked read (a FIFO)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import MAIN, TINY, load_checkpoint, write_image_folder
+from test_fault_tolerance import Live, _tagged_pids
+
+from imagenet.data.samplers import ResumableDistributedSampler
+from imagenet.launching import watchdog
+
+HANG = 15  # --hang-timeout of these tests, seconds
+LIMIT = HANG + 60  # every process gone within this much of the hang (the issue's bound)
+
+
+def gone(token: str, within: float = 30) -> bool:
+    """True once no process of the run tagged ``token`` is left."""
+    deadline = time.monotonic() + within
+    while _tagged_pids(token) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not _tagged_pids(token)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return write_image_folder(tmp_path_factory.mktemp("hang") / "data", classes=2,
+                              train_per_class=24, val_per_class=2)
+
+
+def main(*args: str) -> list[str]:
+    return [sys.executable, MAIN, *TINY, "-p", "1", "--hang-timeout", str(HANG), *args]
+
+
+@pytest.mark.slow
+def test_a_loader_worker_blocked_on_a_read_ends_the_run_with_its_stacks(tmp_path):
+    """One process: a training file that never gives its bytes (a FIFO with no writer), read
+    by the loader worker; the training process waits for the batch forever without the watch."""
+    root = write_image_folder(tmp_path / "data", classes=2, train_per_class=20, val_per_class=2)
+    os.mkfifo(root / "train" / "class0" / "zz_never.jpg")  # sample 20 of 41: last of class0
+    # A seed whose first 16 samples (the augmented-samples preview, read in the training
+    # process itself) leave the FIFO to the workers.
+    seed = next(s for s in range(100)
+                if 20 not in ResumableDistributedSampler(41, seed=s).indices()[:16])
+    out = tmp_path / "out"
+    live = Live(main(str(root), "-b", "4", "-j", "1", "--seed", str(seed), "--epochs", "1",
+                     "--output-dir", str(out)), timeout=LIMIT + 60)
+    live.wait_for("Epoch: [0]")
+    started = time.monotonic()
+    code = live.finish()
+    assert code == 143, live.output
+    assert time.monotonic() - started < LIMIT
+    line = next(x for x in live.output.splitlines() if x.startswith("error: hang:"))
+    assert "rank 0 made no progress" in line and "waiting for the training batch" in line
+    assert f"--hang-timeout {HANG}" in line and str(out / "hang") in line
+    assert "Traceback" not in live.output
+    own = (out / "hang" / "rank0.txt").read_text()
+    assert "Thread" in own and "_get_data" in own  # the main thread, waiting for the batch
+    workers = list((out / "hang").glob("rank0-worker*.txt"))
+    assert workers and any("read_bytes" in w.read_text() or "open" in w.read_text()
+                           for w in workers), [w.read_text() for w in workers]
+    report = json.loads((out / "hang" / "report.json").read_text())
+    assert report["rank"] == 0 and report["hang_timeout"] == HANG
+    assert gone(live.token)  # the worker blocked in open() too
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_a_stopped_rank_is_named_and_every_process_ends(data, tmp_path, launcher):
+    """Two processes; rank 1 stopped with SIGSTOP in the middle of epoch 1: rank 0 waits in the
+    gradient all-reduce. Then --resume auto ends as an uninterrupted run does."""
+    flags = ["-b", "4", "-j", "1", "--seed", "0", "--epochs", "2"]
+
+    def command(out: Path, *extra: str) -> list[str]:
+        args = main(str(data), *flags, "--output-dir", str(out), *extra)
+        if launcher == "spawn":
+            return [*args, "--nproc-per-node", "2"]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", *args[1:]]
+
+    whole, out = tmp_path / "whole", tmp_path / "out"
+    ran = Live(command(whole), timeout=600)
+    assert ran.finish() == 0, ran.output
+    live = Live(command(out), timeout=LIMIT + 120)
+    live.wait_for("Epoch: [1][")  # its first step
+    rank1 = rank_pid(live.token, 1)
+    os.kill(rank1, signal.SIGSTOP)
+    stopped = time.monotonic()
+    code = live.finish()
+    assert time.monotonic() - stopped < LIMIT
+    assert gone(live.token), "a process of the run is left"
+    line = next(x for x in live.output.splitlines() if "error: hang:" in x)
+    assert "rank 1 stopped answering" in line, live.output[-3000:]
+    assert f"pid {rank1}" in line
+    if launcher == "spawn":  # torchrun reports its workers' failure with its own exit code
+        assert code == 143, live.output[-3000:]
+    assert (out / "hang" / "rank0.txt").is_file() and (out / "hang" / "rank1.txt").is_file()
+    assert "Thread" in (out / "hang" / "rank1.txt").read_text()  # asked for before it ended
+    resumed = Live(command(out, "--resume", "auto"), timeout=600)
+    assert resumed.finish() == 0, resumed.output
+    a, b = (load_checkpoint(d / "checkpoint.pth.tar") for d in (whole, out))
+    for key, value in a["state_dict"].items():
+        assert torch.equal(value, b["state_dict"][key]), key
+
+
+def rank_pid(token: str, rank: int, within: float = 30) -> int:
+    """The training process of ``rank`` in the run tagged ``token``: torchrun gives it RANK
+    (its loader workers, forked later, inherit it: the lowest pid); mp.spawn starts the ranks
+    in order (the children running spawn_main)."""
+    from test_fault_tolerance import _tagged_processes
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        found = list(_tagged_processes(token))
+        torchrun = sorted(pid for pid, env, cmdline in found
+                          if env.get("RANK") == str(rank) and "main.py" in cmdline)
+        if torchrun:
+            return torchrun[0]
+        spawned = sorted(pid for pid, _, cmdline in found if "spawn_main" in cmdline
+                         and parent(pid) not in {p for p, _, c in found if "spawn_main" in c})
+        if len(spawned) > rank:
+            return spawned[rank]
+        time.sleep(0.2)
+    raise AssertionError(f"no process of rank {rank}")
+
+
+def parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def test_the_line_names_the_rank_where_and_the_folder(tmp_path):
+    stopped = {"rank": 3, "what": "epoch 2, step 7 trained", "progress": 100.0, "pid": 42,
+               "host": "node7/abc", "silent": True}
+    line = watchdog.describe(stopped, 300, 412.0, tmp_path / "hang")
+    assert line.startswith("hang: rank 3 stopped answering (its last progress 312 s ago)")
+    assert "it was at: epoch 2, step 7 trained (host node7, pid 42)" in line
+    assert str(tmp_path / "hang") in line and "exit 143" in line
+    busy = {**stopped, "silent": False}
+    assert "made no progress for 312 s (--hang-timeout 300)" in \
+        watchdog.describe(busy, 300, 412.0, tmp_path)
