@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -108,10 +109,24 @@ def run_to_end(cmd: list[str]) -> str:
     return live.output
 
 
-def kill_at(cmd: list[str], line: str, sig: int = signal.SIGKILL) -> tuple[int, str]:
-    """Start ``cmd``, send ``sig`` to its process group when ``line`` is printed."""
+def kill_at(cmd: list[str], line: str, sig: int = signal.SIGKILL,
+            saved: Callable[[dict], bool] | None = None, out: Path | None = None
+            ) -> tuple[int, str]:
+    """Start ``cmd``, send ``sig`` to its process group when ``line`` is printed (and, with
+    ``saved``, once ``out``'s checkpoint satisfies it: saves are written in the background, so a
+    save point printed is not yet a file on disk; a SIGKILL cannot wait for the write)."""
     live = Live(cmd)
     live.wait_for(line)
+    if saved is not None:
+        assert out is not None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if saved(load_checkpoint(out / "checkpoint.pth.tar")):
+                    break
+            except Exception:  # not there yet (or being replaced: os.replace is atomic)
+                pass
+            time.sleep(0.05)
     live.signal_group(sig)
     code = live.finish()
     return code, live.output
@@ -175,7 +190,8 @@ def step_line(epoch: int, step: int) -> str:
 def boundary_kill_then_finish(cmd: list[str], out: Path, resumed_step: int) -> None:
     """Resume ``cmd`` (no mid-epoch saves) from step ``resumed_step`` of epoch 0, SIGKILL it in
     epoch 1 so that it resumes from the epoch-end checkpoint, then run it to the end."""
-    code, output = kill_at([*cmd, "--resume", "auto"], step_line(1, 2))
+    code, output = kill_at([*cmd, "--resume", "auto"], step_line(1, 2),
+                           saved=lambda ckpt: ckpt["epoch"] == 1, out=out)
     assert code in (-signal.SIGKILL, 128 + signal.SIGKILL), output
     assert f"(epoch 0, step {resumed_step}," in output, output
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
@@ -199,7 +215,8 @@ def test_sigkill_mid_epoch_and_at_epoch_boundary_resume_bitwise(data, reference,
     out = tmp_path / "out"
     cmd = run_cmd(data, out, *flags, "-j", workers)
     # Mid-epoch: checkpoints every 2 steps, killed after step 3 -> resumes at step 2 or 4.
-    code, output = kill_at([*cmd, "--save-every", "2"], step_line(0, 3))
+    code, output = kill_at([*cmd, "--save-every", "2"], step_line(0, 3), out=out,
+                           saved=lambda ckpt: ckpt["step_in_epoch"] >= 2)
     assert code == -signal.SIGKILL, output
     assert f"; {per_process} loader worker(s) per process;" in output, output
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
@@ -285,7 +302,8 @@ def test_fp16_grad_scaler_state_is_checkpointed_and_restored_bitwise(data, tmp_p
     run_to_end(run_cmd(data, reference, flags=flags))
     out = tmp_path / "out"
     cmd = run_cmd(data, out, flags=flags)
-    code, output = kill_at([*cmd, "--save-every", "2"], step_line(1, 3))
+    code, output = kill_at([*cmd, "--save-every", "2"], step_line(1, 3), out=out,
+                           saved=lambda ckpt: (ckpt["epoch"], ckpt["step_in_epoch"]) >= (1, 2))
     assert code == -signal.SIGKILL, output
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert ckpt["epoch"] == 1 and ckpt["step_in_epoch"] in (2, 4), output
@@ -312,7 +330,8 @@ def test_three_processes_resume_bitwise(data, tmp_path):
     run_to_end(run_cmd(data, reference, flags=flags))
     out = tmp_path / "out"
     cmd = run_cmd(data, out, flags=flags)
-    code, output = kill_at([*cmd, "--save-every", "2"], "Epoch: [0][3/4]")
+    code, output = kill_at([*cmd, "--save-every", "2"], "Epoch: [0][3/4]", out=out,
+                           saved=lambda ckpt: ckpt["step_in_epoch"] >= 2)
     assert code == -signal.SIGKILL, output
     assert load_checkpoint(out / "checkpoint.pth.tar")["step_in_epoch"] in (2, 4), output
     run_to_end([*cmd, "--resume", "auto"])

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 import imagenet.checkpoint.disk as disk
+import imagenet.launching.watchdog as watchdog
 import imagenet.training.fsdp as fsdp
 from imagenet.checkpoint import whole
 from imagenet.errors import CheckpointError, UsageError
@@ -141,10 +142,12 @@ class _WriteErrors:
 
     def write(self, data: bytes) -> int:
         try:
-            return self.f.write(data)
+            written = self.f.write(data)
         except OSError as exc:
             self.error = exc
             raise
+        watchdog.beat("writing a checkpoint")  # a write that goes on is progress (however slow)
+        return written
 
     def flush(self) -> None:
         self.f.flush()

@@ -22,6 +22,7 @@ import imagenet.data.transforms as T
 import imagenet.evaluation.eval_data as eval_data
 from imagenet.checkpoint import files
 from imagenet.checkpoint.weights import read_agreed
+from imagenet.checkpoint.writer import Writer
 from imagenet.data.folder import Data, build_data
 from imagenet.data.shards import build_shard_data
 from imagenet.errors import UsageError
@@ -83,6 +84,7 @@ class Run:
     # done) the whole record, written again if a kill came between the save and the log line.
     train_totals: EpochTotals | None = None
     last_record: dict[str, Any] | None = None
+    writer: Writer = field(default_factory=Writer)  # rank 0's checkpoint writes, in background
 
     @property
     def cfg(self) -> Config:

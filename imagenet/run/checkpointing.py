@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from imagenet.checkpoint.states import (
     same_optimizer,
     same_order,
 )
+from imagenet.checkpoint.writer import to_host
 from imagenet.errors import TrainerError, on_every_rank
 from imagenet.launching.collectives import barrier
 from imagenet.run.build import Run
@@ -119,40 +121,60 @@ def ema_weights_state(run: Run, ema: dict[str, Any]) -> dict[str, Any]:
 
 def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = False,
          score: float | None = None) -> float:
-    """Write checkpoint.pth.tar on rank 0, atomically; the best files first when they improve.
-    Returns the seconds it took (every rank: the save is collective).
+    """Save the run: its state copied off the model now, the files written by rank 0 in the
+    background (``checkpoint.writer``), atomically, the best files first when they improve.
+    Returns the seconds it held up training, or the last whole write's if that was longer (the
+    time limit's estimate of a save). Collective (it gathers every rank's RNG state).
 
     Best files are replaced before the checkpoint: a kill in between leaves a best file ahead of
     the checkpoint (``resumed_best`` adopts it), never a checkpoint whose best has no file.
     ``score``: the epoch's validation top-1 at an epoch's end; with --keep-checkpoints the
     checkpoint is also kept as checkpoint_epochNNN.pth.tar when it is among the best (``history``).
+    A save waits for the previous write; ``finish_saves`` waits for the last one.
     """
     start = time.perf_counter()
     watchdog.beat(f"saving a checkpoint at epoch {run.step.epoch}, step "
                   f"{run.step.step_in_epoch}")
-    if run.cfg.sharded_checkpoint:
+    if run.cfg.sharded_checkpoint:  # every rank writes its shards: together, now
         save_sharded(run, is_best, epoch_done, is_best_ema, score)
         run.outputs.saved(saved_record(run, epoch_done))
         return time.perf_counter() - start
-    payload = checkpoint_state(run, epoch_done)
+    payload = to_host(checkpoint_state(run, epoch_done))  # training may go on from here
     guard.refuse_non_finite(payload, run.dist.is_main, run.output_dir, run.step.epoch,
                             run.step.step_in_epoch)
+    written = None
     if run.dist.is_main:
-        if is_best_ema:
-            files.atomic_save(ema_weights_state(run, payload["ema"]),
-                              run.output_dir / files.BEST_EMA)
-        best = [run.output_dir / files.BEST] if is_best else []
-        kept = keep_epoch(run, score)
-        files.atomic_save(payload, run.output_dir / files.CHECKPOINT, copies=best + kept)
-        if score is not None and run.cfg.keep_checkpoints:
-            history.prune(run.output_dir, sharded=False)
-    # Uploaded (object storage), reported (imagenet.train)
+        out, entry = run.output_dir, epoch_entry(run, score)
+        ema = ema_weights_state(run, payload["ema"]) if is_best_ema else None
+        written = run.writer.wait()  # one write at a time: the previous one is in place first
+        run.writer.submit(partial(write_checkpoint, out, payload, is_best, ema, entry,
+                                  run.cfg.keep_checkpoints))
+    # Uploaded (object storage) and reported (imagenet.train) once written: ``Outputs``
     run.outputs.saved(saved_record(run, epoch_done))
-    # No rank moves on (or exits after a signal) before the file is in place: under mp.spawn the
-    # first rank to exit makes the parent terminate the others, rank 0 included.
+    watchdog.beat("checkpoint state copied; rank 0 writes it")
+    return max(time.perf_counter() - start, written or 0.0)
+
+
+def write_checkpoint(out: Path, payload: dict[str, Any], is_best: bool,
+                     ema: dict[str, Any] | None, entry: history.Entry | None, keep: int) -> None:
+    """Rank 0's files of a save (in the writer's thread): the EMA's best file, then the
+    checkpoint with its copies (the best file, the history's), then the history pruned."""
+    if ema is not None:
+        files.atomic_save(ema, out / files.BEST_EMA)
+    best = [out / files.BEST] if is_best else []
+    kept = history.plan(out, keep, entry) if entry is not None else None
+    files.atomic_save(payload, out / files.CHECKPOINT, copies=best + ([kept] if kept else []))
+    if entry is not None:
+        history.prune(out, sharded=False)
+
+
+def finish_saves(run: Run) -> float | None:
+    """Rank 0 waits for the write under way (its error raised), then every rank waits for rank
+    0: no rank moves on to exit before the file is in place (under mp.spawn the first rank to
+    exit makes the parent end the others, rank 0 included). Collective. The write's seconds."""
+    seconds = run.writer.wait() if run.dist.is_main else None
     barrier()
-    watchdog.beat("checkpoint saved")
-    return time.perf_counter() - start
+    return seconds
 
 
 def saved_record(run: Run, epoch_done: bool) -> Saved:
@@ -186,13 +208,21 @@ def save_sharded(run: Run, is_best: bool, epoch_done: bool, is_best_ema: bool,
         history.prune(out, sharded=True)
 
 
+def epoch_entry(run: Run, score: float | None) -> history.Entry | None:
+    """--keep-checkpoints at an epoch's end (``score``: its top-1): the history's entry of this
+    epoch's checkpoint; None otherwise."""
+    if score is None or not run.cfg.keep_checkpoints:
+        return None
+    return history.epoch_entry(run.step.epoch + 1, score, run.step.global_step,
+                               run.cfg.sharded_checkpoint)
+
+
 def keep_epoch(run: Run, score: float | None) -> list[Path]:
     """--keep-checkpoints, on rank 0 at an epoch's end: the history's index updated first; where
     the epoch's checkpoint must be copied when it is among the best ([] otherwise)."""
-    if score is None or not run.cfg.keep_checkpoints:
+    entry = epoch_entry(run, score)
+    if entry is None:
         return []
-    entry = history.epoch_entry(run.step.epoch + 1, score, run.step.global_step,
-                                run.cfg.sharded_checkpoint)
     path = history.plan(run.output_dir, run.cfg.keep_checkpoints, entry)
     return [path] if path is not None else []
 

@@ -46,6 +46,7 @@ class Outputs:
     remote: Remote | None = None
     on_checkpoint: Callable[[Saved], None] | None = None
     resume_from: Path | None = None
+    written: Callable[[], object] | None = None  # waits until the last checkpoint is on disk
     _pending: Saved | None = None  # saved, not yet published (an epoch's end: its log first)
 
     def saved(self, saved: Saved) -> None:
@@ -59,7 +60,11 @@ class Outputs:
 
     def logged(self, is_main: bool) -> None:
         """After an epoch's log lines (and a mid-epoch save): rank 0 uploads what changed, then
-        every rank tells the caller of the checkpoint saved since the last call."""
+        every rank tells the caller of the checkpoint saved since the last call; both once the
+        checkpoint is on disk (``written``: saves are written in the background)."""
+        if self._pending is not None and self.written is not None and \
+                (self.remote is not None or self.on_checkpoint is not None):
+            self.written()
         if self.remote is not None and is_main:
             self.remote.push()
         saved, self._pending = self._pending, None

@@ -33,7 +33,7 @@ from imagenet.reporting.logger import RunLogger, print_val_progress
 from imagenet.reporting.stages import FirstBatch, slow_stage
 from imagenet.run.announce import describe, describe_evaluation, finished
 from imagenet.run.build import Run, build_run
-from imagenet.run.checkpointing import resume, save
+from imagenet.run.checkpointing import finish_saves, resume, save
 from imagenet.run.outputs import Outputs
 from imagenet.run.preflight import (
     check_before_training,
@@ -71,7 +71,7 @@ def run_training(plan: Plan, dist: DistInfo, outputs: Outputs | None = None
         return {}
     watchdog.report_to(Path(cfg.output_dir))  # a hang's stacks: the run's (staging) folder
     run = build_run(plan, dist)
-    run.outputs = replace(outputs or Outputs(), remote=remote)
+    run.outputs = replace(outputs or Outputs(), remote=remote, written=run.writer.wait)
     try:
         # Rank 0 of a training run holds OUTPUT_DIR's lock until the run ends; -e only reads.
         lock = contextlib.nullcontext() if cfg.evaluate else \
@@ -171,10 +171,12 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
             if stop.settle():  # signalled during the save: the epoch is saved, stop now
                 raise stopped(run, stop, "after")
         stop.drain()
+        finish_saves(run)  # the last checkpoint is on disk before the run says it is done
     except NonFiniteLossError as exc:
         raise on_every_rank(NonFiniteLossError(f"{exc}; {last_good(run.output_dir)}")) from None
     finally:
         close(upcoming)  # stopped before the next epoch: its batches are not needed
+        run.writer.wait_quietly()  # an error on its way: the write under way still finishes
         stop.uninstall()
     if record:
         logger.hparams({k: v for k, v in run.cfg.to_dict().items() if v is not None},
@@ -240,7 +242,9 @@ def saver(run: Run, stop: StopFlag) -> Callable[[Step, Callable[[], None]], bool
 
 
 def stopped(run: Run, stop: StopFlag, when: str = "") -> Preempted:
-    """The error that ends a run stopped by a signal (its state is saved)."""
+    """The error that ends a run stopped by a signal, once its state is on disk (every rank
+    stops together: ``finish_saves`` waits for the write under way)."""
+    finish_saves(run)
     where = f"{when} epoch {run.step.epoch}" if when else \
         f"at epoch {run.step.epoch} step {run.step.step_in_epoch}"
     if stop.by_time_limit:
