@@ -25,7 +25,9 @@ def describe(run: Run) -> dict[str, Any]:
             "num_classes": run.data.num_classes,
             "train_images": run.data.train.images,
             "val_images": run.data.val_size,
-            "steps_per_epoch": run.engine.opts.steps_per_epoch}
+            "steps_per_epoch": run.engine.opts.steps_per_epoch, "lr": run.cfg.lr}
+    if run.plan.lr_rule is not None:
+        info["lr_rule"] = run.plan.lr_rule
     if run.outputs.remote is not None and run.outputs.remote.output_url:
         info["output_url"] = run.outputs.remote.output_url  # output_dir: its staging folder
     if not run.cfg.evaluate:  # -e says what it evaluates once the weights are loaded
@@ -34,6 +36,8 @@ def describe(run: Run) -> dict[str, Any]:
                  run.cfg.arch, d.device, layout.global_batch, d.world_size, layout.batch_size,
                  layout.grad_accum_steps, layout.workers, run.data.num_classes,
                  run.data.val_size)
+        if run.plan.lr_rule is not None:
+            log.info("=> learning rate %g = %s", run.cfg.lr, run.plan.lr_rule)
     slow_bf16 = slow_bf16_warning(run.cfg.amp, d.device.type, native_bf16())
     if slow_bf16 and d.is_main:
         log.warning("%s", slow_bf16)
