@@ -17,6 +17,7 @@ import imagenet.checkpoint.disk as disk
 import imagenet.training.fsdp as fsdp
 from imagenet.checkpoint import whole
 from imagenet.errors import CheckpointError, UsageError
+from imagenet.training.models import without_dropped_aux
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +284,7 @@ def load_model_state(model: torch.nn.Module, ckpt: Mapping[str, Any], path: Path
     if saved_arch and saved_arch != arch:
         raise CheckpointError(f"{path} was saved for -a {saved_arch}, but this run uses "
                               f"-a {arch}; pass -a {saved_arch} or another checkpoint")
-    state = strip_wrapper_prefixes(ckpt["state_dict"])
+    state, _ = without_dropped_aux(strip_wrapper_prefixes(ckpt["state_dict"]), model)
     own = model.state_dict()
     # BatchNorm's step counter is missing from older files; torch's loader fills it in.
     missing = sorted(k for k in set(own) - set(state) if not k.endswith("num_batches_tracked"))
