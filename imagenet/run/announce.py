@@ -11,6 +11,7 @@ from typing import Any
 
 from imagenet.checkpoint import files
 from imagenet.run.build import Run
+from imagenet.settings.choices import tracker_names
 from imagenet.training.cpu_features import native_bf16, slow_bf16_warning
 
 log = logging.getLogger(__name__)
@@ -70,11 +71,14 @@ def describe_evaluation(run: Run, resumed: Path | None) -> None:
 
 def finished(run: Run) -> None:
     """Where a finished run's results are: the folder, the best checkpoint, the curves."""
-    out = run.output_dir.resolve()
+    remote = run.outputs.remote
+    out = remote.output_url if remote is not None and remote.output_url else \
+        str(run.output_dir.resolve())
     last = files.dcp_name(files.CHECKPOINT) if run.cfg.sharded_checkpoint else files.CHECKPOINT
     best = [f"{run.best.path.name} (best Acc@1 {run.best.acc1:.3f})"]
     if run.best_ema is not None:
         best.append(f"{run.best_ema.path.name} (EMA, best Acc@1 {run.best_ema.acc1:.3f})")
     log.info("=> outputs in %s: %s, %s (the last epoch; --resume auto continues it), "
              "metrics.jsonl, config.json", out, ", ".join(best), last)
-    log.info("=> curves: tensorboard --logdir %s", out / "tb")
+    if "tensorboard" in tracker_names(run.cfg.log_to):
+        log.info("=> curves: tensorboard --logdir %s/tb", out)

@@ -74,7 +74,7 @@ class Outputs:
         ``restarted``: torchrun restarted the job (it continues OUTPUT_DIR's checkpoint)."""
         if self.remote is not None or self.resume_from is not None:  # the same on every rank
             on_rank0(dist, lambda: self.prepare(cfg, output_dir, restarted))
-        uploads = self.remote is not None and dist.is_main and not cfg.evaluate
+        uploads = self.remote is not None and dist.is_main
         try:
             yield
         except BaseException:
@@ -90,7 +90,7 @@ class Outputs:
         if self.remote is not None:
             own = str(output_dir / files.CHECKPOINT)
             continuing = cfg.resume in ("auto", own) or restarted
-            self.remote.attach(continuing, not cfg.evaluate)
+            self.remote.attach(continuing, training=not cfg.evaluate)
         if self.resume_from is not None and not cfg.evaluate:
             log.info("=> resuming from %s (the caller's checkpoint of this run)",
                      self.resume_from)

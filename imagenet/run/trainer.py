@@ -88,7 +88,7 @@ def resume_and_train(run: Run) -> dict[str, float]:
     resumed = resume(run)
     if run.cfg.evaluate:
         describe_evaluation(run, resumed)
-        return validate(run, run.engine.parts.model, report=report_of(run, tag="eval"))
+        return evaluate_only(run)
     with slow_stage("checking the disk space and every validation image") as stage:
         check_before_training(run, resumed)
         stage.done = "disk space and validation images checked"
@@ -108,6 +108,20 @@ def resume_and_train(run: Run) -> dict[str, float]:
                                                                     get_args_parser())})
         log_augmented_samples(run, logger)
         return train(run, logger)
+
+
+def evaluate_only(run: Run) -> dict[str, float]:
+    """-e: one validation pass; the reports in OUTPUT_DIR, the numbers (TensorBoard: and the
+    confusion matrix) to --log-to, whose trackers get runs of their own, never the evaluated
+    training run's."""
+    with RunLogger(run.output_dir, run.dist.is_main, log_to=run.cfg.log_to,
+                   continues=False) as logger:
+        logger.tracked_config(run.cfg.to_dict())
+        metrics = validate(run, run.engine.parts.model, report=report_of(run, logger, "eval"))
+        logger.scalars("eval", {k: metrics[k] for k in ("acc1", "acc5", "loss")},
+                       run.step.global_step)
+        logger.flush()
+    return metrics
 
 
 def train(run: Run, logger: RunLogger) -> dict[str, float]:
