@@ -133,3 +133,21 @@ def test_global_batch_size_and_b_exclude_each_other():
         parse_config(["--global-batch-size", "0"])
     cfg = parse_config(["--demo", "--global-batch-size", "48"])
     assert cfg.global_batch_size == 48 and cfg.batch_size == 256  # --demo's -b 64 not applied
+
+
+def test_a_re_logged_epoch_record_names_its_own_epoch(tmp_path, capsys):
+    """A kill between an epoch's save and its metrics.jsonl line: the resume writes the
+    checkpoint's record, and its line names that epoch (0), not the one it starts (1)."""
+    from imagenet.cli import main
+
+    data = write_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=2)
+    out = tmp_path / "out"
+    flags = [str(data), *TINY, "--output-dir", str(out), "--log-to", "none", "--resume", "auto"]
+    assert main([*flags, "--epochs", "1"]) == 0
+    (out / "metrics.jsonl").write_text("")  # as if killed before the line was written
+    capsys.readouterr()
+    assert main([*flags, "--epochs", "2"]) == 0
+    text = capsys.readouterr().out
+    assert re.findall(r"=> epoch (\d+) trained", text) == ["0", "1"], text
+    epochs = [json.loads(ln)["epoch"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert epochs == [0, 1]

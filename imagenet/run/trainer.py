@@ -333,7 +333,7 @@ def log_epoch(logger: RunLogger, step: Step, record: dict[str, Any]) -> None:
     if "train_images_per_sec" in record:
         wait, compiled = record.get("train_data_wait"), record.get("compiled_graphs")
         memory = record.get("train_max_mem_gb")
-        log.info("=> epoch %d trained at %.1f img/s%s%s%s", step.epoch,
+        log.info("=> epoch %d trained at %.1f img/s%s%s%s", record["epoch"],
                  record["train_images_per_sec"],
                  "" if wait is None else f", waiting for data {100 * wait:.0f}% of the time",
                  "" if compiled is None else f"; {compiled} graph(s) compiled",
