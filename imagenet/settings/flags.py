@@ -463,9 +463,9 @@ class Config:
         "--time-limit", group="checkpointing", default=None, type=duration_text,
         metavar="DURATION",
         help="stop early enough to save before this much wall-clock time has passed since "
-             "main.py started: seconds, HH:MM:SS or D-HH:MM:SS; 'slurm' = this SLURM job's end "
-             "time. Exits with code 143 (as on preemption); --resume auto continues "
-             "(default: none)")
+             "main.py started (imagenet.train: since its call): seconds, HH:MM:SS or "
+             "D-HH:MM:SS; 'slurm' = this SLURM job's end time. Exits with code 143 (as on "
+             "preemption); --resume auto continues (default: none)")
     # ---- logging
     print_freq: int = _flag("-p", "--print-freq", group="logging", default=10, type=int,
                             metavar="N", help="progress line every N steps "

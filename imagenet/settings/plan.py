@@ -177,18 +177,19 @@ def with_learning_rate(cfg: Config, global_batch: int) -> tuple[Config, str | No
 
 def make_plan(cfg: Config, env: Mapping[str, str], cuda_count: int,
               launch: Launch | None = None, group: tuple[int, int] | None = None,
-              cpus: tuple[int, int] | None = None) -> Plan:
+              cpus: tuple[int, int] | None = None, started: float | None = None) -> Plan:
     """The plan of this invocation; UsageError for what cannot work, before anything starts.
 
     ``launch``: decided by the caller (``imagenet.train``), else from the flags and ``env``;
     ``group``: (rank, world size) of the caller's process group; ``cpus``: (cores this process
-    may use, cores of the machine), None reads them.
+    may use, cores of the machine), None reads them; ``started``: when --time-limit starts
+    counting (unix time; None: when this process started, as main.py's).
     """
     job = plan_job(cfg, env, cuda_count, launch, group, cpus)
     cfg, lr_rule = with_learning_rate(cfg, job.layout.global_batch)
     fmt = source_format(cfg)
     device_type = "cuda" if cuda_count and not cfg.no_accel else "cpu"
-    started = process_start()
+    started = process_start() if started is None else started
     # Rank 0 keeps the clock: only its plan asks SLURM for the job's end (squeue)
     limit = end_time(cfg.time_limit, env, started) if job.first_rank == 0 else None
     return Plan(cfg, job.launch, job.layout, crop_schedule(cfg), fmt, device_type,
