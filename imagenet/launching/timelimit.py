@@ -3,9 +3,10 @@ continues with --resume auto.
 
 DURATION is seconds (``5400``), ``HH:MM:SS`` or ``D-HH:MM:SS``, counted from the start of
 main.py (under --multiprocessing-distributed the parent's start; under torchrun and srun each
-worker's own; under ``imagenet.train`` its call), or ``slurm``: the end time of this SLURM job, from SLURM_JOB_END_TIME when the
-job's environment has it, else ``squeue -h -j $SLURM_JOB_ID -o %e``. The plan resolves it to an
-end time once (``settings.duration.end_time``).
+worker's own; under ``imagenet.train`` its call), or ``slurm``: the end time of this SLURM
+job, from SLURM_JOB_END_TIME when the job's environment has it, else ``squeue -h -j
+$SLURM_JOB_ID -o %e``. The plan resolves it to an end time once
+(``settings.duration.end_time``).
 
 Rank 0 keeps the clock (``Deadline``). After every optimizer step and every validation batch it
 asks whether the time left still covers ``margin``: two steps (the stop is agreed over the
