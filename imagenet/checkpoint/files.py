@@ -138,6 +138,25 @@ def atomic_copy(src: Path, dst: Path) -> None:
     _fsync_dir(dst.parent)
 
 
+def atomic_copy_dir(src: Path, dst: Path) -> None:
+    """Copy checkpoint directory ``src`` to ``dst`` (hard links where the filesystem allows)
+    through a temp directory and ``replace_dir``: ``dst`` is never partial."""
+    tmp = _tmp_name(dst)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    def link_or_copy(a: str, b: str) -> None:
+        try:
+            os.link(a, b)  # free; checkpoint files are replaced, never edited
+        except OSError:
+            shutil.copy2(a, b)
+
+    try:
+        shutil.copytree(src, tmp, copy_function=link_or_copy)
+        replace_dir(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def dcp_name(name: str) -> str:
     """The sharded checkpoint directory's name for a file name: checkpoint.pth.tar ->
     checkpoint.dcp."""
