@@ -281,15 +281,38 @@ def test_the_history_keeps_the_best_by_top1_later_epochs_first_at_a_tie(tmp_path
 def test_a_kill_between_the_steps_of_an_epoch_end_leaves_a_consistent_history(tmp_path):
     keep(tmp_path, 1, 1, 50.0)
     # Killed after the index named epoch 2 but before its file was written: the entry is
-    # dropped when read, and the next epoch end deletes the file no entry names.
+    # dropped when read, the one it evicted is still kept, and the next epoch end deletes what
+    # no entry names.
     history.plan(tmp_path, 1, history.epoch_entry(2, 60.0, 20, False))
-    assert history.read_index(tmp_path) == []
+    assert [e.epoch for e in history.read_index(tmp_path)] == [1]
     assert (tmp_path / "checkpoint_epoch001.pth.tar").is_file()
     keep(tmp_path, 1, 2, 60.0)
     assert sorted(p.name for p in tmp_path.glob("checkpoint_epoch*")) == [
         "checkpoint_epoch002.pth.tar"]
     (tmp_path / "checkpoints.json").write_text("{not json")
     assert history.read_index(tmp_path) == []  # a damaged index: a warning, a new start
+
+
+def test_a_kill_between_the_index_and_the_link_loses_no_evicted_checkpoint(tmp_path):
+    """Suspicion settled: epoch 3 evicts epoch 2 from the index, then the kill comes before its
+    file is linked; the resume trains epoch 3 again, worse this time: epoch 2 is still among
+    the two best and must still be kept."""
+    keep(tmp_path, 2, 1, 50.0)
+    keep(tmp_path, 2, 2, 40.0)
+    history.plan(tmp_path, 2, history.epoch_entry(3, 60.0, 30, False))  # killed after this
+    assert [e.epoch for e in history.read_index(tmp_path)] == [1, 2]  # as before epoch 3
+    keep(tmp_path, 2, 3, 30.0)  # epoch 3 again, from the resumed checkpoint of epoch 2
+    assert sorted(p.name for p in tmp_path.glob("checkpoint_epoch*")) == [
+        "checkpoint_epoch001.pth.tar", "checkpoint_epoch002.pth.tar"]
+    assert [e.epoch for e in history.read_index(tmp_path)] == [1, 2]
+    # Killed after the link, before the prune: the eviction stands.
+    path = history.plan(tmp_path, 2, history.epoch_entry(4, 45.0, 40, False))
+    files.atomic_save({"epoch": 4, "state_dict": {}}, path)
+    assert [e.epoch for e in history.read_index(tmp_path)] == [1, 4]
+    keep(tmp_path, 2, 5, 1.0)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint_epoch*")) == [
+        "checkpoint_epoch001.pth.tar", "checkpoint_epoch004.pth.tar"]
+    assert "evicting" not in json.loads((tmp_path / "checkpoints.json").read_text())
 
 
 def test_a_fresh_run_moves_the_history_to_previous(tmp_path):
