@@ -255,6 +255,30 @@ def test_the_deadline_keeps_room_for_the_stop():
     assert "before the end (a step takes up to 6.0 s, a save 20.0 s)" in deadline.describe()
 
 
+def test_the_time_limit_keeps_room_for_compiling_a_new_crop_size():
+    """Suspicion settled (it held): at an epoch's end the margin covers ordinary steps, but
+    under --compile the next epoch's first step at a new crop size compiles graphs, as long as
+    the run's first step took; the stop before such an epoch keeps room for it."""
+    from imagenet.launching.preemption import StopFlag
+
+    def epoch_then_end(compiles: bool) -> tuple[bool, float]:
+        clock = [0.0]
+        stop = StopFlag(Deadline(end=300.0, name="the end", save_seconds=5.0,
+                                 now=lambda: clock[0]))
+        for seconds in [60.0] + [1.0] * 25:  # the first step compiled the first size's graphs
+            clock[0] += seconds
+            assert not stop.should_stop()
+        clock[0] += 170.0  # validation; the save measured
+        stop.saved(5.0)
+        return stop.settle(compiles=compiles), 300.0 - clock[0]
+
+    going_on, left = epoch_then_end(compiles=False)
+    assert not going_on and left == 45.0  # an ordinary step, saves and the exit fit in 45 s ...
+    assert left - 60.0 < 0  # ... a compiling step does not: the save would come after the end
+    stopping, _ = epoch_then_end(compiles=True)
+    assert stopping
+
+
 # ---------------------------------------------------------------- --keep-checkpoints
 
 

@@ -139,6 +139,8 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
             graphs = graphs_compiled() if run.cfg.compile else 0
             crop = resizing.announce(run.plan.crops, epoch, run.cfg.val_crop_size)
             new_crop = crop.get("train_crop_px") not in crops_seen
+            if run.cfg.compile and new_crop and crops_seen and stop.settle(compiles=True):
+                raise stopped(run, stop, "before")  # no time to compile the new size's graphs
             crops_seen.add(crop.get("train_crop_px"))
             # Train the rest of the epoch (all of it, unless resumed mid-epoch).
             steps_before = run.step.global_step
