@@ -151,3 +151,20 @@ def test_a_re_logged_epoch_record_names_its_own_epoch(tmp_path, capsys):
     assert re.findall(r"=> epoch (\d+) trained", text) == ["0", "1"], text
     epochs = [json.loads(ln)["epoch"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert epochs == [0, 1]
+
+
+def test_the_last_line_names_no_best_file_that_is_not_there(tmp_path, capsys):
+    """A resume from another folder's checkpoint whose epochs never beat its best: the new
+    folder has no model_best.pth.tar, and the last lines do not claim one."""
+    from imagenet.cli import main
+
+    data = write_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=2)
+    flags = [str(data), *TINY[:-2], "--log-to", "none"]
+    assert main([*flags, "--lr", "0.01", "--epochs", "1", "--output-dir", str(tmp_path / "a")]) == 0
+    capsys.readouterr()
+    assert main([*flags, "--lr", "0", "--freeze-backbone", "--epochs", "2", "--output-dir",
+                 str(tmp_path / "b"), "--resume", str(tmp_path / "a" / "checkpoint.pth.tar")]) == 0
+    text = capsys.readouterr().out
+    assert not (tmp_path / "b" / "model_best.pth.tar").exists()  # the same weights: not better
+    assert "outputs in" in text and "model_best.pth.tar (best Acc@1" not in text, text
+    assert "no epoch of this run beat" in text

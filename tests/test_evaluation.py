@@ -211,3 +211,12 @@ def test_shard_predictions_know_which_sample_each_row_is(tmp_path):
     assert sorted(i for i, _, _ in every) == list(range(9))
     first = {url: min(i for i, u, _ in every if u == url) for _, url, _ in every}
     assert all(names(i) == f"{url}#{i - first[url]}" for i, url, _ in every)
+
+
+def test_eval_resume_auto_without_a_checkpoint_is_refused(capsys, tmp_path):
+    """-e --resume auto in a folder with no checkpoint: one line, not an untrained model's
+    numbers."""
+    data = write_image_folder(tmp_path / "d", classes=2, train_per_class=2, val_per_class=1)
+    code, line = _error(capsys, str(data), *TINY, "-e", "--resume", "auto", "--output-dir",
+                        str(tmp_path / "empty"), "--log-to", "none")
+    assert code == 2 and "-e --resume auto: no checkpoint in" in line, line

@@ -354,23 +354,43 @@ def best_acc1_of(ckpt: Mapping[str, Any], key: str = "best_acc1") -> float:
     return float(value.item() if isinstance(value, torch.Tensor) else value)
 
 
+def own_checkpoint(output_dir: Path, sharded: bool, resuming: bool) -> Path | None:
+    """OUTPUT_DIR's checkpoint: the kind this run writes (checkpoint.pth.tar, or checkpoint.dcp/
+    with ``sharded``), or the other kind where only that one is there or it is newer (a run
+    that turned --sharded-checkpoint on or off continues, not starts afresh). Directories only
+    when ``resuming`` (a fresh run does not care whether one is whole)."""
+    file, directory = output_dir / CHECKPOINT, output_dir / dcp_name(CHECKPOINT)
+    if sharded:
+        mine = existing_dir(directory) if resuming else None
+        other = file if file.is_file() else None
+    else:
+        mine = file if file.is_file() else None
+        other = directory if resuming and incomplete(directory) is None else None
+    if other is None or (mine is not None and _written(mine) >= _written(other)):
+        return mine
+    log.info("=> %s is the newest checkpoint in %s (written %s --sharded-checkpoint): "
+             "resuming from it", other.name, output_dir, "without" if sharded else "with")
+    return other
+
+
+def _written(path: Path) -> float:
+    """When a checkpoint file or directory was written (its trainer state's time)."""
+    return (path / SHARDED_META if path.is_dir() else path).stat().st_mtime
+
+
 def resolve_resume(resume: str | None, output_dir: Path, restarted: bool,
                    sharded: bool = False) -> Path | None:
     """The checkpoint to resume from, or None for a fresh start.
 
-    'auto' means OUTPUT_DIR/checkpoint.pth.tar if it exists (checkpoint.dcp/ with ``sharded``).
+    'auto' means OUTPUT_DIR/checkpoint.pth.tar if it exists (checkpoint.dcp/ with ``sharded``;
+    the other kind when it is the newer: ``own_checkpoint``).
     A torchrun restart always prefers that file (it holds the progress of the attempt that
     failed) and falls back to --resume. An explicit path that does not exist is an error: a
     fresh start would overwrite the checkpoint the user meant to continue. A directory that a
     kill left aside while a save replaced it is used when the directory itself is missing or
     incomplete (``existing_dir``).
     """
-    own = None
-    if sharded:
-        if restarted or resume == "auto":  # a fresh run does not care whether it is whole
-            own = existing_dir(output_dir / dcp_name(CHECKPOINT))
-    elif (output_dir / CHECKPOINT).is_file():
-        own = output_dir / CHECKPOINT
+    own = own_checkpoint(output_dir, sharded, restarted or resume == "auto")
     if restarted and own is not None:
         return own
     if resume == "auto" or (resume is None and restarted):

@@ -75,10 +75,19 @@ def finished(run: Run) -> None:
     out = remote.output_url if remote is not None and remote.output_url else \
         str(run.output_dir.resolve())
     last = files.dcp_name(files.CHECKPOINT) if run.cfg.sharded_checkpoint else files.CHECKPOINT
-    best = [f"{run.best.path.name} (best Acc@1 {run.best.acc1:.3f})"]
+    best = [best_file(run.best.path, run.best.acc1)]
     if run.best_ema is not None:
-        best.append(f"{run.best_ema.path.name} (EMA, best Acc@1 {run.best_ema.acc1:.3f})")
+        best.append(best_file(run.best_ema.path, run.best_ema.acc1, "EMA, "))
     log.info("=> outputs in %s: %s, %s (the last epoch; --resume auto continues it), "
              "metrics.jsonl, config.json", out, ", ".join(best), last)
     if "tensorboard" in tracker_names(run.cfg.log_to):
         log.info("=> curves: tensorboard --logdir %s/tb", out)
+
+
+def best_file(path: Path, acc1: float, what: str = "") -> str:
+    """A best file and its top-1 for the last line; or why the folder has none (a resume from
+    another folder's checkpoint whose best no epoch here beat)."""
+    if path.exists():
+        return f"{path.name} ({what}best Acc@1 {acc1:.3f})"
+    return (f"no {path.name} ({what}no epoch of this run beat the best Acc@1 {acc1:.3f} of "
+            "the checkpoint it resumed, whose folder has that file)")
