@@ -112,3 +112,64 @@ def test_demo_never_overrides_a_flag_given_in_any_spelling(argv, field, value):
 def test_demo_with_a_flag_given_at_its_default_keeps_it():
     cfg = parse_config(["--demo", "-b", "256", "--opt=sgd", "--lr", "0.1"])
     assert (cfg.batch_size, cfg.opt, cfg.lr) == (256, "sgd", 0.1)
+
+
+# Two values of each flag (the sweep below), where the flag's type does not give them.
+SAMPLES = {"time_limit": [5400, "01:00:00"], "log_to": ["none", "mlflow"], "data": ["/x", "/y"],
+           "dist_url": ["tcp://h:1234", "file:///tmp/x"], "arch": ["resnet50", "resnet34"],
+           "weights": ["IMAGENET1K_V1", "IMAGENET1K_V2"], "train_crop_start": [64, 96],
+           "world_size": [2, 3], "rank": [0, 1], "train_crop_ramp": [[1, 3], [2, 4]],
+           "lr_milestones": [[40, 50], [60]]}
+FRACTIONS = {"class_balanced_loss", "random_erase", "label_smoothing", "train_crop_scale",
+             "backbone_lr_scale", "lr_warmup_decay", "lr_gamma", "lr_min", "momentum",
+             "model_ema_decay"}
+NEEDS = {"fsdp_zero": ["--fsdp"], "fsdp_cpu_offload": ["--fsdp"], "fsdp_reduce_dtype": ["--fsdp"],
+         "sharded_checkpoint": ["--fsdp"], "compile_mode": ["--compile"],
+         "train_crop_start": ["--train-crop-ramp", "1", "2"],
+         "train_crop_ramp": ["--train-crop-start", "64"], "weights": ["-a", "resnet50"]}
+OFF_WORDS = ("off", "none")
+SWEPT = [a for a in get_args_parser()._actions
+         if a.dest not in ("help", "config", "local_rank", "env_check")]
+
+
+def _words(value) -> list[str]:
+    """A value as command-line words."""
+    return [str(x) for x in value] if isinstance(value, list) else [str(value)]
+
+
+def _values(action) -> list:
+    if action.dest in SAMPLES:
+        return SAMPLES[action.dest]
+    if action.nargs == 0:
+        return [True]
+    if action.choices:
+        return [c for c in action.choices if c != action.default and c not in OFF_WORDS][:2]
+    if action.dest in FRACTIONS:
+        return [0.5, 0.25]
+    kind = getattr(action.type, "__name__", "str")
+    return {"int": [64, 32], "float": [0.5, 0.25]}.get(kind, ["abc", "def"])
+
+
+@pytest.mark.parametrize("action", SWEPT, ids=lambda a: a.dest)
+def test_every_flag_reads_the_same_from_a_file_and_the_command_line_wins(action, tmp_path):
+    import json
+
+    first, *second = _values(action)
+    longs = [o for o in action.option_strings
+             if o.startswith("--") and o not in getattr(action, "negatives", ())]
+    key, flag = (longs[0][2:], longs[0]) if longs else (action.dest, None)
+    base = [] if action.dest in ("data", "demo") else ["/d"]
+    extra = NEEDS.get(action.dest, [])
+    path = _recipe(tmp_path, f"{key} = {json.dumps(first)}\n")
+    from_file = parse_config([*base, "--config", path, *extra]).to_dict()
+    said = [flag] if action.nargs == 0 else ([flag] if flag else []) + _words(first)
+    from_line = parse_config([*base, *said, *extra]).to_dict()
+    assert {**from_file, "config": None} == from_line
+    if action.nargs == 0:
+        over, want = [action.negatives[0]], False
+    elif second:
+        over, want = ([flag] if flag else []) + _words(second[0]), second[0]
+    else:
+        return
+    got = getattr(parse_config([*base, "--config", path, *over, *extra]), action.dest)
+    assert (list(got) if isinstance(got, tuple) else got) == want
