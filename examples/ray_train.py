@@ -72,12 +72,30 @@ def train_loop(config: dict) -> None:
         imagenet.train(argv, on_checkpoint=report)
     else:
         with resumed.as_directory() as folder:  # the trainer logs that it resumes from it
-            imagenet.train(argv, on_checkpoint=report,
-                           resume_from=Path(folder) / "checkpoint.pth.tar")
+            imagenet.train(argv, on_checkpoint=report, resume_from=reported(Path(folder)))
+
+
+def reported(folder: Path) -> Path:
+    """The trainer's checkpoint in a folder ``report`` gave Ray: checkpoint.pth.tar, or the
+    checkpoint.dcp directory of --sharded-checkpoint (whatever the trainer named it)."""
+    found = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+    if len(found) != 1:
+        raise RuntimeError(f"Ray's checkpoint {folder} holds {[p.name for p in found]}, not the "
+                           "one checkpoint this driver reported")
+    return found[0]
+
+
+def link_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """A hard link (free; the trainer replaces its files, never edits them), else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def report(saved) -> None:
-    """One trainer checkpoint to Ray: rank 0 with the file, the others without (every rank
+    """One trainer checkpoint to Ray: rank 0 with the file (or --sharded-checkpoint's directory,
+    every rank's shards: on the shared --output-dir it needs), the others without (every rank
     reports each time: Ray's report is a barrier)."""
     import ray.train
 
@@ -88,10 +106,10 @@ def report(saved) -> None:
         return
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as folder:
         target = Path(folder) / saved.path.name
-        try:
-            os.link(saved.path, target)  # free; the trainer replaces the file, never edits it
-        except OSError:
-            shutil.copyfile(saved.path, target)
+        if saved.path.is_dir():
+            shutil.copytree(saved.path, target, copy_function=link_or_copy)
+        else:
+            link_or_copy(saved.path, target)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
 
 

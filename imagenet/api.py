@@ -9,6 +9,7 @@ then calls a function in every worker (in a thread of the worker process): that 
 - trains in this process: it never spawns (``--multiprocessing-distributed`` and
   ``--nproc-per-node`` are main.py's); several visible GPUs without a launcher mean GPU 0 (or
   ``--gpu``);
+- counts --time-limit from its call (main.py: from the process's start);
 - returns the final metrics (main.py prints them) and raises ``TrainerError`` subclasses
   (``imagenet.errors``) where main.py prints one line and exits;
 - tells ``on_checkpoint`` of every checkpoint, on every rank, the same number of times
@@ -26,6 +27,7 @@ import io
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -53,13 +55,15 @@ def train(argv: Sequence[str], *, on_checkpoint: Callable[[Saved], None] | None 
     ``on_checkpoint(saved)`` runs on every rank after every checkpoint save; ``resume_from``
     (a checkpoint file of this run) becomes OUTPUT_DIR/checkpoint.pth.tar and is resumed.
     """
+    called = time.time()  # --time-limit counts from here, not from Python's start
     cfg = parse_flags(argv)
     if resume_from is not None:
         cfg = replace(cfg, resume=str(resume_from) if cfg.evaluate else "auto")
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     group = (dist.get_rank(), dist.get_world_size()) \
         if dist.is_available() and dist.is_initialized() else None
-    plan = make_plan(cfg, os.environ, cuda_count, plan_in_process(cfg, cuda_count), group)
+    plan = make_plan(cfg, os.environ, cuda_count, plan_in_process(cfg, cuda_count), group,
+                     started=called)
     check_sync_bn(cfg.sync_bn, plan.device_type)
     from imagenet.run.trainer import run_training  # heavy imports only where training happens
 

@@ -133,3 +133,38 @@ def test_global_batch_size_and_b_exclude_each_other():
         parse_config(["--global-batch-size", "0"])
     cfg = parse_config(["--demo", "--global-batch-size", "48"])
     assert cfg.global_batch_size == 48 and cfg.batch_size == 256  # --demo's -b 64 not applied
+
+
+def test_a_re_logged_epoch_record_names_its_own_epoch(tmp_path, capsys):
+    """A kill between an epoch's save and its metrics.jsonl line: the resume writes the
+    checkpoint's record, and its line names that epoch (0), not the one it starts (1)."""
+    from imagenet.cli import main
+
+    data = write_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=2)
+    out = tmp_path / "out"
+    flags = [str(data), *TINY, "--output-dir", str(out), "--log-to", "none", "--resume", "auto"]
+    assert main([*flags, "--epochs", "1"]) == 0
+    (out / "metrics.jsonl").write_text("")  # as if killed before the line was written
+    capsys.readouterr()
+    assert main([*flags, "--epochs", "2"]) == 0
+    text = capsys.readouterr().out
+    assert re.findall(r"=> epoch (\d+) trained", text) == ["0", "1"], text
+    epochs = [json.loads(ln)["epoch"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert epochs == [0, 1]
+
+
+def test_the_last_line_names_no_best_file_that_is_not_there(tmp_path, capsys):
+    """A resume from another folder's checkpoint whose epochs never beat its best: the new
+    folder has no model_best.pth.tar, and the last lines do not claim one."""
+    from imagenet.cli import main
+
+    data = write_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=2)
+    flags = [str(data), *TINY[:-2], "--log-to", "none"]
+    assert main([*flags, "--lr", "0.01", "--epochs", "1", "--output-dir", str(tmp_path / "a")]) == 0
+    capsys.readouterr()
+    assert main([*flags, "--lr", "0", "--freeze-backbone", "--epochs", "2", "--output-dir",
+                 str(tmp_path / "b"), "--resume", str(tmp_path / "a" / "checkpoint.pth.tar")]) == 0
+    text = capsys.readouterr().out
+    assert not (tmp_path / "b" / "model_best.pth.tar").exists()  # the same weights: not better
+    assert "outputs in" in text and "model_best.pth.tar (best Acc@1" not in text, text
+    assert "no epoch of this run beat" in text

@@ -173,3 +173,21 @@ def test_train_uses_the_callers_process_group_and_leaves_it_alive(tmp_path):
     assert ckpt["world_size"] == 2 and ckpt["epoch"] == 1
     config = json.loads((out / "config.json").read_text())
     assert config["world_size"] == 2 and config["batch_per_process"] == 4
+
+
+def test_train_counts_the_time_limit_from_its_call(tmp_path, capsys):
+    """A notebook calls imagenet.train long after Python started: --time-limit is the call's."""
+    import re
+    import time
+
+    from imagenet.settings.plan import process_start
+
+    time.sleep(max(0.0, 20 - (time.time() - process_start())))  # this process: 20 s old or more
+    imagenet.train(["--dummy", "--dummy-size", "8", "--dummy-val-size", "4", "--dummy-classes",
+                    "2", "-a", "resnet18", "--train-crop-size", "32", "--val-resize-size", "36",
+                    "--val-crop-size", "32", "-b", "8", "-j", "0", "--epochs", "1", "--log-to",
+                    "none", "--time-limit", "600", "--output-dir", str(tmp_path)])
+    left = re.search(r"--time-limit 600 at .* \((\d+) min (\d+) s from now\)",
+                     capsys.readouterr().out)
+    assert left, "no time-limit line"
+    assert int(left[1]) * 60 + int(left[2]) >= 590  # not 600 less this process's age

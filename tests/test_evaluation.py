@@ -109,6 +109,36 @@ def test_eval_folder_needs_a_checkpoint_and_a_folder(capsys, tmp_path, checkpoin
     assert code == 2 and "--val-data" in line and "no such folder" in line
 
 
+def test_eval_folder_of_one_image_evaluates_it(capsys, tmp_path, checkpoint):
+    """Nothing trains under -e: no training-set size can refuse it."""
+    from PIL import Image
+
+    (tmp_path / "one" / "class2").mkdir(parents=True)
+    Image.new("RGB", (40, 40), (200, 30, 30)).save(tmp_path / "one" / "class2" / "a.jpg")
+    code = main([*TINY, "-e", "--resume", str(checkpoint), "--val-data", str(tmp_path / "one"),
+                 "--output-dir", str(tmp_path / "o"), "--log-to", "none"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "(1 images)" in captured.out
+    assert (tmp_path / "o" / "per_class.json").is_file()
+
+
+def test_eval_of_shards_ignores_what_only_training_needs(capsys, tmp_path, checkpoint):
+    """-e on tar shards whose training split is smaller than a batch, with a recipe's
+    --ra-reps: neither stops an evaluation."""
+    from test_shards import prepare_shards
+
+    write_image_folder(tmp_path / "d", classes=3, train_per_class=1, val_per_class=2)
+    proc = prepare_shards(tmp_path / "d", tmp_path / "shards")
+    assert proc.returncode == 0, proc.stderr
+    code = main([str(tmp_path / "shards"), *TINY, "-b", "16", "--ra-reps", "4", "-e",
+                 "--resume", str(checkpoint), "--output-dir", str(tmp_path / "o"),
+                 "--log-to", "none"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "(6 images)" in captured.out
+
+
 def test_predictions_path_is_checked_before_any_work(capsys, tmp_path, checkpoint):
     code, line = _error(capsys, str(tmp_path), *TINY, "-e", "--resume", str(checkpoint),
                         "--predictions", str(tmp_path))
@@ -181,3 +211,12 @@ def test_shard_predictions_know_which_sample_each_row_is(tmp_path):
     assert sorted(i for i, _, _ in every) == list(range(9))
     first = {url: min(i for i, u, _ in every if u == url) for _, url, _ in every}
     assert all(names(i) == f"{url}#{i - first[url]}" for i, url, _ in every)
+
+
+def test_eval_resume_auto_without_a_checkpoint_is_refused(capsys, tmp_path):
+    """-e --resume auto in a folder with no checkpoint: one line, not an untrained model's
+    numbers."""
+    data = write_image_folder(tmp_path / "d", classes=2, train_per_class=2, val_per_class=1)
+    code, line = _error(capsys, str(data), *TINY, "-e", "--resume", "auto", "--output-dir",
+                        str(tmp_path / "empty"), "--log-to", "none")
+    assert code == 2 and "-e --resume auto: no checkpoint in" in line, line

@@ -216,12 +216,24 @@ def wait_for_rays_checkpoint(run: Path, proc: subprocess.Popen, log: Path) -> No
 def ray_run(data, tmp_path_factory):  # noqa: F811
     """examples/ray_train.py on a local Ray (2 CPUs, 2 workers, 4 epochs); once Ray holds the
     first checkpoint, one training worker is SIGKILLed."""
-    base = tmp_path_factory.mktemp("ray")
+    return ray_driver_run(tmp_path_factory.mktemp("ray"), data, "--epochs", "4")
+
+
+@pytest.fixture(scope="module")
+def ray_sharded_run(data, tmp_path_factory):  # noqa: F811
+    """The same with --fsdp --sharded-checkpoint (checkpoint.dcp directories), 3 epochs."""
+    return ray_driver_run(tmp_path_factory.mktemp("ray_dcp"), data, "--epochs", "3", "--fsdp",
+                          "--sharded-checkpoint")
+
+
+def ray_driver_run(base: Path, data: Path, *flags: str) -> dict:  # noqa: F811
+    """examples/ray_train.py with main.py's ``flags``; one worker SIGKILLed once Ray holds a
+    checkpoint; the driver's exit code, log, and folders."""
     storage, out, log = base / "storage", base / "out", base / "driver.log"
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths
     cmd = [sys.executable, str(EXAMPLES / "ray_train.py"), "--num-workers", "2", "--num-cpus",
            "2", "--storage-path", str(storage), "--max-failures", "2", "--", str(data),
-           *TINY_RUN, "--epochs", "4", "--output-dir", str(out)]
+           *TINY_RUN, *flags, "--output-dir", str(out)]
     # Health checks every 0.5 s (default 2 s): Ray registers a reported checkpoint sooner.
     env = child_env(RAY_USAGE_STATS_ENABLED="0", RAY_TMPDIR=ray_tmp, RAY_DEDUP_LOGS="0",
                     RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.5")
@@ -272,3 +284,18 @@ def test_ray_keeps_the_newest_checkpoints_and_they_load(ray_run):
     assert f"newest checkpoint {newest}" in ray_run["log"]
     own = load_checkpoint(ray_run["out"] / "checkpoint.pth.tar")
     assert own["global_step"] == ckpt["global_step"] == 12  # 4 epochs of 3 steps
+
+
+@pytest.mark.slow
+def test_ray_with_sharded_checkpoints_reports_and_resumes_the_directory(ray_sharded_run):
+    log = ray_sharded_run["log"]
+    assert ray_sharded_run["code"] == 0, log
+    assert "(the caller's checkpoint of this run)" in log, log  # the restarted group resumed
+    assert re.search(r"=> loaded checkpoint '.*checkpoint\.dcp' \(epoch", log), log
+    out = ray_sharded_run["out"]
+    epochs = [json.loads(ln)["epoch"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert epochs == [0, 1, 2], epochs
+    state = rays_checkpoints(ray_sharded_run["storage"])
+    newest = ray_sharded_run["storage"] / state["latest_checkpoint_result"]["checkpoint_dir_name"]
+    assert load_checkpoint(newest / "checkpoint.dcp" / "trainer_state.pth.tar")["epoch"] == 3
+    assert not (newest / "checkpoint.pth.tar").exists()

@@ -373,3 +373,29 @@ def test_tta_flip_averages_the_softmax_of_each_image_and_its_mirror(runs):
     assert float(row["confidence"]) == pytest.approx(float(mean.max()), abs=2e-6)
     top5 = [float(p) for p in row["top5_confidence"].split("|")]
     assert top5 == pytest.approx(sorted(mean[0].tolist(), reverse=True), abs=2e-6)
+
+
+@pytest.mark.parametrize("arch", ["googlenet", "inception_v3"])
+def test_torchvision_files_with_aux_heads_finetune_and_evaluate(arch, tmp_path):
+    """torchvision's GoogLeNet and Inception-v3 .pth files hold the aux classifiers, which the
+    trainer's models drop: their keys are not used, and say so; the rest loads."""
+    from imagenet.checkpoint.files import load_model_state
+    from imagenet.training.finetune import prepare_model
+    from imagenet.training.models import build_model
+
+    torch.manual_seed(0)
+    published = torchvision.models.get_model(arch, weights=None, aux_logits=True,
+                                             init_weights=False, num_classes=10).state_dict()
+    assert any(k.startswith(("aux1.", "AuxLogits.")) for k in published)
+    path = tmp_path / f"{arch}.pth"
+    torch.save(published, path)
+    model = build_model(arch, 3, False, None)
+    cfg = parse_config(["d", "-a", arch, "--finetune", str(path)])
+    prepare_model(model, cfg, ["a", "b", "c"], read_weights(path))
+    state = model.state_dict()
+    assert_bitwise({k: v for k, v in state.items() if not k.startswith("fc.")},
+                   {k: v for k, v in published.items() if k in state and not k.startswith("fc.")})
+    # -e --resume of the same file at its own class count
+    model = build_model(arch, 10, False, None)
+    load_model_state(model, {"state_dict": published}, path, arch)
+    assert torch.equal(model.state_dict()["fc.weight"], published["fc.weight"])

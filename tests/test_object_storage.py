@@ -15,7 +15,7 @@ from pathlib import Path
 import fsspec
 import pytest
 import torch
-from helpers import ROOT, child_env, main_cmd, write_image_folder
+from helpers import ROOT, child_env, main_cmd, run_main, write_image_folder
 from moto.server import ThreadedMotoServer
 from test_fault_tolerance import Live
 from test_shards import prepare_shards
@@ -126,7 +126,7 @@ def test_fresh_run_moves_the_urls_record_aside_and_push_uploads_in_order(s3, tmp
     assert remote.output_url == "s3://runs/old" and staging == storage.staging_dir(
         "s3://runs/old")
     staging.mkdir(parents=True, exist_ok=True)
-    remote.attach(continuing=False, writes=True)
+    remote.attach(continuing=False, training=True)
     assert remote.move_previous_run() == "s3://runs/old/previous/2026-01-02_03-04-05"
     fs = bucket()
     assert sorted(p.split("/", 2)[2] for p in fs.find("runs/old")) == [
@@ -159,7 +159,7 @@ def test_fresh_run_moves_the_urls_record_aside_and_push_uploads_in_order(s3, tmp
     # A run that continues the URL's run gets its record back on a node with nothing staged.
     storage.clear_staging(staging)
     remote.sent.clear()
-    remote.attach(continuing=True, writes=True)
+    remote.attach(continuing=True, training=True)
     assert (staging / files.CHECKPOINT).read_bytes() == b"c2"
     assert (staging / "metrics.jsonl").read_bytes() == b"m\n"
     assert not (staging / "tb").exists()  # events stay in the bucket
@@ -171,18 +171,18 @@ def test_urls_that_cannot_work_are_one_clear_error(s3, shards_in_bucket, tmp_pat
                                     "s3://runs/x"]))
     _, remote = storage.stage(parse_config(["d", "--output-dir", "s3://no-such-bucket/r"]))
     with pytest.raises(UsageError, match="s3://no-such-bucket/r: cannot write there"):
-        remote.attach(continuing=False, writes=True)
+        remote.attach(continuing=False, training=True)
     _, remote = storage.stage(parse_config(["d", "--output-dir", "nosuchfs://b/r"]))
     with pytest.raises(UsageError, match="nosuchfs://b/r"):
-        remote.attach(continuing=False, writes=True)
+        remote.attach(continuing=False, training=True)
     # gcsfs is not installed here (no GCS server in CI): the line names it and the extra.
     _, remote = storage.stage(parse_config(["d", "--output-dir", "gs://b/r"]))
     with pytest.raises(UsageError, match=r"gs://b/r: Please install gcsfs .*\[cloud\]"):
-        remote.attach(continuing=False, writes=True)
+        remote.attach(continuing=False, training=True)
     _, remote = storage.stage(parse_config(["d", "--resume", "s3://runs/none/checkpoint.pth.tar",
                                             "-e"]))
     with pytest.raises(UsageError, match="--resume: no checkpoint at s3://runs/none"):
-        remote.attach(continuing=False, writes=False)
+        remote.attach(continuing=False, training=False)
     with pytest.raises(ShardMissing, match="s3://data/wds/train-999999.tar is missing"):
         open_shard("s3://data/wds/train-999999.tar")
     with open_shard(f"{shards_in_bucket}/_info.json") as f:
@@ -238,3 +238,81 @@ def test_other_filesystems_get_a_temporary_name_then_a_rename(tmp_path):
     objectstore.upload(fs, local, str(target))
     assert target.read_bytes() == b"new"
     assert sorted(p.name for p in target.parent.iterdir()) == ["checkpoint.pth.tar"]
+
+
+def _jsonl_epochs(fs, key: str) -> list[int]:
+    return [json.loads(ln)["epoch"] for ln in fs.cat_file(key).split(b"\n") if ln]
+
+
+@pytest.fixture(scope="module")
+def folder_data(tmp_path_factory) -> Path:
+    return write_image_folder(tmp_path_factory.mktemp("s3folder") / "data")
+
+
+@pytest.mark.slow
+def test_a_resume_from_the_bucket_continues_the_history_and_the_tracker_run(
+        s3, folder_data, tmp_path):
+    """--keep-checkpoints' index and files, and --log-to mlflow's run id (trackers.json), come
+    back from the bucket on another node: the resumed run continues them."""
+    env = child_env(**s3, MLFLOW_TRACKING_URI=f"file:{tmp_path / 'mlruns'}",
+                    MLFLOW_ALLOW_FILE_STORE="true")
+    common = [str(folder_data), *FLAGS, "--output-dir", "s3://runs/hist", "--resume", "auto",
+              "--keep-checkpoints", "1", "--log-to", "mlflow"]
+    first = run_main(*common, "--epochs", "1", env={**env, **on_node(tmp_path, "node1")},
+                     cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    run_id = json.loads(bucket().cat_file("runs/hist/trackers.json"))["mlflow"]["run_id"]
+    second = run_main(*common, "--epochs", "2", "--predictions", "s3://data/hist-pred/p.csv",
+                      env={**env, **on_node(tmp_path, "node2")}, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert f"MLflow run {run_id} (continued)" in second.stdout, second.stdout
+    fs = bucket()
+    assert json.loads(fs.cat_file("runs/hist/trackers.json"))["mlflow"]["run_id"] == run_id
+    index = json.loads(fs.cat_file("runs/hist/checkpoints.json"))["checkpoints"]
+    kept = sorted(Path(p).name for p in fs.glob("runs/hist/checkpoint_epoch*"))
+    assert kept == [e["file"] for e in index] and len(kept) == 1, (kept, index)
+    assert _jsonl_epochs(fs, "runs/hist/metrics.jsonl") == [0, 1]
+    rows = fs.cat_file("data/hist-pred/p.csv").decode().splitlines()  # --predictions URL
+    assert rows[0].startswith("path,target,pred") and len(rows) == 10
+    assert not (tmp_path / "s3:").exists() and not (ROOT / "s3:").exists()
+    # A fresh run in the used URL moves the whole record aside, the kept epochs too.
+    third = run_main(str(folder_data), *FLAGS, "--output-dir", "s3://runs/hist", "--epochs", "1",
+                     env={**env, **on_node(tmp_path, "node3")}, cwd=tmp_path)
+    assert third.returncode == 0, third.stderr
+    fs = bucket()
+    assert [Path(p).name for p in fs.glob("runs/hist/previous/*/checkpoint_epoch*")] == kept
+    assert [Path(p).name for p in fs.glob("runs/hist/previous/*/trackers.json")]
+    assert not fs.glob("runs/hist/checkpoint_epoch*") and not fs.exists("runs/hist/trackers.json")
+
+
+@pytest.mark.slow
+def test_evaluate_uploads_its_reports_and_predictions_to_urls(s3, folder_data, tmp_path):
+    """-e with --output-dir and --predictions URLs: the reports and the CSV are in the bucket,
+    nothing lands in a local folder named 's3:'; -e --resume auto reads the URL's checkpoint."""
+    env = child_env(**s3, **on_node(tmp_path, "node"))
+    train = run_main(str(folder_data), *FLAGS, "--epochs", "1", "--output-dir", "s3://runs/ev0",
+                     env=env, cwd=tmp_path)
+    assert train.returncode == 0, train.stderr
+    fs = bucket()
+    checkpoint = fs.cat_file("runs/ev0/checkpoint.pth.tar")
+    flags = [str(folder_data), *FLAGS, "-e"]
+    proc = run_main(*flags, "--resume", "s3://runs/ev0/model_best.pth.tar", "--output-dir",
+                    "s3://runs/ev", "--predictions", "s3://runs/ev/sub/pred.csv", env=env,
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    fs = bucket()
+    names = {p.split("/", 2)[2] for p in fs.find("runs/ev")}
+    assert {"per_class.csv", "per_class.json", "confusion_matrix.csv", "sub/pred.csv"} <= names
+    assert not {"model_best.pth.tar", "checkpoint.pth.tar"} & names, names
+    assert len(fs.cat_file("runs/ev/sub/pred.csv").decode().splitlines()) == 10
+    assert not (tmp_path / "s3:").exists() and not (ROOT / "s3:").exists()
+    # -e --resume auto in the training run's own URL: its checkpoint, its reports beside it
+    proc = run_main(*flags, "--resume", "auto", "--output-dir", "s3://runs/ev0",
+                    "--predictions", "s3://data/elsewhere/p.csv", "--log-to", "none", env=env,
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "checkpoint.pth.tar' (after 1 epoch(s))" in proc.stdout, proc.stdout
+    fs = bucket()
+    assert json.loads(fs.cat_file("runs/ev0/per_class.json"))["images"] == 9
+    assert fs.cat_file("runs/ev0/checkpoint.pth.tar") == checkpoint  # read, not rewritten
+    assert len(fs.cat_file("data/elsewhere/p.csv").decode().splitlines()) == 10

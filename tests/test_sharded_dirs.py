@@ -148,3 +148,25 @@ def test_resuming_a_damaged_directory_stops_every_rank_with_one_line(tmp_path):
               "(an earlier run's are in previous/), or move it away and start without --resume")
     assert f"\nerror: {reason}\n" in "\n" + result.stderr, result.stderr
     assert f"\n[rank 1] error: {reason}\n" in "\n" + result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_turning_sharded_checkpoints_on_or_off_resumes_the_newest_kind(tmp_path, capsys):
+    """--resume auto after --sharded-checkpoint was turned off (or on): the folder's newest
+    checkpoint, of either kind, continues; not a fresh start that moves the run aside."""
+    from imagenet.cli import main
+
+    data = write_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=2)
+    out = tmp_path / "out"
+    flags = [str(data), *TINY, "--fsdp", "--output-dir", str(out), "--resume", "auto",
+             "--log-to", "none"]
+    assert main([*flags, "--epochs", "1", "--sharded-checkpoint"]) == 0
+    capsys.readouterr()
+    assert main([*flags, "--epochs", "2"]) == 0  # off: checkpoint.dcp/ is all there is
+    text = capsys.readouterr().out
+    assert "checkpoint.dcp is the newest checkpoint" in text and "starting fresh" not in text
+    assert main([*flags, "--epochs", "3", "--sharded-checkpoint"]) == 0  # on: the file is newer
+    text = capsys.readouterr().out
+    assert "checkpoint.pth.tar is the newest checkpoint" in text, text
+    epochs = [json.loads(ln)["epoch"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert epochs == [0, 1, 2] and not (out / "previous").exists()

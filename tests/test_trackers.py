@@ -210,3 +210,39 @@ def test_unknown_tracker_is_a_usage_error(capsys):
     assert exit_.value.code == 2
     assert "argument --log-to: unknown tracker 'mlfow': give a comma-separated list of " \
            "tensorboard, mlflow, wandb, or none" in capsys.readouterr().err
+
+
+def test_log_to_none_writes_no_tensorboard_and_names_none(tmp_path, capsys):
+    from imagenet.cli import main
+
+    data = write_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=2)
+    out, ev = tmp_path / "out", tmp_path / "ev"
+    assert main([str(data), *TINY, "--epochs", "1", "--log-to", "none", "--output-dir",
+                 str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "tensorboard --logdir" not in text and not (out / "tb").exists()
+    assert main([str(data), *TINY, "-e", "--resume", str(out / "checkpoint.pth.tar"),
+                 "--log-to", "none", "--output-dir", str(ev)]) == 0
+    assert (ev / "per_class.json").is_file() and not (ev / "tb").exists()
+
+
+@pytest.mark.slow
+def test_evaluate_logs_to_mlflow_and_wandb_in_runs_of_its_own(tracked, monkeypatch):
+    """-e --log-to mlflow,wandb in a training run's folder: new runs (OUTPUT_DIR-eval) with the
+    evaluation's numbers; the folder's trackers.json keeps naming the training runs."""
+    base, out = tracked["base"], tracked["out"]
+    env = child_env(MLFLOW_TRACKING_URI=f"file:{base / 'mlruns'}", MLFLOW_ALLOW_FILE_STORE="true",
+                    WANDB_MODE="offline", WANDB_DIR=str(base / "wandb-eval"), WANDB_SILENT="true")
+    (base / "wandb-eval").mkdir()
+    proc = run_main(str(base / "data"), *TINY, "-e", "--resume", str(out / "checkpoint.pth.tar"),
+                    "--output-dir", str(out), "--log-to", "mlflow,wandb", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((out / RUN_IDS).read_text()) == tracked["fresh_ids"]
+    client = _mlflow_client(base, monkeypatch)
+    runs = client.search_runs(client.search_experiments()[0].experiment_id,
+                              filter_string="tags.mlflow.runName = 'out-eval'")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    acc1 = float(proc.stdout.split(" * Acc@1 ")[1].split()[0])
+    assert runs[0].data.metrics["eval/acc1"] == pytest.approx(acc1, abs=1e-3)
+    assert runs[0].data.params["evaluate"] == "True"
+    assert len(list((base / "wandb-eval" / "wandb").glob("offline-run-*"))) == 1

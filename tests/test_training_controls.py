@@ -255,6 +255,30 @@ def test_the_deadline_keeps_room_for_the_stop():
     assert "before the end (a step takes up to 6.0 s, a save 20.0 s)" in deadline.describe()
 
 
+def test_the_time_limit_keeps_room_for_compiling_a_new_crop_size():
+    """Suspicion settled (it held): at an epoch's end the margin covers ordinary steps, but
+    under --compile the next epoch's first step at a new crop size compiles graphs, as long as
+    the run's first step took; the stop before such an epoch keeps room for it."""
+    from imagenet.launching.preemption import StopFlag
+
+    def epoch_then_end(compiles: bool) -> tuple[bool, float]:
+        clock = [0.0]
+        stop = StopFlag(Deadline(end=300.0, name="the end", save_seconds=5.0,
+                                 now=lambda: clock[0]))
+        for seconds in [60.0] + [1.0] * 25:  # the first step compiled the first size's graphs
+            clock[0] += seconds
+            assert not stop.should_stop()
+        clock[0] += 170.0  # validation; the save measured
+        stop.saved(5.0)
+        return stop.settle(compiles=compiles), 300.0 - clock[0]
+
+    going_on, left = epoch_then_end(compiles=False)
+    assert not going_on and left == 45.0  # an ordinary step, saves and the exit fit in 45 s ...
+    assert left - 60.0 < 0  # ... a compiling step does not: the save would come after the end
+    stopping, _ = epoch_then_end(compiles=True)
+    assert stopping
+
+
 # ---------------------------------------------------------------- --keep-checkpoints
 
 
@@ -281,15 +305,38 @@ def test_the_history_keeps_the_best_by_top1_later_epochs_first_at_a_tie(tmp_path
 def test_a_kill_between_the_steps_of_an_epoch_end_leaves_a_consistent_history(tmp_path):
     keep(tmp_path, 1, 1, 50.0)
     # Killed after the index named epoch 2 but before its file was written: the entry is
-    # dropped when read, and the next epoch end deletes the file no entry names.
+    # dropped when read, the one it evicted is still kept, and the next epoch end deletes what
+    # no entry names.
     history.plan(tmp_path, 1, history.epoch_entry(2, 60.0, 20, False))
-    assert history.read_index(tmp_path) == []
+    assert [e.epoch for e in history.read_index(tmp_path)] == [1]
     assert (tmp_path / "checkpoint_epoch001.pth.tar").is_file()
     keep(tmp_path, 1, 2, 60.0)
     assert sorted(p.name for p in tmp_path.glob("checkpoint_epoch*")) == [
         "checkpoint_epoch002.pth.tar"]
     (tmp_path / "checkpoints.json").write_text("{not json")
     assert history.read_index(tmp_path) == []  # a damaged index: a warning, a new start
+
+
+def test_a_kill_between_the_index_and_the_link_loses_no_evicted_checkpoint(tmp_path):
+    """Suspicion settled: epoch 3 evicts epoch 2 from the index, then the kill comes before its
+    file is linked; the resume trains epoch 3 again, worse this time: epoch 2 is still among
+    the two best and must still be kept."""
+    keep(tmp_path, 2, 1, 50.0)
+    keep(tmp_path, 2, 2, 40.0)
+    history.plan(tmp_path, 2, history.epoch_entry(3, 60.0, 30, False))  # killed after this
+    assert [e.epoch for e in history.read_index(tmp_path)] == [1, 2]  # as before epoch 3
+    keep(tmp_path, 2, 3, 30.0)  # epoch 3 again, from the resumed checkpoint of epoch 2
+    assert sorted(p.name for p in tmp_path.glob("checkpoint_epoch*")) == [
+        "checkpoint_epoch001.pth.tar", "checkpoint_epoch002.pth.tar"]
+    assert [e.epoch for e in history.read_index(tmp_path)] == [1, 2]
+    # Killed after the link, before the prune: the eviction stands.
+    path = history.plan(tmp_path, 2, history.epoch_entry(4, 45.0, 40, False))
+    files.atomic_save({"epoch": 4, "state_dict": {}}, path)
+    assert [e.epoch for e in history.read_index(tmp_path)] == [1, 4]
+    keep(tmp_path, 2, 5, 1.0)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint_epoch*")) == [
+        "checkpoint_epoch001.pth.tar", "checkpoint_epoch004.pth.tar"]
+    assert "evicting" not in json.loads((tmp_path / "checkpoints.json").read_text())
 
 
 def test_a_fresh_run_moves_the_history_to_previous(tmp_path):

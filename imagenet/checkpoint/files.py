@@ -26,6 +26,7 @@ import imagenet.launching.watchdog as watchdog
 import imagenet.training.fsdp as fsdp
 from imagenet.checkpoint import whole
 from imagenet.errors import CheckpointError, UsageError
+from imagenet.training.models import without_dropped_aux
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,25 @@ def atomic_copy(src: Path, dst: Path) -> None:
     _fsync_dir(dst.parent)
 
 
+def atomic_copy_dir(src: Path, dst: Path) -> None:
+    """Copy checkpoint directory ``src`` to ``dst`` (hard links where the filesystem allows)
+    through a temp directory and ``replace_dir``: ``dst`` is never partial."""
+    tmp = _tmp_name(dst)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    def link_or_copy(a: str, b: str) -> None:
+        try:
+            os.link(a, b)  # free; checkpoint files are replaced, never edited
+        except OSError:
+            shutil.copy2(a, b)
+
+    try:
+        shutil.copytree(src, tmp, copy_function=link_or_copy)
+        replace_dir(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def dcp_name(name: str) -> str:
     """The sharded checkpoint directory's name for a file name: checkpoint.pth.tar ->
     checkpoint.dcp."""
@@ -345,7 +365,7 @@ def load_model_state(model: torch.nn.Module, ckpt: Mapping[str, Any], path: Path
     if saved_arch and saved_arch != arch:
         raise CheckpointError(f"{path} was saved for -a {saved_arch}, but this run uses "
                               f"-a {arch}; pass -a {saved_arch} or another checkpoint")
-    state = strip_wrapper_prefixes(ckpt["state_dict"])
+    state, _ = without_dropped_aux(strip_wrapper_prefixes(ckpt["state_dict"]), model)
     own = model.state_dict()
     # BatchNorm's step counter is missing from older files; torch's loader fills it in.
     missing = sorted(k for k in set(own) - set(state) if not k.endswith("num_batches_tracked"))
@@ -396,23 +416,43 @@ def best_acc1_of(ckpt: Mapping[str, Any], key: str = "best_acc1") -> float:
     return float(value.item() if isinstance(value, torch.Tensor) else value)
 
 
+def own_checkpoint(output_dir: Path, sharded: bool, resuming: bool) -> Path | None:
+    """OUTPUT_DIR's checkpoint: the kind this run writes (checkpoint.pth.tar, or checkpoint.dcp/
+    with ``sharded``), or the other kind where only that one is there or it is newer (a run
+    that turned --sharded-checkpoint on or off continues, not starts afresh). Directories only
+    when ``resuming`` (a fresh run does not care whether one is whole)."""
+    file, directory = output_dir / CHECKPOINT, output_dir / dcp_name(CHECKPOINT)
+    if sharded:
+        mine = existing_dir(directory) if resuming else None
+        other = file if file.is_file() else None
+    else:
+        mine = file if file.is_file() else None
+        other = directory if resuming and incomplete(directory) is None else None
+    if other is None or (mine is not None and _written(mine) >= _written(other)):
+        return mine
+    log.info("=> %s is the newest checkpoint in %s (written %s --sharded-checkpoint): "
+             "resuming from it", other.name, output_dir, "without" if sharded else "with")
+    return other
+
+
+def _written(path: Path) -> float:
+    """When a checkpoint file or directory was written (its trainer state's time)."""
+    return (path / SHARDED_META if path.is_dir() else path).stat().st_mtime
+
+
 def resolve_resume(resume: str | None, output_dir: Path, restarted: bool,
                    sharded: bool = False) -> Path | None:
     """The checkpoint to resume from, or None for a fresh start.
 
-    'auto' means OUTPUT_DIR/checkpoint.pth.tar if it exists (checkpoint.dcp/ with ``sharded``).
+    'auto' means OUTPUT_DIR/checkpoint.pth.tar if it exists (checkpoint.dcp/ with ``sharded``;
+    the other kind when it is the newer: ``own_checkpoint``).
     A torchrun restart always prefers that file (it holds the progress of the attempt that
     failed) and falls back to --resume. An explicit path that does not exist is an error: a
     fresh start would overwrite the checkpoint the user meant to continue. A directory that a
     kill left aside while a save replaced it is used when the directory itself is missing or
     incomplete (``existing_dir``).
     """
-    own = None
-    if sharded:
-        if restarted or resume == "auto":  # a fresh run does not care whether it is whole
-            own = existing_dir(output_dir / dcp_name(CHECKPOINT))
-    elif (output_dir / CHECKPOINT).is_file():
-        own = output_dir / CHECKPOINT
+    own = own_checkpoint(output_dir, sharded, restarted or resume == "auto")
     if restarted and own is not None:
         return own
     if resume == "auto" or (resume is None and restarted):

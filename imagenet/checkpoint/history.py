@@ -7,11 +7,14 @@ besides checkpoint.pth.tar and model_best.pth.tar, ranked by the model's validat
 later epoch first at a tie). Rank 0 decides against what is on disk, so the history survives
 resumes and restarts; a fresh run moves it to previous/ with the rest of the earlier run.
 
-An epoch end writes, in this order: the index with the new set (``plan``), the epoch's file (a
-hard link of the new checkpoint, in place before checkpoint.pth.tar is replaced, like the best
-file), then deletes the files that left the set (``prune``). A kill anywhere leaves at worst an
-index entry whose file never came (dropped when the index is read) or a file no entry names
-(deleted by the next ``prune``); the files themselves are always whole.
+An epoch end writes, in this order: the index with the new set and the entries it evicts
+(``plan``), the epoch's file (a hard link of the new checkpoint, in place before
+checkpoint.pth.tar is replaced, like the best file), then deletes the files that left the set and
+the evicted entries with them (``prune``). A kill in between leaves the index with its evicted
+entries: read then, the kept set is the best of both whose files exist, so an epoch end whose
+file never came evicts nothing (the resume trains that epoch again, maybe to a lower score), and
+one whose file came evicts as planned. A file no entry names is deleted by the next ``prune``;
+the files themselves are always whole.
 """
 
 from __future__ import annotations
@@ -44,18 +47,25 @@ def epoch_name(epoch: int, sharded: bool) -> str:
 
 
 def read_index(folder: Path) -> list[Entry]:
-    """The kept checkpoints whose files exist, best first ([] without a readable index)."""
+    """The kept checkpoints whose files exist, best first ([] without a readable index); after
+    an unfinished epoch end, the best ``keep`` of its kept and evicted entries."""
     try:
-        raw = json.loads((folder / files.HISTORY_INDEX).read_text())["checkpoints"]
-        entries = [Entry(str(e["file"]), int(e["epoch"]), float(e["acc1"]),
-                         int(e["global_step"])) for e in raw]
+        index = json.loads((folder / files.HISTORY_INDEX).read_text())
+        entries, evicting = (_entries(index.get(key, [])) for key in ("checkpoints", "evicting"))
+        keep = int(index.get("keep", len(entries)))
     except FileNotFoundError:
         return []
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         log.warning("ignoring %s (%s): the checkpoint history starts again from the files it "
                     "keeps", folder / files.HISTORY_INDEX, exc)
         return []
-    return ranked(e for e in entries if (folder / e.file).exists())
+    present = [e for e in [*entries, *evicting] if (folder / e.file).exists()]
+    return ranked(present)[:keep] if evicting else ranked(present)
+
+
+def _entries(raw: list) -> list[Entry]:
+    return [Entry(str(e["file"]), int(e["epoch"]), float(e["acc1"]), int(e["global_step"]))
+            for e in raw]
 
 
 def ranked(entries) -> list[Entry]:
@@ -68,16 +78,25 @@ def plan(folder: Path, keep: int, entry: Entry) -> Path | None:
     the path the epoch's checkpoint must be copied to (None: not among them)."""
     others = [e for e in read_index(folder) if e.epoch != entry.epoch]  # a retrained epoch
     kept = ranked([*others, entry])[:keep]
-    index = {"keep": keep, "ranked_by": "val_acc1", "checkpoints": [asdict(e) for e in kept]}
-    files.atomic_write_text(folder / files.HISTORY_INDEX, json.dumps(index, indent=1) + "\n")
+    evicted = [e for e in others if e not in kept]  # until ``prune``: see the module docstring
+    write_index(folder, keep, kept, evicted)
     return folder / entry.file if entry in kept else None
+
+
+def write_index(folder: Path, keep: int, kept: list[Entry], evicting: list[Entry]) -> None:
+    """checkpoints.json, atomically."""
+    index = {"keep": keep, "ranked_by": "val_acc1", "checkpoints": [asdict(e) for e in kept]}
+    if evicting:
+        index["evicting"] = [asdict(e) for e in evicting]
+    files.atomic_write_text(folder / files.HISTORY_INDEX, json.dumps(index, indent=1) + "\n")
 
 
 def prune(folder: Path, sharded: bool) -> None:
     """Delete the epoch checkpoints of this kind (files, or --sharded-checkpoint directories)
     that the index no longer names (after the save: rank 0). The other kind is left alone: a
     kept directory's unsharded file, say."""
-    named = {e.file for e in read_index(folder)}
+    kept = read_index(folder)
+    named = {e.file for e in kept}
     pattern = files.dcp_name(files.EPOCH_PATTERN) if sharded else files.EPOCH_PATTERN
     for path in folder.glob(pattern):
         if path.name in named:
@@ -87,6 +106,12 @@ def prune(folder: Path, sharded: bool) -> None:
         else:
             path.unlink(missing_ok=True)
         log.debug("--keep-checkpoints: removed %s", path)
+    try:
+        index = json.loads((folder / files.HISTORY_INDEX).read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(index, dict) and index.get("evicting"):  # the epoch end is complete now
+        write_index(folder, int(index.get("keep", len(kept))), kept, [])
 
 
 def epoch_entry(epoch: int, acc1: float, global_step: int, sharded: bool) -> Entry:

@@ -16,10 +16,17 @@ whose best has no file.
 
 At start, a run that continues the URL's run (``--resume auto`` or a torchrun restart, with a
 checkpoint there; or ``--resume URL/checkpoint.pth.tar``) downloads checkpoint.pth.tar, the best
-files, metrics.jsonl and config.json. TensorBoard events stay in the bucket: the resumed run
-writes a new events file whose purge marker hides what a killed run logged after its checkpoint
-(TensorBoard reads a folder's files together). A fresh run in a used URL moves the earlier run's
-record to URL/previous/<its start time>/, as on a disk.
+files, metrics.jsonl, config.json, trackers.json (the MLflow/W&B runs it continues), and
+--keep-checkpoints' checkpoints.json with the epoch checkpoints it names. TensorBoard events stay
+in the bucket: the resumed run writes a new events file whose purge marker hides what a killed
+run logged after its checkpoint (TensorBoard reads a folder's files together). A fresh run in a
+used URL moves the earlier run's record to URL/previous/<its start time>/, as on a disk.
+
+``-e`` stages into a folder of its own (it never touches a training run's staging folder on the
+same node), downloads the checkpoint of ``--resume auto``, and uploads what it writes: the
+per-class reports, the confusion matrix's events. ``--predictions URL`` (training or ``-e``) is
+written to a local file and uploaded with the rest: inside the --output-dir URL as part of its
+folder, elsewhere on its own.
 
 Object storage has no lock that dies with its holder: a second run on the same URL is not
 refused. A warning says so; the lock on the staging folder covers this host only.
@@ -46,48 +53,67 @@ import imagenet.data.objectstore as objectstore
 from imagenet.checkpoint import files
 from imagenet.errors import RunError, UsageError
 from imagenet.reporting.logger import METRICS
+from imagenet.reporting.trackers import RUN_IDS
 from imagenet.settings.flags import Config
 from imagenet.settings.sources import is_url
 
 log = logging.getLogger(__name__)
 
-# What a resume of the URL's run reads, in the order it is written (best files first).
-RESUME_RECORD = (files.BEST, files.BEST_EMA, files.CHECKPOINT, METRICS, rundir.CONFIG)
+# What a resume of the URL's run reads (with --keep-checkpoints' epoch files, RECORD_PATTERNS).
+RESUME_RECORD = (files.BEST, files.BEST_EMA, files.HISTORY_INDEX, RUN_IDS, files.CHECKPOINT,
+                 METRICS, rundir.CONFIG)
 DEMO = "demo-data"  # --demo builds its data set in OUTPUT_DIR
 NOT_UPLOADED = {rundir.PREVIOUS, DEMO}  # top-level names that stay local
 
 
-def staging_dir(url: str) -> Path:
-    """The local folder that stands for ``url`` on this node (the same on every rank)."""
+def staging_dir(url: str, evaluate: bool = False) -> Path:
+    """The local folder that stands for ``url`` on this node (the same on every rank);
+    ``evaluate``: -e's own, apart from a training run's."""
     digest = hashlib.sha1(url.encode()).hexdigest()[:12]
     tail = re.sub(r"[^A-Za-z0-9._-]+", "_", url.rstrip("/").rsplit("/", 1)[-1])[:40]
-    return Path(tempfile.gettempdir()) / "imagenet-trainer" / f"{tail}-{digest}"
+    return Path(tempfile.gettempdir()) / "imagenet-trainer" / \
+        f"{tail}-{digest}{'-eval' if evaluate else ''}"
 
 
 def stage(cfg: Config) -> tuple[Config, Remote | None]:
-    """``cfg`` with a URL --output-dir / --resume replaced by local paths, and what to sync.
+    """``cfg`` with a URL --output-dir / --resume / --predictions replaced by local paths, and
+    what to sync.
 
     Pure (no I/O): every rank computes the same paths.
     """
     output_url = cfg.output_dir.rstrip("/") if is_url(cfg.output_dir) else None
     resume_url = cfg.resume if is_url(cfg.resume) else None
-    if output_url is None and resume_url is None:
+    predictions_url = cfg.predictions if is_url(cfg.predictions) else None
+    if output_url is None and resume_url is None and predictions_url is None:
         return cfg, None
     if output_url and cfg.sharded_checkpoint:
         raise UsageError(f"--sharded-checkpoint: every rank writes its shards into "
                          f"--output-dir, which {output_url} cannot collect; give a shared "
                          "filesystem path, or drop --sharded-checkpoint")
-    staging = staging_dir(output_url) if output_url else None
+    staging = staging_dir(output_url, cfg.evaluate) if output_url else None
     changes: dict[str, str] = {}
     if staging is not None:
         changes["output_dir"] = str(staging)
     resume_local = None
     if resume_url:
-        parent, name = resume_url.rstrip("/").rsplit("/", 1)
-        resume_local = (staging / name if staging is not None and parent == output_url
-                        else staging_dir(resume_url) / name)
+        resume_local = local_path(resume_url, output_url, staging, cfg.evaluate)
         changes["resume"] = str(resume_local)
-    return replace(cfg, **changes), Remote(output_url, staging, resume_url, resume_local)
+    uploads = {}
+    if predictions_url:
+        local = local_path(predictions_url, output_url, staging, cfg.evaluate)
+        changes["predictions"] = str(local)
+        if staging is None or not local.is_relative_to(staging):
+            uploads[predictions_url] = local  # not part of OUTPUT_DIR's folder: on its own
+    return replace(cfg, **changes), Remote(output_url, staging, resume_url, resume_local,
+                                           uploads)
+
+
+def local_path(url: str, output_url: str | None, staging: Path | None, evaluate: bool) -> Path:
+    """Where the file at ``url`` is on this node: in the staging folder when it is inside the
+    --output-dir URL, else in a folder of its own."""
+    if staging is not None and output_url is not None and url.startswith(output_url + "/"):
+        return staging / url[len(output_url) + 1:]
+    return staging_dir(url, evaluate) / url.rstrip("/").rsplit("/", 1)[-1]
 
 
 @dataclass
@@ -98,27 +124,39 @@ class Remote:
     staging: Path | None
     resume_url: str | None = None
     resume_local: Path | None = None
-    # What the URL holds of the staging folder: path inside it -> signature() when sent.
+    uploads: dict[str, Path] = field(default_factory=dict)  # URL -> local file, outside staging
+    # What the URLs hold: path inside the staging folder (or an upload's URL) -> signature()
+    # when sent or downloaded.
     sent: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
-    def attach(self, continuing: bool, writes: bool) -> None:
-        """Rank 0, before the resume: check the URL, fill the staging folder (``continuing``:
-        with what a resume of the URL's run reads), fetch a --resume URL."""
-        if self.output_url is not None and self.staging is not None and writes:
+    def attach(self, continuing: bool, training: bool) -> None:
+        """Rank 0, before the resume: check the URLs, fill the staging folder (``continuing``:
+        with what a resume of the URL's run reads; -e, not ``training``: its checkpoint alone),
+        fetch a --resume URL."""
+        if self.output_url is not None and self.staging is not None:
             fs, root = self._fs()
             check_writable(fs, root, self.output_url)
-            log.warning("--output-dir %s is object storage, which has no lock: a second run "
-                        "on it would not be refused (the lock on the local staging folder %s "
-                        "covers this host only); do not start two", self.output_url,
-                        self.staging)
+            if training:
+                log.warning("--output-dir %s is object storage, which has no lock: a second run "
+                            "on it would not be refused (the lock on the local staging folder "
+                            "%s covers this host only); do not start two", self.output_url,
+                            self.staging)
             clear_staging(self.staging)
-            if not objectstore.whole_objects(fs):
+            if training and not objectstore.whole_objects(fs):
                 for tmp in fs.glob(f"{root}/.*.tmp-*"):  # left by a killed writer
                     fs.rm(tmp)
             if continuing:
-                self._pull(fs, root)
+                self._pull(fs, root, training)
+        for url, local in self.uploads.items():
+            fs, key = objectstore.filesystem(url)
+            check_writable(fs, key.rsplit("/", 1)[0], url, "--predictions")
+            local.unlink(missing_ok=True)  # an earlier run's on this node: not this run's
         if self.resume_url is not None and not self._pulled(self.resume_local):
             self._fetch_resume()
+            if self.staging is not None and self.resume_local is not None \
+                    and self.resume_local.is_relative_to(self.staging):  # not uploaded back
+                rel = self.resume_local.relative_to(self.staging).as_posix()
+                self.sent[rel] = signature(self.resume_local)
 
     def _pulled(self, path: Path | None) -> bool:
         """True for a file of the staging folder that ``_pull`` downloaded."""
@@ -131,12 +169,17 @@ class Remote:
         fs.invalidate_cache()  # listings cached before another run wrote
         return fs, root.rstrip("/")
 
-    def _pull(self, fs: Any, root: str) -> None:
-        """Download what a resume of the URL's run reads, if that run left a checkpoint."""
+    def _pull(self, fs: Any, root: str, training: bool) -> None:
+        """Download what a resume of the URL's run reads (-e: the checkpoint), if that run left
+        a checkpoint."""
         assert self.staging is not None
         if not fs.exists(f"{root}/{files.CHECKPOINT}"):
             return
-        for name in RESUME_RECORD:
+        names = [*RESUME_RECORD, *sorted(key.rsplit("/", 1)[-1] for pattern in
+                                         rundir.RECORD_PATTERNS
+                                         for key in fs.glob(f"{root}/{pattern}"))] \
+            if training else [files.CHECKPOINT]
+        for name in names:
             if fs.exists(f"{root}/{name}"):
                 local = self.staging / name
                 guarded(f"download {self.output_url}/{name}",
@@ -155,7 +198,17 @@ class Remote:
 
     def push(self) -> None:
         """Upload the staging folder's new and changed files, best files first and
-        checkpoint.pth.tar last; delete the copies of files this run has since removed."""
+        checkpoint.pth.tar last; delete the copies of files this run has since removed. Then
+        the files of ``uploads``, once written."""
+        self._push_staging()
+        for url, local in self.uploads.items():
+            if local.is_file() and self.sent.get(url) != signature(local):
+                fs, key = objectstore.filesystem(url)
+                guarded(f"upload {local} to {url}",
+                        lambda f=fs, p=local, k=key: objectstore.upload(f, p, k))
+                self.sent[url] = signature(local)
+
+    def _push_staging(self) -> None:
         if self.output_url is None or self.staging is None or not self.staging.is_dir():
             return
         fs, root = self._fs()
@@ -177,6 +230,8 @@ class Remote:
             return None
         fs, root = self._fs()
         present = [name for name in rundir.RECORD if fs.exists(f"{root}/{name}")]
+        present += sorted(key.rsplit("/", 1)[-1] for pattern in rundir.RECORD_PATTERNS
+                          for key in fs.glob(f"{root}/{pattern}"))  # --keep-checkpoints'
         if not present:
             return None
         stamp = started_at(fs, f"{root}/{rundir.CONFIG}").strftime("%Y-%m-%d_%H-%M-%S")
@@ -198,14 +253,14 @@ def move(fs: Any, src: str, dst: str) -> None:
         fs.mv(key, dst + key[len(src):])
 
 
-def check_writable(fs: Any, root: str, url: str) -> None:
+def check_writable(fs: Any, root: str, url: str, flag: str = "--output-dir") -> None:
     """Write and delete a small object under ``root``; UsageError saying what to check."""
     probe = f"{root}/.write-test-{socket.gethostname()}-{os.getpid()}"
     try:
         fs.pipe_file(probe, b"")
         fs.rm(probe)
     except Exception as exc:  # the backends raise their own types (credentials, no bucket)
-        raise UsageError(f"--output-dir {url}: cannot write there "
+        raise UsageError(f"{flag} {url}: cannot write there "
                          f"({type(exc).__name__}: {objectstore.first_line(exc)}); check the "
                          "bucket name, the credentials and the endpoint "
                          "(AWS_ENDPOINT_URL for S3-compatible stores)") from None

@@ -386,7 +386,8 @@ def folder_loaders(cfg: Config, train: Dataset, val: Dataset, rank: int, layout:
     batch_size, workers, world_size = layout.batch_size, layout.workers, layout.world_size
     sampler = ResumableDistributedSampler(len(train), rank, world_size,  # type: ignore[arg-type]
                                           seed=cfg.seed or 0, reps=cfg.ra_reps)
-    check_one_batch(sampler.num_samples, batch_size, world_size)
+    if not cfg.evaluate:  # -e reads no training batch
+        check_one_batch(sampler.num_samples, batch_size, world_size)
     if cfg.ra_reps > 1 and rank == 0:
         log.info("=> repeated augmentation: each epoch trains %d images x %d differently "
                  "augmented copies (one pass: %d samples)", -(-len(train) // cfg.ra_reps),

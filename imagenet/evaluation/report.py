@@ -87,7 +87,7 @@ def sample_names(loader: DataLoader) -> Callable[[int], str]:
 class Report:
     """The predictions of one validation pass and what ``finish`` writes from them: the files
     go to ``output_dir`` (and ``predictions``), the confusion matrix to ``logger``'s TensorBoard
-    (a writer of its own in OUTPUT_DIR/tb without one) under ``tag``."""
+    under ``tag``."""
 
     def __init__(self, data: Data, dist: DistInfo, output_dir: Path, predictions: str | None,
                  tta_flip: bool, logger: RunLogger | None = None, tag: str = "val") -> None:
@@ -157,17 +157,12 @@ class Report:
         log.info(" * wrote %s", ", ".join(map(str, written)))
 
     def add_image(self, confusion: torch.Tensor, global_step: int) -> None:
-        """The confusion matrix in TensorBoard (``{tag}/confusion_matrix``)."""
-        logger = self.logger
-        if logger is None:  # -e: a writer of its own in OUTPUT_DIR/tb
-            logger = RunLogger(self.output_dir, True)
-        try:
-            logger.images(f"{self.tag}/confusion_matrix", results.confusion_image(confusion),
-                          global_step)
-            logger.flush()
-        finally:
-            if logger is not self.logger:
-                logger.close()
+        """The confusion matrix in TensorBoard (``{tag}/confusion_matrix``), when the logger
+        writes TensorBoard events."""
+        if self.logger is not None:
+            self.logger.images(f"{self.tag}/confusion_matrix",
+                               results.confusion_image(confusion), global_step)
+            self.logger.flush()
 
 
 def gather_to_rank0(rows: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]] | None:

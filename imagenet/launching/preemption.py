@@ -162,9 +162,11 @@ class StopFlag:
         log.warning("%s received: finishing this step, saving a checkpoint, then exiting "
                     "with code %d", name, PREEMPT_EXIT_CODE)
 
-    def _local(self) -> int:
-        """This rank's wish: GO_ON, SIGNALLED or TIMED_OUT (the deadline is asked here)."""
-        if self.requested is None and self.deadline is not None and self.deadline.due():
+    def _local(self, compiles: bool = False) -> int:
+        """This rank's wish: GO_ON, SIGNALLED or TIMED_OUT (the deadline is asked here;
+        ``compiles``: the next step compiles graphs, as long as the longest step so far)."""
+        ahead = self.deadline.longest if compiles and self.deadline is not None else 0.0
+        if self.requested is None and self.deadline is not None and self.deadline.due(ahead):
             self.requested = TIME_LIMIT
         if self.requested is None:
             return GO_ON
@@ -216,17 +218,19 @@ class StopFlag:
         self._agree(agreed)
         return self.stopping
 
-    def settle(self) -> bool:
+    def settle(self, compiles: bool = False) -> bool:
         """Like ``should_stop``, but agreed at once (a blocking all-reduce): for the points
-        where no later step would ask, such as the end of an epoch."""
+        where no later step would ask, such as the end of an epoch; ``compiles``: the next step
+        compiles new graphs (the time limit keeps room for it)."""
         if self._group is None:
-            return self.should_stop()
+            self._agree(self._local(compiles))
+            return self.stopping
         if self._pending is not None:
             flag, work = self._pending
             work.wait()  # type: ignore[attr-defined]
             self._agree(int(flag.item()))
             self._pending = None
-        flag = torch.tensor([self._local()], dtype=torch.int32)
+        flag = torch.tensor([self._local(compiles)], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         self._agree(int(flag.item()))
         return self.stopping

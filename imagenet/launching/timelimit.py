@@ -3,9 +3,14 @@ continues with --resume auto.
 
 DURATION is seconds (``5400``), ``HH:MM:SS`` or ``D-HH:MM:SS``, counted from the start of
 main.py (under --multiprocessing-distributed the parent's start; under torchrun and srun each
-worker's own), or ``slurm``: the end time of this SLURM job, from SLURM_JOB_END_TIME when the
-job's environment has it, else ``squeue -h -j $SLURM_JOB_ID -o %e``. The plan resolves it to an
-end time once (``settings.duration.end_time``).
+worker's own; under ``imagenet.train`` its call), or ``slurm``: the end time of this SLURM
+job, from SLURM_JOB_END_TIME when the job's environment has it, else ``squeue -h -j
+$SLURM_JOB_ID -o %e``. The plan resolves it to an end time once
+(``settings.duration.end_time``).
+
+Under --compile the first step at a new crop size (progressive resizing) compiles graphs, as
+long as the run's first step did (minutes on a GPU): before such an epoch the stop is agreed
+with that much more room (the longest step so far), or the step would overrun the end.
 
 Rank 0 keeps the clock (``Deadline``). After every optimizer step and every validation batch it
 asks whether the time left still covers ``margin``: two steps (the stop is agreed over the
@@ -48,6 +53,7 @@ class Deadline:
                  now: Callable[[], float] = time.time) -> None:
         self.end, self.name, self.save_seconds, self.now = end, name, save_seconds, now
         self.intervals: deque[float] = deque(maxlen=STEPS_REMEMBERED)
+        self.longest = 0.0  # the longest interval yet: a step that compiled graphs (--compile)
         self.last = now()
         self.stopped_at: float | None = None
 
@@ -60,12 +66,14 @@ class Deadline:
         """Seconds a stop decided now still needs: two steps, two saves and the exit."""
         return 2 * self.step_seconds + 2 * self.save_seconds + EXIT_SECONDS
 
-    def due(self) -> bool:
-        """Called at every step boundary: True once the time left does not cover ``margin``."""
+    def due(self, ahead: float = 0.0) -> bool:
+        """Called at every step boundary: True once the time left does not cover ``margin``
+        (and ``ahead``: seconds the next step takes beyond a step, such as compiling)."""
         now = self.now()
         self.intervals.append(now - self.last)
+        self.longest = max(self.longest, now - self.last)
         self.last = now
-        if now + self.margin() < self.end:
+        if now + self.margin() + ahead < self.end:
             return False
         self.stopped_at = now
         return True

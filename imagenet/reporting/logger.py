@@ -107,11 +107,14 @@ class RunLogger:
     """
 
     def __init__(self, output_dir: Path, enabled: bool, purge_step: int | None = None,
-                 log_to: str = "tensorboard") -> None:
+                 log_to: str = "tensorboard", continues: bool = True) -> None:
+        """``continues``: the trackers continue OUTPUT_DIR's runs (trackers.json); -e starts
+        runs of its own."""
         self.enabled = enabled
         self.output_dir = output_dir
         self._tb = None
-        self._trackers = open_trackers(log_to, output_dir) if enabled else Trackers({})
+        self._trackers = open_trackers(log_to, output_dir, continues) if enabled \
+            else Trackers({})
         if enabled and "tensorboard" in tracker_names(log_to):
             from torch.utils.tensorboard import SummaryWriter
 
@@ -126,6 +129,11 @@ class RunLogger:
             (self.output_dir / "config.json").write_text(json.dumps(payload, indent=2) + "\n")
             simple = {k: v for k, v in extra.items() if isinstance(v, (int, float, str, bool))}
             self._trackers.config({**config, **simple})
+
+    def tracked_config(self, config: Mapping[str, Any]) -> None:
+        """The flags to the trackers alone (-e: config.json stays the training run's)."""
+        if self.enabled:
+            self._trackers.config(config)
 
     def scalars(self, prefix: str, values: Mapping[str, float], step: int) -> None:
         """TensorBoard scalars ``prefix/name`` at ``step``."""

@@ -99,6 +99,7 @@ def worst_classes(rows: Sequence[dict[str, Any]], n: int = WORST) -> str:
 def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
     """``write(file)`` into a temp file next to ``path``, then replace ``path``."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    path.parent.mkdir(parents=True, exist_ok=True)  # a staged --predictions URL's folder
     try:
         with open(tmp, "w", newline="") as f:
             write(f)

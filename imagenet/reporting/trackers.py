@@ -168,11 +168,13 @@ class Trackers:
                 del self._open[name]
 
 
-def open_trackers(log_to: str, output_dir: Path) -> Trackers:
-    """Start (or continue) the MLflow and W&B runs --log-to asks for; rank 0 only."""
+def open_trackers(log_to: str, output_dir: Path, continues: bool = True) -> Trackers:
+    """Start (or continue) the MLflow and W&B runs --log-to asks for; rank 0 only.
+    ``continues=False`` (-e): new runs named OUTPUT_DIR-eval, not recorded in trackers.json (the
+    training run's record there stays as it is)."""
     names = [n for n in tracker_names(log_to) if n != "tensorboard"]
-    run_ids = saved_run_ids(output_dir) if names else {}
-    run_name = output_dir.resolve().name
+    run_ids = saved_run_ids(output_dir) if names and continues else {}
+    run_name = output_dir.resolve().name + ("" if continues else "-eval")
     opened: dict[str, Tracker] = {}
     try:
         for name in names:
@@ -180,7 +182,7 @@ def open_trackers(log_to: str, output_dir: Path) -> Trackers:
     except BaseException:
         Trackers(opened).close("failed")
         raise
-    if opened:
+    if opened and continues:
         save_run_ids(output_dir, opened)
     return Trackers(opened)
 

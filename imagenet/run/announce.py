@@ -11,6 +11,7 @@ from typing import Any
 
 from imagenet.checkpoint import files
 from imagenet.run.build import Run
+from imagenet.settings.choices import tracker_names
 from imagenet.training.cpu_features import native_bf16, slow_bf16_warning
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,9 @@ def describe(run: Run) -> dict[str, Any]:
             "num_classes": run.data.num_classes,
             "train_images": run.data.train.images,
             "val_images": run.data.val_size,
-            "steps_per_epoch": run.engine.opts.steps_per_epoch}
+            "steps_per_epoch": run.engine.opts.steps_per_epoch, "lr": run.cfg.lr}
+    if run.plan.lr_rule is not None:
+        info["lr_rule"] = run.plan.lr_rule
     if run.outputs.remote is not None and run.outputs.remote.output_url:
         info["output_url"] = run.outputs.remote.output_url  # output_dir: its staging folder
     if not run.cfg.evaluate:  # -e says what it evaluates once the weights are loaded
@@ -34,6 +37,8 @@ def describe(run: Run) -> dict[str, Any]:
                  run.cfg.arch, d.device, layout.global_batch, d.world_size, layout.batch_size,
                  layout.grad_accum_steps, layout.workers, run.data.num_classes,
                  run.data.val_size)
+        if run.plan.lr_rule is not None:
+            log.info("=> learning rate %g = %s", run.cfg.lr, run.plan.lr_rule)
     slow_bf16 = slow_bf16_warning(run.cfg.amp, d.device.type, native_bf16())
     if slow_bf16 and d.is_main:
         log.warning("%s", slow_bf16)
@@ -66,11 +71,23 @@ def describe_evaluation(run: Run, resumed: Path | None) -> None:
 
 def finished(run: Run) -> None:
     """Where a finished run's results are: the folder, the best checkpoint, the curves."""
-    out = run.output_dir.resolve()
+    remote = run.outputs.remote
+    out = remote.output_url if remote is not None and remote.output_url else \
+        str(run.output_dir.resolve())
     last = files.dcp_name(files.CHECKPOINT) if run.cfg.sharded_checkpoint else files.CHECKPOINT
-    best = [f"{run.best.path.name} (best Acc@1 {run.best.acc1:.3f})"]
+    best = [best_file(run.best.path, run.best.acc1)]
     if run.best_ema is not None:
-        best.append(f"{run.best_ema.path.name} (EMA, best Acc@1 {run.best_ema.acc1:.3f})")
+        best.append(best_file(run.best_ema.path, run.best_ema.acc1, "EMA, "))
     log.info("=> outputs in %s: %s, %s (the last epoch; --resume auto continues it), "
              "metrics.jsonl, config.json", out, ", ".join(best), last)
-    log.info("=> curves: tensorboard --logdir %s", out / "tb")
+    if "tensorboard" in tracker_names(run.cfg.log_to):
+        log.info("=> curves: tensorboard --logdir %s/tb", out)
+
+
+def best_file(path: Path, acc1: float, what: str = "") -> str:
+    """A best file and its top-1 for the last line; or why the folder has none (a resume from
+    another folder's checkpoint whose best no epoch here beat)."""
+    if path.exists():
+        return f"{path.name} ({what}best Acc@1 {acc1:.3f})"
+    return (f"no {path.name} ({what}no epoch of this run beat the best Acc@1 {acc1:.3f} of "
+            "the checkpoint it resumed, whose folder has that file)")

@@ -33,7 +33,7 @@ from imagenet.checkpoint.states import (
     same_order,
 )
 from imagenet.checkpoint.writer import to_host
-from imagenet.errors import TrainerError, on_every_rank
+from imagenet.errors import TrainerError, UsageError, on_every_rank
 from imagenet.launching.collectives import barrier
 from imagenet.run.build import Run
 from imagenet.run.outputs import Saved
@@ -260,6 +260,13 @@ def resume(run: Run) -> Path | None:
     found = agreed_checkpoint(run.cfg.resume, run.output_dir, run.dist,
                               run.cfg.sharded_checkpoint, run.plan.restarted)
     if found is None:
+        if run.cfg.evaluate and run.cfg.resume == "auto":
+            remote = run.outputs.remote
+            where = remote.output_url if remote is not None and remote.output_url else \
+                run.output_dir
+            raise on_every_rank(UsageError(
+                f"-e --resume auto: no checkpoint in {where} to evaluate; give --resume PATH "
+                "(a checkpoint, model_best.pth.tar, a state dict) or the --output-dir of a run"))
         if run.cfg.resume == "auto" or run.plan.restarted:
             log.info("=> no checkpoint in %s: starting fresh", run.output_dir)
         place_schedule(run, run.step.epoch, 0)  # --start-epoch N: epoch N's learning rate

@@ -6,8 +6,9 @@
 - ``on_checkpoint``: ``imagenet.train``'s caller (``examples/ray_train.py`` reports to Ray
   Train), called on every rank after every save: the same number of times on every rank.
 - ``resume_from``: a checkpoint that holds this run's latest state (Ray's
-  ``get_checkpoint()``): rank 0 makes it OUTPUT_DIR/checkpoint.pth.tar before the resume, so
-  the run continues it as its own, metrics.jsonl and TensorBoard record included.
+  ``get_checkpoint()``): rank 0 makes it OUTPUT_DIR/checkpoint.pth.tar (a --sharded-checkpoint
+  directory: checkpoint.dcp/) before the resume, so the run continues it as its own,
+  metrics.jsonl and TensorBoard record included.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class Outputs:
         ``restarted``: torchrun restarted the job (it continues OUTPUT_DIR's checkpoint)."""
         if self.remote is not None or self.resume_from is not None:  # the same on every rank
             on_rank0(dist, lambda: self.prepare(cfg, output_dir, restarted))
-        uploads = self.remote is not None and dist.is_main and not cfg.evaluate
+        uploads = self.remote is not None and dist.is_main
         try:
             yield
         except BaseException:
@@ -95,8 +96,12 @@ class Outputs:
         if self.remote is not None:
             own = str(output_dir / files.CHECKPOINT)
             continuing = cfg.resume in ("auto", own) or restarted
-            self.remote.attach(continuing, not cfg.evaluate)
+            self.remote.attach(continuing, training=not cfg.evaluate)
         if self.resume_from is not None and not cfg.evaluate:
             log.info("=> resuming from %s (the caller's checkpoint of this run)",
                      self.resume_from)
-            files.atomic_copy(Path(self.resume_from), output_dir / files.CHECKPOINT)
+            source = Path(self.resume_from)
+            if source.is_dir():  # --sharded-checkpoint's checkpoint.dcp/
+                files.atomic_copy_dir(source, output_dir / files.dcp_name(files.CHECKPOINT))
+            else:
+                files.atomic_copy(source, output_dir / files.CHECKPOINT)

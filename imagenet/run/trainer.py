@@ -95,7 +95,7 @@ def resume_and_train(run: Run) -> dict[str, float]:
     watchdog.beat("resumed")
     if run.cfg.evaluate:
         describe_evaluation(run, resumed)
-        return validate(run, run.engine.parts.model, report=report_of(run, tag="eval"))
+        return evaluate_only(run)
     with slow_stage("checking the disk space and every validation image") as stage:
         check_before_training(run, resumed)
         stage.done = "disk space and validation images checked"
@@ -118,6 +118,20 @@ def resume_and_train(run: Run) -> dict[str, float]:
         return train(run, logger)
 
 
+def evaluate_only(run: Run) -> dict[str, float]:
+    """-e: one validation pass; the reports in OUTPUT_DIR, the numbers (TensorBoard: and the
+    confusion matrix) to --log-to, whose trackers get runs of their own, never the evaluated
+    training run's."""
+    with RunLogger(run.output_dir, run.dist.is_main, log_to=run.cfg.log_to,
+                   continues=False) as logger:
+        logger.tracked_config(run.cfg.to_dict())
+        metrics = validate(run, run.engine.parts.model, report=report_of(run, logger, "eval"))
+        logger.scalars("eval", {k: metrics[k] for k in ("acc1", "acc5", "loss")},
+                       run.step.global_step)
+        logger.flush()
+    return metrics
+
+
 def train(run: Run, logger: RunLogger) -> dict[str, float]:
     """The epoch loop: train, validate, keep the best, checkpoint, log."""
     stop = StopFlag(timelimit.deadline(run.plan.time_limit, run.dist.is_main,
@@ -133,6 +147,8 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
             graphs = graphs_compiled() if run.cfg.compile else 0
             crop = resizing.announce(run.plan.crops, epoch, run.cfg.val_crop_size)
             new_crop = crop.get("train_crop_px") not in crops_seen
+            if run.cfg.compile and new_crop and crops_seen and stop.settle(compiles=True):
+                raise stopped(run, stop, "before")  # no time to compile the new size's graphs
             crops_seen.add(crop.get("train_crop_px"))
             # Train the rest of the epoch (all of it, unless resumed mid-epoch).
             steps_before = run.step.global_step
@@ -331,7 +347,7 @@ def log_epoch(logger: RunLogger, step: Step, record: dict[str, Any]) -> None:
     if "train_images_per_sec" in record:
         wait, compiled = record.get("train_data_wait"), record.get("compiled_graphs")
         memory = record.get("train_max_mem_gb")
-        log.info("=> epoch %d trained at %.1f img/s%s%s%s", step.epoch,
+        log.info("=> epoch %d trained at %.1f img/s%s%s%s", record["epoch"],
                  record["train_images_per_sec"],
                  "" if wait is None else f", waiting for data {100 * wait:.0f}% of the time",
                  "" if compiled is None else f"; {compiled} graph(s) compiled",

@@ -28,6 +28,45 @@ DATA_FORMATS = ("auto", "folder", "shards")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
+OFF = ("off", "none")  # what turns off a value a recipe file gave (--amp off, --auto-augment none)
+
+
+class Switch(argparse.Action):
+    """An on/off flag: --NAME turns it on, --no-NAME off again (for --no-NAME: --NAME), so that
+    the command line can undo a recipe file's ``true``; the last one given wins."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, default: Any = False,
+                 help: str | None = None, **kwargs: Any) -> None:
+        self.negatives = tuple(("--" + o[5:]) if o.startswith("--no-") else "--no-" + o[2:]
+                               for o in option_strings if o.startswith("--"))
+        super().__init__([*option_strings, *self.negatives], dest, nargs=0, const=True,
+                         default=default, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, option_string not in self.negatives)
+
+
+def float_or_none(text: str) -> float | None:
+    """A number, or none/off (a recipe file's value undone)."""
+    return None if text.strip().lower() in OFF else float(text)
+
+
+def int_or_none(text: str) -> int | None:
+    """An integer, or none/off (a recipe file's value undone)."""
+    return None if text.strip().lower() in OFF else int(text)
+
+
+# argparse names the type in its message: "invalid float value: 'x'"
+float_or_none.__name__, int_or_none.__name__ = "float", "int"
+
+
+def duration_text(text: str) -> str:
+    """--time-limit's text (a recipe file may give a number of seconds); checked by
+    ``duration.parse_time_limit``."""
+    return str(text)
+
+
 def _flag(*names: str, group: str, help: str, **kwargs: Any) -> Any:
     """A dataclass field that also describes its argparse flag."""
     default = kwargs.pop("default", None)
@@ -74,7 +113,7 @@ class Config:
                                      "less one, at most 16: an srun task's are its own, "
                                      "processes that share cores divide them; the classic "
                                      "used 4 per node)")
-    dummy: bool = _flag("--dummy", group="data", default=False, action="store_true",
+    dummy: bool = _flag("--dummy", group="data", default=False, action=Switch,
                         help="train on synthetic random tensors (speed tests; no DIR needed)")
     dummy_size: int = _flag("--dummy-size", group="data", default=1281167, type=int, metavar="N",
                             help="images per epoch with --dummy (default: %(default)s, ImageNet's)")
@@ -83,7 +122,7 @@ class Config:
                                                   "(default: %(default)s)")
     dummy_classes: int = _flag("--dummy-classes", group="data", default=1000, type=int,
                                metavar="N", help="classes with --dummy (default: %(default)s)")
-    demo: bool = _flag("--demo", group="data", default=False, action="store_true",
+    demo: bool = _flag("--demo", group="data", default=False, action=Switch,
                        help="generate and train on the built-in procedural JPEG data set under "
                             "OUTPUT_DIR/demo-data (no download); sets demo-sized defaults for "
                             "flags you did not give")
@@ -136,8 +175,9 @@ class Config:
                                        "without --image-backend pil, --auto-augment or "
                                        "--random-erase (default: %(default)s)")
     auto_augment: str | None = _flag("--auto-augment", group="data", default=None,
-                                     choices=AUTO_AUGMENT,
-                                     help="automatic augmentation policy (default: off)")
+                                     choices=(*AUTO_AUGMENT, *OFF),
+                                     help="automatic augmentation policy; none = off "
+                                          "(default: none)")
     ra_magnitude: int = _flag("--ra-magnitude", group="data", default=9, type=int, metavar="M",
                               help="RandAugment magnitude, 0-30 (default: %(default)s)")
     augmix_severity: int = _flag("--augmix-severity", group="data", default=3, type=int,
@@ -156,7 +196,7 @@ class Config:
                       help="torchvision architecture, one of "
                            "torchvision.models.list_models(), or timm/NAME for a timm model "
                            "(timm.list_models(), with timm installed) (default: %(default)s)")
-    pretrained: bool = _flag("--pretrained", group="model", default=False, action="store_true",
+    pretrained: bool = _flag("--pretrained", group="model", default=False, action=Switch,
                              help="start from the architecture's default torchvision weights")
     weights: str | None = _flag("--weights", group="model", default=None, metavar="NAME",
                                 help="torchvision weights enum member, e.g. IMAGENET1K_V1 "
@@ -170,16 +210,16 @@ class Config:
                                       "optimizer, schedule, epoch and best start fresh "
                                       "(default: none)")
     freeze_backbone: bool = _flag("--freeze-backbone", group="model", default=False,
-                                  action="store_true",
+                                  action=Switch,
                                   help="linear probe: train only the classifier; the rest of "
                                        "the model keeps its weights and BatchNorm statistics "
                                        "and runs as in evaluation (no dropout)")
-    sync_bn: bool = _flag("--sync-bn", group="model", default=False, action="store_true",
+    sync_bn: bool = _flag("--sync-bn", group="model", default=False, action=Switch,
                           help="convert BatchNorm to SyncBatchNorm in distributed runs")
     channels_last: bool = _flag("--channels-last", group="model", default=False,
-                                action="store_true",
+                                action=Switch,
                                 help="NHWC memory format for model and input (faster convs)")
-    compile: bool = _flag("--compile", group="model", default=False, action="store_true",
+    compile: bool = _flag("--compile", group="model", default=False, action=Switch,
                           help="torch.compile the model (the DDP-wrapped one: graphs split at "
                                "DDP's buckets); static shapes, every batch shape compiled once, "
                                "in the first epoch")
@@ -189,7 +229,7 @@ class Config:
                                    "CUDA graphs (fewer kernel launches per step), max-autotune "
                                    "also tunes kernels (long first epoch); see docs/gpu.md "
                                    "(default: %(default)s)")
-    model_ema: bool = _flag("--model-ema", group="model", default=False, action="store_true",
+    model_ema: bool = _flag("--model-ema", group="model", default=False, action=Switch,
                             help="keep, evaluate and checkpoint an exponential moving average "
                                  "of the weights")
     model_ema_steps: int = _flag("--model-ema-steps", group="model", default=32, type=int,
@@ -219,18 +259,34 @@ class Config:
              "N / (processes x --grad-accum-steps), which must divide evenly; stays the same "
              "when a resume runs on another number of processes (default: from -b)")
     lr: float = _flag("--lr", "--learning-rate", group="optimisation", default=0.1, type=float,
-                      metavar="LR", help="initial learning rate (default: %(default)s)")
+                      metavar="LR", help="initial learning rate, whatever the global batch "
+                                         "(default: %(default)s)")
+    lr_base: float | None = _flag(
+        "--lr-base", group="optimisation", default=None, type=float_or_none, metavar="LR",
+        help="instead of --lr: the learning rate at a global batch of --lr-base-size images; "
+             "the run's is scaled to its own global batch by --lr-base-scale, printed at start "
+             "and recorded in config.json (timm's --lr-base) (default: none = --lr as given)")
+    lr_base_size: int = _flag("--lr-base-size", group="optimisation", default=256, type=int,
+                              metavar="N", help="the global batch (images per optimizer step) "
+                                                "of --lr-base (default: %(default)s)")
+    lr_base_scale: str = _flag("--lr-base-scale", group="optimisation", default="linear",
+                               choices=("linear", "sqrt"),
+                               help="how --lr-base follows the global batch: linear = x "
+                                    "(batch / --lr-base-size) (Goyal et al.), sqrt = x its "
+                                    "square root (Adam-style optimizers) "
+                                    "(default: %(default)s)")
     momentum: float = _flag("--momentum", group="optimisation", default=0.9, type=float,
                             metavar="M", help="SGD/RMSprop momentum (default: %(default)s)")
     weight_decay: float = _flag("--wd", "--weight-decay", group="optimisation", default=1e-4,
                                 type=float, metavar="W",
                                 help="weight decay (default: %(default)s)")
     norm_weight_decay: float | None = _flag(
-        "--norm-weight-decay", group="optimisation", default=None, type=float, metavar="W",
-        help="weight decay for normalisation layers (default: same as --wd)")
+        "--norm-weight-decay", group="optimisation", default=None, type=float_or_none,
+        metavar="W", help="weight decay for normalisation layers; none = as --wd "
+                          "(default: same as --wd)")
     bias_weight_decay: float | None = _flag(
-        "--bias-weight-decay", group="optimisation", default=None, type=float, metavar="W",
-        help="weight decay for biases (default: same as --wd)")
+        "--bias-weight-decay", group="optimisation", default=None, type=float_or_none,
+        metavar="W", help="weight decay for biases; none = as --wd (default: same as --wd)")
     backbone_lr_scale: float = _flag("--backbone-lr-scale", group="optimisation", default=1.0,
                                      type=float, metavar="F",
                                      help="fine-tuning: every layer but the classifier learns "
@@ -238,7 +294,7 @@ class Config:
                                           "schedule (the logged lr is the classifier's) "
                                           "(default: %(default)s)")
     class_balanced_loss: float | None = _flag(
-        "--class-balanced-loss", group="optimisation", default=None, type=float,
+        "--class-balanced-loss", group="optimisation", default=None, type=float_or_none,
         metavar="BETA",
         help="weight each class's loss by (1 - BETA) / (1 - BETA^n), n its training images "
              "(the 'effective number' of Cui et al. 2019), normalised to a mean of 1 over the "
@@ -277,19 +333,22 @@ class Config:
                                    type=float, metavar="E",
                                    help="cross-entropy label smoothing (default: %(default)s)")
     clip_grad_norm: float | None = _flag("--clip-grad-norm", group="optimisation", default=None,
-                                         type=float, metavar="N",
-                                         help="max gradient L2 norm, on unscaled gradients "
-                                              "(default: off)")
+                                         type=float_or_none, metavar="N",
+                                         help="max gradient L2 norm, on unscaled gradients; "
+                                              "none = off (default: off)")
     grad_accum_steps: int = _flag("--grad-accum-steps", group="optimisation", default=1,
                                   type=int, metavar="K",
                                   help="micro-batches per optimizer step; -b is the micro-batch "
                                        "(default: %(default)s)")
-    amp: str | None = _flag("--amp", group="optimisation", default=None, choices=("bf16", "fp16"),
-                            help="autocast dtype; fp16 adds a GradScaler (default: fp32)")
-    seed: int | None = _flag("--seed", group="optimisation", default=None, type=int, metavar="S",
+    amp: str | None = _flag("--amp", group="optimisation", default=None,
+                            choices=("bf16", "fp16", *OFF),
+                            help="autocast dtype; fp16 adds a GradScaler; off = fp32 "
+                                 "(default: off)")
+    seed: int | None = _flag("--seed", group="optimisation", default=None, type=int_or_none,
+                             metavar="S",
                              help="seed python/torch/data per process and switch on "
-                                  "deterministic algorithms (default: unseeded, "
-                                  "cudnn.benchmark on)")
+                                  "deterministic algorithms; none = unseeded (default: "
+                                  "unseeded, cudnn.benchmark on)")
     # ---- distributed
     world_size: int = _flag("--world-size", group="distributed", default=-1, type=int,
                             metavar="N", help="nodes with --multiprocessing-distributed, else "
@@ -315,7 +374,7 @@ class Config:
              "143 so that a requeue resumes; 0 = off (default: 300, at most half of "
              "--dist-timeout)")
     multiprocessing_distributed: bool = _flag(
-        "--multiprocessing-distributed", group="distributed", default=False, action="store_true",
+        "--multiprocessing-distributed", group="distributed", default=False, action=Switch,
         help="start one process per local device with mp.spawn and train with DDP")
     nproc_per_node: int | None = _flag("--nproc-per-node", group="distributed", default=None,
                                        type=int, metavar="N",
@@ -330,7 +389,7 @@ class Config:
                             help="CUDA device index for a single-process run "
                                 "(default: 0 when CUDA is present)")
     no_accel: bool = _flag("--no-accel", group="distributed", default=False,
-                           action="store_true", help="run on the CPU even if CUDA is present")
+                           action=Switch, help="run on the CPU even if CUDA is present")
     ddp_comm_hook: str = _flag("--ddp-comm-hook", group="distributed", default="none",
                                choices=COMM_HOOKS,
                                help="gradient compression for slow links "
@@ -344,7 +403,7 @@ class Config:
     bucket_cap_mb: float = _flag("--bucket-cap-mb", group="distributed", default=25.0,
                                  type=float, metavar="MB",
                                  help="DDP gradient bucket size, MB (default: %(default)s)")
-    fsdp: bool = _flag("--fsdp", group="distributed", default=False, action="store_true",
+    fsdp: bool = _flag("--fsdp", group="distributed", default=False, action=Switch,
                        help="fully sharded data parallel instead of DDP: each of N processes "
                             "holds 1/N of the weights, gradients and optimizer state, and "
                             "gathers a block's weights just before using it (torch FSDP2); for "
@@ -357,7 +416,7 @@ class Config:
                                        "backward (one all-gather less per step, more memory) "
                                        "(default: 3)")
     fsdp_cpu_offload: bool = _flag("--fsdp-cpu-offload", group="distributed", default=False,
-                                   action="store_true",
+                                   action=Switch,
                                    help="with --fsdp: keep the weight, gradient and optimizer "
                                         "shards in host memory, copied to the device for each "
                                         "block (least device memory; the optimizer steps on "
@@ -377,7 +436,7 @@ class Config:
                                help="checkpoint to resume from (a path or URL); 'auto' = "
                                     "OUTPUT_DIR/checkpoint.pth.tar if present (default: none)")
     evaluate: bool = _flag("-e", "--evaluate", group="checkpointing", default=False,
-                           action="store_true",
+                           action=Switch,
                            help="evaluate the model (--resume PATH, or --pretrained) on val/ "
                                 "or --val-data and exit; writes per_class.csv/.json and the "
                                 "confusion matrix to OUTPUT_DIR")
@@ -388,12 +447,12 @@ class Config:
                                          "the top 5 classes with their probabilities) "
                                          "(default: none)")
     tta_flip: bool = _flag("--tta-flip", group="checkpointing", default=False,
-                           action="store_true",
+                           action=Switch,
                            help="validate on each image and its mirror image, averaging the "
                                 "two softmax probabilities (every validation, so model_best "
                                 "too)")
     sharded_checkpoint: bool = _flag(
-        "--sharded-checkpoint", group="checkpointing", default=False, action="store_true",
+        "--sharded-checkpoint", group="checkpointing", default=False, action=Switch,
         help="with --fsdp: write checkpoint.dcp/ (torch.distributed.checkpoint; every rank "
              "writes its own shards, nothing is gathered) instead of checkpoint.pth.tar, for "
              "models whose state does not fit one host; python -m imagenet.tools.unshard "
@@ -408,22 +467,23 @@ class Config:
              "after 12 epochs), their scores in OUTPUT_DIR/checkpoints.json (default: "
              "%(default)s = none)")
     time_limit: str | None = _flag(
-        "--time-limit", group="checkpointing", default=None, metavar="DURATION",
+        "--time-limit", group="checkpointing", default=None, type=duration_text,
+        metavar="DURATION",
         help="stop early enough to save before this much wall-clock time has passed since "
-             "main.py started: seconds, HH:MM:SS or D-HH:MM:SS; 'slurm' = this SLURM job's end "
-             "time. Exits with code 143 (as on preemption); --resume auto continues "
-             "(default: none)")
+             "main.py started (imagenet.train: since its call): seconds, HH:MM:SS or "
+             "D-HH:MM:SS; 'slurm' = this SLURM job's end time. Exits with code 143 (as on "
+             "preemption); --resume auto continues (default: none)")
     # ---- logging
     print_freq: int = _flag("-p", "--print-freq", group="logging", default=10, type=int,
                             metavar="N", help="progress line every N steps "
                                               "(default: %(default)s)")
-    debug: bool = _flag("--debug", group="logging", default=False, action="store_true",
+    debug: bool = _flag("--debug", group="logging", default=False, action=Switch,
                         help="show full tracebacks and debug logs")
     log_to: str = _flag("--log-to", group="logging", default="tensorboard", type=parse_log_to,
                         metavar="LIST",
                         help="experiment trackers, comma-separated: tensorboard, mlflow, wandb, "
                              "or none (metrics.jsonl is always written) (default: %(default)s)")
-    env_check: bool = _flag("--env-check", group="logging", default=False, action="store_true",
+    env_check: bool = _flag("--env-check", group="logging", default=False, action=Switch,
                             help="check the installation and local devices, then exit")
 
     def to_dict(self) -> dict[str, Any]:
@@ -459,31 +519,51 @@ def get_args_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Flags that say one thing two ways: give one of each pair. Both on the command line, or both
+# in one file, is an error; one on the command line sets the file's other one aside (defaults <
+# the file < the command line).
+EITHER = {("batch_size", "global_batch_size"):
+          "give either -b/--batch-size (per process or per node, by launcher) or "
+          "--global-batch-size (all processes together), not both",
+          ("lr", "lr_base"):
+          "give either --lr (the learning rate as it is) or --lr-base (scaled to the global "
+          "batch by --lr-base-scale), not both"}
+NOT_GIVEN = object()  # the default of every flag when telling which ones the command line gives
+
+
 def parse_config(argv: Sequence[str] | None = None) -> Config:
     """Parse ``argv`` (None = sys.argv) into a validated ``Config``; a --config file's values
     stand in for the defaults."""
     parser = get_args_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = parser.parse_args(argv)
-    from_file = {}
+    given = given_flags(argv)
+    check_either(given, "")
+    from_file: dict[str, Any] = {}
     if ns.config:  # the file's values become defaults: flags on the command line win
         from imagenet.settings.recipe import file_values
 
         from_file = file_values(parser, Path(ns.config))
+        check_either(from_file, f"--config {ns.config}: ")
+        for pair in EITHER:
+            for mine, other in (pair, pair[::-1]):
+                if given.get(mine) is not None:
+                    from_file.pop(other, None)  # set aside by the command line's
         parser.set_defaults(**from_file)
         ns = parser.parse_args(argv)
     values = vars(ns)
-    given = _given_dests(parser, argv) | set(from_file)  # a value from the file counts as given
-    if values["global_batch_size"] is not None and "batch_size" in given:
-        raise UsageError("give either -b/--batch-size (per process or per node, by launcher) "
-                         "or --global-batch-size (all processes together), not both")
-    if values["global_batch_size"] is not None:
-        given.add("batch_size")  # --demo's -b would be unused
+    for name in ("amp", "auto_augment"):  # --amp off, --auto-augment none
+        if values[name] in OFF:
+            values[name] = None
+    chosen = set(given) | set(from_file)  # a value from the file counts as given
+    for plain, instead in EITHER:  # --global-batch-size, --lr-base: the demo's -b, --lr unused
+        if values[instead] is not None:
+            chosen.add(plain)
     if values["demo"]:
-        if values["data"] != Config.data:
+        if "data" in given:
             raise UsageError(f"--demo trains on the built-in data it writes to "
                              f"OUTPUT_DIR/demo-data: drop DIR '{values['data']}' or --demo")
-        values.update({k: v for k, v in DEMO_DEFAULTS.items() if k not in given})
+        values.update({k: v for k, v in DEMO_DEFAULTS.items() if k not in chosen})
         values["data"] = str(Path(values["output_dir"]) / "demo-data")  # recorded as trained
     values["lr_milestones"] = tuple(values["lr_milestones"])
     if values["train_crop_ramp"] is not None:
@@ -493,15 +573,28 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     return cfg
 
 
-def _given_dests(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:
-    """Names of the options that appear on the command line."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    given = set()
-    for action in parser._actions:
-        for opt in action.option_strings:
-            if any(a == opt or a.startswith(opt + "=") for a in argv):
-                given.add(action.dest)
-    return given
+def given_flags(argv: Sequence[str]) -> dict[str, Any]:
+    """The flags the command line gives, with their values, as argparse read them: any
+    spelling (-b32, --batch=16, --epoch 2 for --epochs), the last of repeated ones."""
+    parser = get_args_parser()
+    parser.set_defaults(**{a.dest: NOT_GIVEN for a in parser._actions if a.dest != "help"})
+    return {k: v for k, v in vars(parser.parse_args(list(argv))).items() if v is not NOT_GIVEN}
+
+
+def check_either(values: dict[str, Any], where: str) -> None:
+    """UsageError when ``values`` (the command line's, or a file's) set both flags of a pair."""
+    for pair, message in EITHER.items():
+        if all(values.get(name) is not None for name in pair):
+            if where:
+                keys = " and ".join(_long_name(name)[2:] for name in pair)
+                raise UsageError(f"{where}sets both {keys}: {message}")
+            raise UsageError(message)
+
+
+def _long_name(name: str) -> str:
+    """A Config field's long flag: '--batch-size'."""
+    names = next(f for f in dataclasses.fields(Config) if f.name == name).metadata["names"]
+    return next(n for n in names if n.startswith("--"))
 
 
 def validate(cfg: Config) -> None:
@@ -513,12 +606,14 @@ def validate(cfg: Config) -> None:
                 "--model-ema-steps": cfg.model_ema_steps, "--bucket-cap-mb": cfg.bucket_cap_mb,
                 "--powersgd-rank": cfg.powersgd_rank, "--ra-reps": cfg.ra_reps,
                 "--train-crop-multiple": cfg.train_crop_multiple,
+                "--lr-base-size": cfg.lr_base_size,
                 "--global-batch-size": 1 if cfg.global_batch_size is None
                 else cfg.global_batch_size}
     for name, value in positive.items():
         if value <= 0:
             raise UsageError(f"{name} must be positive, got {value}")
     non_negative = {"--hang-timeout": cfg.hang_timeout or 0, "--lr": cfg.lr,
+                    "--lr-base": cfg.lr_base or 0.0,
                     "--momentum": cfg.momentum, "--wd": cfg.weight_decay,
                     "-j/--workers": cfg.workers or 0, "--start-epoch": cfg.start_epoch,
                     "--save-every": cfg.save_every, "--label-smoothing": cfg.label_smoothing,
@@ -543,7 +638,7 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--lr-milestones are epochs of the whole run and must come after the "
                          f"--lr-warmup-epochs {cfg.lr_warmup_epochs}, got "
                          f"{' '.join(map(str, cfg.lr_milestones))}")
-    if cfg.lr_scheduler == "linear" and cfg.lr_min > cfg.lr:
+    if cfg.lr_scheduler == "linear" and cfg.lr_min > cfg.lr and cfg.lr_base is None:
         raise UsageError(f"--lr-scheduler linear falls from --lr to --lr-min: --lr-min "
                          f"({cfg.lr_min}) must not exceed --lr ({cfg.lr})")
     if cfg.pretrained and cfg.weights:

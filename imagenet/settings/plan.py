@@ -12,10 +12,11 @@ does.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from imagenet.errors import UsageError
@@ -55,6 +56,7 @@ class Plan:
     launcher: int | None = None  # the pid that must outlive the training processes
     # (mp.spawn's parent, torchrun's agent): killed, it cannot stop them; they stop on their own
     notes: tuple[str, ...] = field(default=())  # warnings about the launch, said once
+    lr_rule: str | None = None  # how --lr-base became cfg.lr (None: --lr as given)
 
     def ranks(self, local_index: int = 0) -> Ranks:
         """The ranks of this node's process ``local_index`` (0 outside mp.spawn)."""
@@ -161,31 +163,60 @@ def hang_timeout(cfg: Config) -> float:
     return min(HANG_TIMEOUT, cfg.dist_timeout / 2)
 
 
+def learning_rate(cfg: Config, global_batch: int) -> tuple[float, str | None]:
+    """The learning rate of a run of ``global_batch`` images per optimizer step, and how it
+    follows from --lr-base (None: --lr as given, the classic's meaning)."""
+    if cfg.lr_base is None:
+        return cfg.lr, None
+    ratio = global_batch / cfg.lr_base_size
+    factor = ratio if cfg.lr_base_scale == "linear" else math.sqrt(ratio)
+    rule = (f"--lr-base {cfg.lr_base:g} x global batch {global_batch} / --lr-base-size "
+            f"{cfg.lr_base_size}" if cfg.lr_base_scale == "linear" else
+            f"--lr-base {cfg.lr_base:g} x sqrt(global batch {global_batch} / --lr-base-size "
+            f"{cfg.lr_base_size})")
+    return cfg.lr_base * factor, f"{rule} ({cfg.lr_base_scale})"
+
+
+def with_learning_rate(cfg: Config, global_batch: int) -> tuple[Config, str | None]:
+    """``cfg`` whose ``lr`` is the run's learning rate (--lr-base scaled to ``global_batch``:
+    resolved here once, every later stage reads ``cfg.lr``), and the rule that gave it."""
+    lr, rule = learning_rate(cfg, global_batch)
+    if cfg.lr_scheduler == "linear" and cfg.lr_min > lr:
+        raise UsageError(f"--lr-scheduler linear falls from the learning rate to --lr-min: "
+                         f"--lr-min ({cfg.lr_min:g}) must not exceed the learning rate "
+                         f"({lr:g}{', ' + rule if rule else ''})")
+    return (cfg if rule is None else replace(cfg, lr=lr)), rule
+
+
 def make_plan(cfg: Config, env: Mapping[str, str], cuda_count: int,
               launch: Launch | None = None, group: tuple[int, int] | None = None,
-              cpus: tuple[int, int] | None = None) -> Plan:
+              cpus: tuple[int, int] | None = None, started: float | None = None) -> Plan:
     """The plan of this invocation; UsageError for what cannot work, before anything starts.
 
     ``launch``: decided by the caller (``imagenet.train``), else from the flags and ``env``;
     ``group``: (rank, world size) of the caller's process group; ``cpus``: (cores this process
-    may use, cores of the machine), None reads them.
+    may use, cores of the machine), None reads them; ``started``: when --time-limit starts
+    counting (unix time; None: when this process started, as main.py's).
     """
     job = plan_job(cfg, env, cuda_count, launch, group, cpus)
+    cfg, lr_rule = with_learning_rate(cfg, job.layout.global_batch)
     fmt = source_format(cfg)
     device_type = "cuda" if cuda_count and not cfg.no_accel else "cpu"
-    started = process_start()
+    started = process_start() if started is None else started
     # Rank 0 keeps the clock: only its plan asks SLURM for the job's end (squeue)
     limit = end_time(cfg.time_limit, env, started) if job.first_rank == 0 else None
     return Plan(cfg, job.launch, job.layout, crop_schedule(cfg), fmt, device_type,
                 decode_path(cfg, fmt, device_type, job.layout.workers), job.restarts,
                 job.agent_store, started, limit, env.get("SLURM_JOB_ID"),
-                hang_timeout(cfg), job.process, job.launcher, job.notes)
+                hang_timeout(cfg), job.process, job.launcher, job.notes, lr_rule)
 
 
 def fixed_plan(cfg: Config, layout: Layout, device_type: str = "cpu") -> Plan:
     """The plan of a process whose layout is given (benchmarks and tests that build a run's
     parts directly): one launch of its own, nothing read from the environment."""
     fmt = source_format(cfg)
+    cfg, lr_rule = with_learning_rate(cfg, layout.global_batch)
     return Plan(cfg, Launch("single", reason="given layout"), layout, crop_schedule(cfg), fmt,
                 device_type, decode_path(cfg, fmt, device_type, layout.workers), 0, False,
-                time.time(), None, None, hang_timeout(cfg), Ranks(0, 0, layout.world_size, 1))
+                time.time(), None, None, hang_timeout(cfg), Ranks(0, 0, layout.world_size, 1),
+                lr_rule=lr_rule)

@@ -55,7 +55,9 @@ def flag_keys(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     for action in parser._actions:
         if action.dest in NOT_IN_FILES:
             continue
-        names = [o[2:] for o in action.option_strings if o.startswith("--")] or [action.dest]
+        negatives = getattr(action, "negatives", ())  # --no-NAME: a file says NAME = false
+        names = [o[2:] for o in action.option_strings
+                 if o.startswith("--") and o not in negatives] or [action.dest]
         for name in (*names, action.dest):
             keys[name] = action
     return keys
@@ -96,7 +98,7 @@ def _flag(action: argparse.Action) -> str:
 
 def _checked(action: argparse.Action, value: Any, where: str) -> Any:
     """``value`` in the type the parser would have made of the flag's text."""
-    if action.nargs == 0:  # a switch (store_true)
+    if action.nargs == 0:  # a switch (flags.Switch)
         if not isinstance(value, bool):
             raise _bad(where, action, value, "true or false")
         return value

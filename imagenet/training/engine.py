@@ -86,7 +86,9 @@ class Hooks:
     after_step: Callable[[Step, Callable[[], None]], bool] | None = None
 
 
-SUMS = ("loss", "correct1", "correct5", "count")  # loss x images, top-1 / top-5 hits, images
+# loss x weight, top-1 / top-5 hits, images, weight: the images' total weight in the loss's mean
+# (their count, but with --class-balanced-loss the sum of their classes' weights)
+SUMS = ("loss", "correct1", "correct5", "count", "weight")
 
 
 @dataclass
@@ -105,8 +107,8 @@ class EpochTotals:
                  ) -> EpochTotals:
         """Totals from zero, or from a checkpoint's ``of_job()``."""
         totals = cls(DeviceSums(SUMS, device), (saved or {}).get("seconds", 0.0))
-        if saved:
-            totals.sums.add(*(float(saved[name]) for name in SUMS))
+        if saved:  # a checkpoint from before "weight": the images were the weight
+            totals.sums.add(*(float(saved.get(name, saved["count"])) for name in SUMS))
         return totals
 
     def of_job(self) -> dict[str, float]:
@@ -117,7 +119,7 @@ class EpochTotals:
 def epoch_metrics(job: dict[str, float]) -> dict[str, float]:
     """An epoch's training metrics from ``EpochTotals.of_job()``."""
     count = max(job["count"], 1)
-    return {"loss": job["loss"] / count, "acc1": 100 * job["correct1"] / count,
+    return {"loss": mean_loss(job), "acc1": 100 * job["correct1"] / count,
             "acc5": 100 * job["correct5"] / count, "images": job["count"],
             "time": job["seconds"], "images_per_sec": job["count"] / max(job["seconds"], 1e-9)}
 
@@ -155,6 +157,26 @@ class _Clock:
     def restart(self, step_in_epoch: int) -> None:
         self.window_start, self.data_time = time.perf_counter(), 0.0
         self.window_first_step = step_in_epoch
+
+
+def mean_loss(sums: dict[str, float]) -> float:
+    """The loss of every image summed so far, as the criterion's own mean: by weight."""
+    return sums["loss"] / sums["weight"] if sums["weight"] > 0 else 0.0
+
+
+def weighted(criterion: nn.Module, loss: torch.Tensor, target: torch.Tensor,
+             images: int) -> tuple[torch.Tensor, torch.Tensor | int]:
+    """A batch's mean ``loss`` as (sum, weight) that add up over batches and ranks.
+
+    Cross-entropy with class weights (--class-balanced-loss) and class-index targets divides by
+    the targets' weights, not by the image count: multiplied back by that weight, the sums give
+    the weighted mean of all the images, whatever the batches (soft MixUp targets: by count).
+    """
+    weight = getattr(criterion, "weight", None)
+    if weight is None or target.ndim != 1:
+        return loss * images, images
+    total = weight[target].sum()
+    return loss * total, total
 
 
 def to_device(images: torch.Tensor, target: torch.Tensor, opts: Options
@@ -204,7 +226,8 @@ def _forward_backward(engine: Engine, group: list, sums: _Sums, bad_step: torch.
             (parts.scaler.scale(scaled) if parts.scaler is not None else scaled).backward()
         loss = loss.detach().float()
         correct = topk_correct(output.detach(), target if target.ndim == 2 else hard_target)
-        sums.add(loss * images.shape[0], correct[0], correct[1], images.shape[0])
+        loss_sum, weight = weighted(parts.criterion, loss, target, images.shape[0])
+        sums.add(loss_sum, correct[0], correct[1], images.shape[0], weight)
         # Record (without a host sync) the first step whose loss was not finite.
         bad_step.copy_(torch.where((bad_step < 0) & ~torch.isfinite(loss),
                                    torch.full_like(bad_step, step.step_in_epoch), bad_step))
@@ -339,7 +362,7 @@ def _progress(engine: Engine, step: Step, sums: _Sums, loss: torch.Tensor,
     record = {
         "epoch": step.epoch, "step": step.step_in_epoch, "steps": opts.steps_per_epoch,
         "global_step": step.global_step, "loss": float(loss.item()),
-        "loss_avg": total["loss"] / max(total["count"], 1), "acc1": 100 * w["correct1"] / n,
+        "loss_avg": mean_loss(total), "acc1": 100 * w["correct1"] / n,
         "acc5": 100 * w["correct5"] / n, "lr": engine.parts.optimizer.param_groups[0]["lr"],
         "batch_time": window_time / steps_in_window,
         "data_time": clock.data_time / steps_in_window,
@@ -367,7 +390,7 @@ def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count:
     """
     opts, criterion = engine.opts, engine.parts.criterion
     model.eval()
-    sums = DeviceSums(("loss", "correct1", "correct5", "count"), opts.device)
+    sums = DeviceSums(SUMS, opts.device)
     start = time.perf_counter()
     total_batches = len(loader)  # type: ignore[arg-type]
     sharded = fsdp.is_sharded(model)
@@ -385,7 +408,8 @@ def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count:
             output = model(images)
             loss = criterion(output.float(), target)
         correct = topk_correct(output, target)
-        sums.add(loss.float() * images.shape[0], correct[0], correct[1], images.shape[0])
+        loss_sum, weight = weighted(criterion, loss.float(), target, images.shape[0])
+        sums.add(loss_sum, correct[0], correct[1], images.shape[0], weight)
         if on_output is not None:
             on_output(output, target)
         watchdog.beat(f"validation batch {i + 1} of {total_batches} done")
@@ -409,7 +433,7 @@ def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count:
         raise on_every_rank(RunError(
             f"validated {count} images but the validation set has {expected_count}; the "
             "validation shards are inconsistent across ranks"))
-    return {"loss": totals["loss"] / max(count, 1),
+    return {"loss": mean_loss(totals),
             "acc1": 100 * totals["correct1"] / max(count, 1),
             "acc5": 100 * totals["correct5"] / max(count, 1), "count": count,
             "time": time.perf_counter() - start}

@@ -25,6 +25,7 @@ from torch import nn
 from imagenet.errors import CheckpointError, TrainerError, UsageError
 from imagenet.launching.collectives import raise_agreed
 from imagenet.settings.flags import Config
+from imagenet.training.models import without_dropped_aux
 
 log = logging.getLogger(__name__)
 
@@ -190,11 +191,14 @@ def load_finetune(model: nn.Module, cfg: Config, classes: Sequence[str], head: H
     if weights.arch and weights.arch != cfg.arch:
         raise CheckpointError(f"--finetune {path} was saved for -a {weights.arch}, but this "
                               f"run uses -a {cfg.arch}; pass -a {weights.arch}")
+    saved, aux = without_dropped_aux(weights.state, model)
     try:
-        fit = fit_state(model.state_dict(), weights.state, head,
-                        head_rows(weights.classes, classes))
+        fit = fit_state(model.state_dict(), saved, head, head_rows(weights.classes, classes))
     except CheckpointError as exc:
         raise CheckpointError(f"--finetune {path}: {exc}") from None
+    if aux:
+        fit.dropped.append(f"the aux classifiers this model is built without ({len(aux)} "
+                           "tensors)")
     model.load_state_dict(fit.state, strict=True)
     log.info("=> --finetune %s: %d of %d tensors from the file; %s", path,
              len(fit.state) - len(fit.reinit), len(fit.state), fit.describe(len(classes)))

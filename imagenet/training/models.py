@@ -82,15 +82,28 @@ NO_AUX_HEADS = {"googlenet": {"aux_logits": False, "init_weights": True},
                 "inception_v3": {"aux_logits": False, "init_weights": True}}
 
 
+AUX_HEADS = ("aux1", "aux2", "AuxLogits")  # GoogLeNet's two, Inception-v3's one
+
+
 def drop_aux_heads(model: nn.Module) -> nn.Module:
     """GoogLeNet / Inception-v3 with pretrained weights, minus the aux classifiers (torchvision
     keeps Inception-v3's): train mode then returns plain logits, as eval mode does."""
     if getattr(model, "aux_logits", False):
         model.aux_logits = False
-        for name in ("aux1", "aux2", "AuxLogits"):
+        for name in AUX_HEADS:
             if hasattr(model, name):
                 setattr(model, name, None)
     return model
+
+
+def without_dropped_aux(state: dict[str, torch.Tensor], model: nn.Module
+                        ) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """``state`` less the keys of aux classifiers that ``model`` was built without (torchvision's
+    GoogLeNet and Inception-v3 files hold them), and those keys."""
+    dropped = [name for name in AUX_HEADS if hasattr(model, name)
+               and getattr(model, name) is None]
+    aux = [k for k in state if k.split(".", 1)[0] in dropped]
+    return {k: v for k, v in state.items() if k not in aux}, aux
 
 
 def replace_classifier(model: nn.Module, num_classes: int) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -105,9 +105,12 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config,
                                      total_iters=max(1, (cfg.epochs - cfg.lr_warmup_epochs)
                                                      * iters_per_epoch))
     else:
-        main = lr_scheduler.CosineAnnealingLR(
-            optimizer, max(1, (cfg.epochs - cfg.lr_warmup_epochs) * iters_per_epoch),
-            eta_min=cfg.lr_min)
+        steps = max(1, (cfg.epochs - cfg.lr_warmup_epochs) * iters_per_epoch)
+        # --backbone-lr-scale: each group's floor is scaled like its learning rate (LinearLR's
+        # end factor is a fraction of each group's own already)
+        floors = [cfg.lr_min * group.get("lr_scale", 1.0) for group in optimizer.param_groups]
+        main = lr_scheduler.CosineAnnealingLR(optimizer, steps, eta_min=cfg.lr_min) \
+            if len(set(floors)) <= 1 else CosineToFloors(optimizer, steps, floors)
     if warmup == 0:
         return main
     if cfg.lr_warmup_method == "linear":
@@ -116,6 +119,30 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config,
     else:
         first = lr_scheduler.ConstantLR(optimizer, factor=cfg.lr_warmup_decay, total_iters=warmup)
     return lr_scheduler.SequentialLR(optimizer, [first, main], milestones=[warmup])
+
+
+class CosineToFloors(lr_scheduler.CosineAnnealingLR):
+    """CosineAnnealingLR with a floor (``eta_min``) per parameter group: torch's own update for
+    each group, with that group's floor."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, t_max: int,
+                 floors: Sequence[float]) -> None:
+        self.floors = list(floors)
+        super().__init__(optimizer, t_max, eta_min=self.floors[0])
+
+    def get_lr(self) -> list[float]:
+        return self._each_floor(super().get_lr)
+
+    def _get_closed_form_lr(self) -> list[float]:  # SequentialLR's step(0) at its milestone
+        return self._each_floor(super()._get_closed_form_lr)
+
+    def _each_floor(self, lrs_at: Callable[[], list[float]]) -> list[float]:
+        lrs = []
+        for i, floor in enumerate(self.floors):
+            self.eta_min = floor
+            lrs.append(lrs_at()[i])
+        self.eta_min = self.floors[0]
+        return lrs
 
 
 def build_ema(model: nn.Module, cfg: Config,

@@ -36,14 +36,14 @@ def build_shard_data(plan: Plan, data: str, rank: int, aug_seed: int, pin_memory
     """Loaders for this rank from the shards ``data`` names (see ``sources``)."""
     cfg, layout = plan.cfg, plan.layout
     world_size = layout.world_size
-    if cfg.ra_reps > 1:
+    if cfg.ra_reps > 1 and not cfg.evaluate:  # -e reads no training batch
         raise UsageError(f"--ra-reps {cfg.ra_reps} needs an ImageFolder: tar shards give each "
                          "process a contiguous stretch of the epoch, read once, so the copies "
                          "of an image cannot be spread over the processes; drop --ra-reps")
     shards = resolve(data, cfg.val_data, cfg.num_classes)
     batch, workers = layout.batch_size, layout.workers
     steps = train_batches_per_rank(shards.train.total, world_size, batch)
-    if steps == 0:
+    if steps == 0 and not cfg.evaluate:
         raise DataError(f"the training shards hold {shards.train.total} images, fewer than one "
                         f"global batch ({world_size} process(es) x {batch}); lower -b")
     train_tf, val_tf = build_transforms(cfg, plan.crops)
