@@ -218,6 +218,58 @@ exit $code'''
     assert load_checkpoint(keep / "checkpoint.pth.tar")["step_in_epoch"] >= 1
 
 
+def pause_at_first_checkpoint(out: Path, fault: str, keep: Path, after: str = "") -> str:
+    """Shell for ``in_tmpfs``: once ``out`` has a checkpoint, stop the run, apply ``fault``,
+    let it go on; at the end list what is left into ``keep`` and run ``after``."""
+    return f'''
+while [ ! -e "{out}/checkpoint.pth.tar" ] && kill -0 $pid 2>/dev/null; do sleep 0.02; done
+kill -STOP $pid
+{fault}
+kill -CONT $pid
+wait $pid; code=$?
+ls -A "{out}" > {keep}/listing 2>&1
+{after}
+exit $code'''
+
+
+@pytest.mark.slow
+def test_an_output_folder_deleted_during_the_run_ends_it_in_one_line(data, tmp_path):
+    disk, keep = tmp_path / "disk", tmp_path / "keep"
+    out = disk / "out"
+    keep.mkdir()
+    proc = in_tmpfs(250, disk, main_cmd(str(data), *TINY, "--epochs", "2", "--save-every", "1",
+                                        "--output-dir", str(out)),
+                    then=pause_at_first_checkpoint(out, f'rm -rf "{out}"', keep))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = one_error_line(proc.stderr)  # also: no thread's traceback (TensorBoard's writer)
+    assert re.fullmatch(rf"error: cannot write {out}/\S+: {out} is gone \(deleted or unmounted "
+                        r"while the run was writing to it\); the run stopped with nothing "
+                        r"more to save there", line), line
+    assert "No such file" in (keep / "listing").read_text()
+
+
+@pytest.mark.slow
+def test_an_output_folder_turned_read_only_during_the_run_ends_it_in_one_line(data, tmp_path):
+    """The folder's file system turns read-only under the run (what ext4 does after an I/O
+    error): a read-only copy of its folders is mounted over it, the checkpoint stays below."""
+    out, keep = tmp_path / "out", tmp_path / "keep"
+    keep.mkdir()
+    turn_read_only = f'''
+ro={tmp_path}/ro; mkdir -p $ro && mount -t tmpfs -o size=1m tmpfs $ro
+(cd "{out}" && find . -type d -exec mkdir -p "$ro/{{}}" \\;)
+mount -o remount,ro $ro && mount --bind $ro "{out}"'''
+    after = f'umount "{out}"; cp "{out}/checkpoint.pth.tar" {keep}/'
+    proc = in_tmpfs(250, out, main_cmd(str(data), *TINY, "--epochs", "2", "--save-every", "1",
+                                       "--output-dir", str(out)),
+                    then=pause_at_first_checkpoint(out, turn_read_only, keep, after))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = one_error_line(proc.stderr)
+    assert re.fullmatch(rf"error: cannot write {out}/\S+: the file system is read-only now "
+                        rf"\(remounted read-only after an error\?\); the run stopped; fix {out} "
+                        r"or give another --output-dir, then --resume auto", line), line
+    assert load_checkpoint(keep / "checkpoint.pth.tar")["step_in_epoch"] >= 1  # still whole
+
+
 # ---------------------------------------------------------------- case 7: a last batch of one
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
-"""Room on the output folder's disk: free space, the file size limit, and one line for a write
-that failed because of either (never the zip writer's traceback)."""
+"""The output folder's disk: free space, the file size limit, and one line for a write that
+failed - the disk full, the folder gone or read-only, no permission, an I/O error - whatever file
+it was (a checkpoint, metrics.jsonl, TensorBoard's events, a report): never a traceback."""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ from pathlib import Path
 from imagenet.errors import RunError
 
 FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # no space, quota, file size limit
+# What a write into the output folder can meet besides a full disk, and what to say about it.
+BROKEN = {errno.EROFS: "the file system is read-only now (remounted read-only after an error?)",
+          errno.EACCES: "permission denied (the folder's permissions changed?)",
+          errno.EPERM: "operation not permitted (the folder's permissions changed?)",
+          errno.EIO: "input/output error (the disk or the network file system failed)",
+          errno.ESTALE: "stale file handle (the network file system lost the folder)"}
 
 
 def human(n: float) -> str:
@@ -42,11 +49,17 @@ def file_size_limit() -> int | None:
 
 
 def write_failure(target: object, folder: Path, exc: OSError) -> str:
-    """One line for a failed write of ``target``: why, and the room that is left."""
+    """One line for a failed write of ``target``: why, and what to do."""
     if exc.errno == errno.EFBIG:
         limit = file_size_limit()
         why = "larger than the file size limit (ulimit -f" + (f" = {human(limit)})" if limit
                                                               else ")")
+    elif exc.errno in BROKEN:
+        return (f"cannot write {target}: {BROKEN[exc.errno]}; the run stopped; fix {folder} or "
+                "give another --output-dir, then --resume auto")
+    elif exc.errno == errno.ENOENT and (gone := _gone(exc, folder)) is not None:
+        return (f"cannot write {target}: {gone} is gone (deleted or unmounted while the run "
+                "was writing to it); the run stopped with nothing more to save there")
     else:
         why = exc.strerror or os.strerror(exc.errno or 0)
         with contextlib.suppress(OSError):
@@ -55,12 +68,40 @@ def write_failure(target: object, folder: Path, exc: OSError) -> str:
     return f"cannot write {target}: {why}; free some space or give another --output-dir"
 
 
+def _gone(exc: OSError, folder: Path) -> Path | None:
+    """The folder that vanished under a write that met ENOENT: ``folder`` itself or the
+    outermost missing folder inside it on the way to the file; None when nothing is missing."""
+    if not folder.exists():
+        return folder
+    if not exc.filename:
+        return None
+    missing = None
+    for parent in Path(os.fsdecode(exc.filename)).parents:
+        if parent == folder or not parent.is_relative_to(folder):
+            break
+        if not parent.exists():
+            missing = parent
+    return missing
+
+
+def is_write_failure(exc: OSError, folder: Path) -> bool:
+    """True for an OSError of writing into ``folder`` (not, say, a data file that is missing)."""
+    if exc.errno in FULL or exc.errno in BROKEN:
+        return True
+    if exc.errno != errno.ENOENT:
+        return False
+    name = os.fsdecode(exc.filename) if exc.filename else ""
+    inside = bool(name) and Path(name).resolve().is_relative_to(folder.resolve())
+    return inside or not folder.exists()
+
+
 @contextlib.contextmanager
-def full_disk_is_an_error(folder: Path) -> Iterator[None]:
-    """Turn ENOSPC / EDQUOT / EFBIG met while writing into ``folder`` into one RunError."""
+def output_errors(folder: Path) -> Iterator[None]:
+    """Turn a failed write into ``folder`` (``is_write_failure``) into one RunError line."""
     try:
         yield
     except OSError as exc:
-        if exc.errno not in FULL:
+        if not is_write_failure(exc, folder):
             raise
-        raise RunError(write_failure(exc.filename or f"into {folder}", folder, exc)) from None
+        target = os.fsdecode(exc.filename) if exc.filename else f"into {folder}"
+        raise RunError(write_failure(target, folder, exc)) from None

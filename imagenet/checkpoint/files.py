@@ -125,7 +125,7 @@ def atomic_save(obj: Mapping[str, Any], path: Path, copies: Sequence[Path] = ())
                 atomic_copy(tmp, copy)
             os.replace(tmp, path)
         except OSError as exc:
-            if exc.errno not in disk.FULL:
+            if not disk.is_write_failure(exc, path.parent):
                 raise
             kept = "; the previous file is kept" if path.is_file() else ""
             raise CheckpointError(disk.write_failure(path, path.parent, exc) + kept) from None

@@ -11,6 +11,7 @@ import logging
 import platform
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,25 @@ def preload_writers(log_to: str, main_rank: bool) -> None:
         import torch.utils.tensorboard  # noqa: F401
 
 
+def quiet_tensorboard_write_errors() -> None:
+    """TensorBoard writes events in a thread of its own; when that write fails (the disk full,
+    the folder gone) the thread prints a traceback and the next ``add_scalar`` raises the same
+    error in the training thread, which ends the run with one line. Keep the thread quiet."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_tensorboard", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if issubclass(args.exc_type, OSError) and \
+                type(args.thread).__name__ == "_AsyncWriterThread":
+            log.debug("TensorBoard's writer thread: %s", args.exc_value)
+            return
+        previous(args)
+
+    hook.quiets_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 class RunLogger:
     """Writes metrics on rank 0 (and to the --log-to trackers); a no-op on the others.
 
@@ -120,6 +140,7 @@ class RunLogger:
 
             # purge_step drops events a killed run wrote after its checkpoint, so a resumed
             # run continues the curves without duplicate or backwards steps.
+            quiet_tensorboard_write_errors()
             self._tb = SummaryWriter(str(output_dir / "tb"), purge_step=purge_step)
 
     def write_config(self, config: Mapping[str, Any], extra: Mapping[str, Any]) -> None:

@@ -76,7 +76,7 @@ def run_training(plan: Plan, dist: DistInfo, outputs: Outputs | None = None
         # Rank 0 of a training run holds OUTPUT_DIR's lock until the run ends; -e only reads.
         lock = contextlib.nullcontext() if cfg.evaluate else \
             claim_output_dir(cfg, dist, plan.slurm_job)
-        with lock, disk.full_disk_is_an_error(run.output_dir), \
+        with lock, disk.output_errors(run.output_dir), \
                 run.outputs.attached(run.cfg, dist, run.output_dir, plan.restarted):
             return resume_and_train(run)
     finally:
