@@ -270,6 +270,24 @@ mount -o remount,ro $ro && mount --bind $ro "{out}"'''
     assert load_checkpoint(keep / "checkpoint.pth.tar")["step_in_epoch"] >= 1  # still whole
 
 
+@pytest.mark.slow
+def test_predictions_that_meet_a_full_disk_end_in_one_line(data, tmp_path):
+    trained = run_main(str(data), *TINY, "--epochs", "1", "--output-dir", str(tmp_path / "run"))
+    assert trained.returncode == 0, trained.stderr
+    disk = tmp_path / "disk"
+    # The disk is filled as the evaluation starts (its imports alone take seconds).
+    fill = f'dd if=/dev/zero of="{disk}/filler" bs=65536 2>/dev/null'
+    proc = in_tmpfs(1, disk, main_cmd(str(data), *TINY, "-e", "--resume",
+                                      str(tmp_path / "run" / "checkpoint.pth.tar"),
+                                      "--output-dir", str(tmp_path / "eval"),
+                                      "--predictions", str(disk / "predictions.csv")),
+                    then=fill)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = one_error_line(proc.stderr)
+    assert line.startswith(f"error: cannot write {disk}/predictions.csv: No space left on "
+                           "device"), line
+
+
 # ---------------------------------------------------------------- case 7: a last batch of one
 
 @pytest.mark.slow

@@ -48,15 +48,17 @@ def file_size_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
-def write_failure(target: object, folder: Path, exc: OSError) -> str:
-    """One line for a failed write of ``target``: why, and what to do."""
+def write_failure(target: object, folder: Path, exc: OSError,
+                  flag: str = "--output-dir") -> str:
+    """One line for a failed write of ``target`` into ``folder``: why, and what to do (``flag``
+    names the flag that chose the place)."""
     if exc.errno == errno.EFBIG:
         limit = file_size_limit()
         why = "larger than the file size limit (ulimit -f" + (f" = {human(limit)})" if limit
                                                               else ")")
     elif exc.errno in BROKEN:
         return (f"cannot write {target}: {BROKEN[exc.errno]}; the run stopped; fix {folder} or "
-                "give another --output-dir, then --resume auto")
+                f"give another {flag}, then --resume auto")
     elif exc.errno == errno.ENOENT and (gone := _gone(exc, folder)) is not None:
         return (f"cannot write {target}: {gone} is gone (deleted or unmounted while the run "
                 "was writing to it); the run stopped with nothing more to save there")
@@ -65,7 +67,7 @@ def write_failure(target: object, folder: Path, exc: OSError) -> str:
         with contextlib.suppress(OSError):
             free = free_bytes(folder)
             why += f" ({human(free)} free in {folder})" if free is not None else ""
-    return f"cannot write {target}: {why}; free some space or give another --output-dir"
+    return f"cannot write {target}: {why}; free some space or give another {flag}"
 
 
 def _gone(exc: OSError, folder: Path) -> Path | None:
@@ -96,12 +98,14 @@ def is_write_failure(exc: OSError, folder: Path) -> bool:
 
 
 @contextlib.contextmanager
-def output_errors(folder: Path) -> Iterator[None]:
-    """Turn a failed write into ``folder`` (``is_write_failure``) into one RunError line."""
+def output_errors(folder: Path, target: object = None,
+                  flag: str = "--output-dir") -> Iterator[None]:
+    """Turn a failed write into ``folder`` (``is_write_failure``) into one RunError line naming
+    the file (the error's own, else ``target``, else the folder)."""
     try:
         yield
     except OSError as exc:
         if not is_write_failure(exc, folder):
             raise
-        target = os.fsdecode(exc.filename) if exc.filename else f"into {folder}"
-        raise RunError(write_failure(target, folder, exc)) from None
+        name = os.fsdecode(exc.filename) if exc.filename else target or f"into {folder}"
+        raise RunError(write_failure(name, folder, exc, flag)) from None

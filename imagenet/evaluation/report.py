@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import imagenet.reporting.results as results
+from imagenet.checkpoint import disk
 from imagenet.data.folder import Data
 from imagenet.data.shards.reader import ShardBatchSampler
 from imagenet.errors import RunError, TrainerError
@@ -129,7 +130,7 @@ class Report:
                 self.write(merge(gathered, self.data.val_size), metrics, epoch, global_step)
             except TrainerError as exc:
                 error = exc
-            except OSError as exc:
+            except OSError as exc:  # not a write (is_write_failure): say what it was
                 error = RunError(f"cannot write the evaluation report: {exc}")
         raise_agreed(error)
 
@@ -145,10 +146,14 @@ class Report:
         summary = {"images": len(preds.ids), "acc1": metrics["acc1"], "acc5": metrics["acc5"],
                    "mean_class_acc1": results.mean_class_acc1(rows), "classes": classes,
                    "tta_flip": self.tta_flip, "epoch": epoch, "global_step": global_step}
-        written = results.write_per_class(self.output_dir, rows, confusion, classes, summary)
+        with disk.output_errors(self.output_dir, "the per-class report"):
+            written = results.write_per_class(self.output_dir, rows, confusion, classes,
+                                              summary)
         if self.predictions:
             path = Path(self.predictions)
-            results.write_predictions(path, sample_names(self.data.val_loader), classes, preds)
+            with disk.output_errors(path.parent, path, "--predictions"):
+                results.write_predictions(path, sample_names(self.data.val_loader), classes,
+                                          preds)
             written.append(path)
         self.add_image(confusion, global_step)
         log.info(" * per class: mean Acc@1 %.3f over %d classes; worst: %s",
