@@ -1,5 +1,6 @@
 """A real two-host run: two network namespaces joined by a veth pair, one node in each, started
-by run_multinode.sh in both of its styles (torchrun, and the classic shared --dist-url).
+by run_multinode.sh in both of its styles (torchrun, and the classic shared --dist-url); and the
+link between them lost mid-step and mid-save.
 
 Neither process gets GLOO_SOCKET_IFNAME: gloo would advertise this machine's hostname address,
 which does not exist inside the namespaces, so the run only works because
@@ -11,11 +12,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import ROOT, TINY, child_env, load_checkpoint, run_parallel, write_image_folder
 
 MASTER, PEER = "10.200.0.1", "10.200.0.2"
@@ -87,3 +91,87 @@ def test_run_multinode_on_two_hosts_without_socket_ifname(two_hosts, tmp_path: P
     assert record["val_count"] == 9
     assert json.loads((outs[0] / "config.json").read_text())["world_size"] == 2
     assert not outs[1].exists(), "the second host (rank 1) wrote files"
+
+
+# ---------------------------------------------------------------- a lost link
+
+HANG = 15  # --hang-timeout of the lost-link runs, seconds
+LIMIT = HANG + 60  # every process gone within this much of the link going down (the issue's)
+
+
+def _host_cmd(names: list[str], rank: int, data: Path, out: Path, port: int,
+              *extra: str) -> list[str]:
+    """main.py as rank ``rank`` inside its namespace, under a host name of its own (two
+    machines to the run: neither may signal the other's processes); both ranks share ``out``
+    (one file system, as on a cluster)."""
+    own_name = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', f"host{rank}"]
+    return ["ip", "netns", "exec", names[rank], *own_name, sys.executable, str(ROOT / "main.py"),
+            str(data),
+            *TINY, "-b", "4", "-j", "1", "-p", "1", "--seed", "0", "--epochs", "2",
+            "--save-every", "2", "--hang-timeout", str(HANG), "--dist-timeout", "300",
+            "--dist-url", f"tcp://{MASTER}:{port}", "--world-size", "2", "--rank", str(rank),
+            "--output-dir", str(out), *extra]
+
+
+def _both(names: list[str], data: Path, out: Path, port: int, *extra: str):
+    from test_fault_tolerance import Live
+
+    return [Live(_host_cmd(names, r, data, out, port, *extra), timeout=600) for r in range(2)]
+
+
+def _catch_a_save(out: Path, within: float = 120) -> bool:
+    """Poll until rank 0's writer has a checkpoint half written (its temporary file)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if any(p.name.startswith(".checkpoint.pth.tar.tmp-") for p in out.iterdir()):
+            return True
+        time.sleep(0.002)
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["mid-step", "mid-save"])
+def test_a_lost_link_ends_both_hosts_and_the_resume_matches(two_hosts, tmp_path: Path, when):
+    """The veth link taken down in the middle of epoch 1 (mid-step), or while rank 0 writes a
+    checkpoint (mid-save: rank 0 held with SIGSTOP while its writer's file is half written):
+    each host's --hang-timeout watch ends its rank with one line and the requeue code within
+    the timeout + 60 s, the checkpoint on disk is whole, and --resume auto on the link brought
+    back up ends exactly as an uninterrupted run."""
+    names, ends = two_hosts
+    data = write_image_folder(tmp_path / "data", classes=2, train_per_class=24, val_per_class=2)
+    whole, out = tmp_path / "whole", tmp_path / "out"
+    for live in _both(names, data, whole, 29510):
+        assert live.finish() == 0, live.output
+    ranks = _both(names, data, out, 29511)
+    ranks[0].wait_for("Epoch: [1][")
+    if when == "mid-save":
+        out.mkdir(exist_ok=True)
+        assert _catch_a_save(out), "no checkpoint write was seen"
+        os.kill(ranks[0].proc.pid, signal.SIGSTOP)  # ip, unshare and sh exec python itself
+    assert _ip("-n", names[1], "link", "set", ends[1], "down").returncode == 0
+    lost = time.monotonic()
+    if when == "mid-save":
+        os.kill(ranks[0].proc.pid, signal.SIGCONT)
+    codes = [live.finish() for live in ranks]
+    took = time.monotonic() - lost
+    assert took < LIMIT, f"the hosts took {took:.0f} s, more than --hang-timeout + 60 s:\n" + \
+        "\n".join(f"rank {r}: exit {c}\n{live.output[-3000:]}" for r, (live, c) in
+                  enumerate(zip(ranks, codes)))
+    for rank, (live, code) in enumerate(zip(ranks, codes)):
+        assert code == 143, f"rank {rank}: exit {code}\n{live.output[-3000:]}"
+        errors = [x for x in live.output.splitlines() if "error:" in x]
+        assert len(errors) == 1 and "hang: rank" in errors[0], live.output[-3000:]
+        assert "Traceback" not in live.output, live.output[-3000:]
+    assert "rank 1 stopped answering" in ranks[0].output  # rank 0 names the silent peer
+    report = json.loads((out / "hang" / "report.json").read_text())
+    assert report["silent"] is True and report["rank"] in (0, 1)
+    # Nothing half written in place; the checkpoint there is whole (its checksum is checked).
+    assert not [p for p in out.iterdir() if ".tmp-" in p.name]
+    load_checkpoint(out / "checkpoint.pth.tar")
+    assert _ip("-n", names[1], "link", "set", ends[1], "up").returncode == 0
+    for live in _both(names, data, out, 29512, "--resume", "auto"):
+        assert live.finish() == 0, live.output
+    a, b = (load_checkpoint(d / "checkpoint.pth.tar") for d in (whole, out))
+    assert a["epoch"] == b["epoch"] == 2
+    for key, value in a["state_dict"].items():
+        assert torch.equal(value, b["state_dict"][key]), key

@@ -12,7 +12,8 @@ building, compiling and loading are --dist-timeout's and the start-up stages'), 
   loader worker blocked on a read), else every rank stuck in the same collective;
 - a rank that no longer answers and runs on this host is asked for its stacks (SIGCONT, then
   SIGUSR2: Python's faulthandler) and killed; loader workers dump theirs the same way;
-- the stacks go to OUTPUT_DIR/hang/ (rank{R}.txt, rank{R}-worker{PID}.txt, report.json), one
+- the stacks go to OUTPUT_DIR/hang/ (rank{R}.txt, rank{R}-worker{PID}.txt, report.json; a
+  second rank that found a hang, as both sides of a lost link do: report-rank{R}.json), one
   ``error:`` line says who stopped and where, and every process exits with the requeue code
   (143), its loader workers killed: a requeue resumes from the last checkpoint (``--resume
   auto``).
@@ -23,6 +24,7 @@ The heartbeat is a key per rank in the store that mailboxes one rank's failure t
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import json
@@ -34,13 +36,16 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from imagenet.errors import Preempted, say_error
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 REQUEUE = Preempted.exit_code
 STACKS_SIGNAL = signal.SIGUSR2  # a process asked for its Python stacks (faulthandler)
@@ -114,12 +119,14 @@ class Watchdog:
                  host: str = "") -> None:
         self.timeout, self.rank, self.world = timeout, rank, world
         self.output_dir, self.store, self.prefix, self.host = output_dir, store, prefix, host
+        self.started = time.time()
         self.progress: float | None = None  # wall time of the last progress (None: not yet)
         self.what = "starting"
         self.stacks = Path(tempfile.mkdtemp(prefix=f"imagenet-stacks-{rank}-"))
         self.own = open(self.stacks / f"rank{rank}.txt", "w")
         faulthandler.register(STACKS_SIGNAL, file=self.own, all_threads=True)
         self.stop = threading.Event()
+        self._pending: threading.Thread | None = None  # a store request still in flight
         self.thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
@@ -156,21 +163,46 @@ class Watchdog:
             if self.progress is not None and now - self.progress > self.timeout:
                 self._end(self._who_stopped(now), found=True)
 
+    def _ask(self, call: Callable[..., T], *args: object) -> T:
+        """One store request, in a thread of its own: a store across a lost link can block a
+        request for as long as TCP retries (many minutes; the store's timeout bounds only
+        some), and this thread must keep its own clock. TimeoutError after STORE_TIMEOUT
+        seconds, and at once while an earlier request is still blocked."""
+        if self._pending is not None and self._pending.is_alive():
+            raise TimeoutError("the store did not answer an earlier request")
+        result: dict[str, Any] = {}
+
+        def request() -> None:
+            try:
+                result["value"] = call(*args)
+            except Exception as exc:  # handed to the caller
+                result["error"] = exc
+
+        self._pending = threading.Thread(target=request, name="hang-watchdog-store",
+                                         daemon=True)
+        self._pending.start()
+        self._pending.join(STORE_TIMEOUT)
+        if self._pending.is_alive():
+            raise TimeoutError(f"the store did not answer in {STORE_TIMEOUT:g} s")
+        if "error" in result:
+            raise result["error"]
+        return result["value"]
+
     def _publish(self, now: float) -> None:
         if self.store is None:
             return
         beat = {"alive": now, "progress": self.progress, "what": self.what, "host": self.host,
                 "pid": os.getpid()}
         with _keep_going(), _store_errors():
-            self.store.set(self._key("heartbeat", self.rank), json.dumps(beat))
+            self._ask(self.store.set, self._key("heartbeat", self.rank), json.dumps(beat))
 
     def _told_of_hang(self) -> dict | None:
         """The rank another rank found stopped, once one did (None: no hang so far)."""
         if self.store is None:
             return None
         try:
-            if self.store.check([self._key("hang")]):
-                return json.loads(self.store.get(self._key("hang")))
+            if self._ask(self.store.check, [self._key("hang")]):
+                return json.loads(self._ask(self.store.get, self._key("hang")))
         except Exception:  # the store does not answer: this rank's own clock decides
             return None
         return None
@@ -179,8 +211,9 @@ class Watchdog:
         """Every rank's last heartbeat (None: the store does not answer)."""
         keys = [self._key("heartbeat", r) for r in range(self.world)]
         try:
-            present = [r for r, key in enumerate(keys) if self.store.check([key])]
-            values = self.store.multi_get([keys[r] for r in present]) if present else []
+            present = [r for r, key in enumerate(keys) if self._ask(self.store.check, [key])]
+            values = self._ask(self.store.multi_get, [keys[r] for r in present]) \
+                if present else []
         except Exception:
             return None
         return {r: json.loads(v) for r, v in zip(present, values)}
@@ -193,7 +226,8 @@ class Watchdog:
             return mine
         beats = self._heartbeats()
         if beats is None:  # the store's host (rank 0) does not answer: it stopped
-            return {"rank": 0, "what": "unknown (its store does not answer)", "progress": None,
+            return {"rank": 0, "what": "unknown (its store does not answer: it stopped, or the "
+                    "network to it is down)", "progress": None,
                     "pid": None, "host": None, "silent": True}
         silent = [r for r in range(self.world)
                   if r not in beats or now - beats[r]["alive"] > max(SILENT, 3 * LOOK)]
@@ -218,7 +252,7 @@ class Watchdog:
         if found:
             if self.store is not None:
                 with _store_errors():
-                    self.store.set(self._key("hang"), json.dumps(stopped))
+                    self._ask(self.store.set, self._key("hang"), json.dumps(stopped))
             self._ask_stacks(stopped)
         self._ask_worker_stacks()
         time.sleep(DUMP_WAIT if self.world > 1 else 0.5)  # their stacks, on disk
@@ -231,10 +265,10 @@ class Watchdog:
         line = describe(stopped, self.timeout, time.time(), report)
         if found:
             with _keep_going():
-                (report / "report.json").write_text(json.dumps(
-                    {**stopped, "found_by": self.rank, "hang_timeout": self.timeout,
-                     "at": datetime.datetime.now().isoformat(timespec="seconds"),
-                     "message": line}, indent=2) + "\n")
+                _write_report(report, {**stopped, "found_by": self.rank,
+                                       "hang_timeout": self.timeout, "message": line,
+                                       "at": datetime.datetime.now().isoformat(
+                                           timespec="seconds")}, self.rank, self.started)
         say_error(line, self.rank)
         if found and stopped.get("silent"):
             _end_if_here(stopped, self.host)
@@ -255,6 +289,16 @@ class Watchdog:
         for child in multiprocessing.active_children():
             with _keep_going():
                 os.kill(child.pid, STACKS_SIGNAL)
+
+
+def _write_report(folder: Path, report: dict, rank: int, since: float) -> None:
+    """report.json, unless another rank of this run (written after ``since``) wrote it first (a
+    lost link: each side finds the other silent): then report-rank{R}.json beside it."""
+    path = folder / "report.json"
+    with contextlib.suppress(OSError):
+        if path.stat().st_mtime >= since:
+            path = folder / f"report-rank{rank}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
 
 
 class _store_errors:
