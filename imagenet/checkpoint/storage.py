@@ -46,7 +46,7 @@ import imagenet.data.objectstore as objectstore
 from imagenet.checkpoint import files
 from imagenet.errors import RunError, UsageError
 from imagenet.reporting.logger import METRICS
-from imagenet.settings.flags import Config
+from imagenet.settings.flags import CACHE, Config
 from imagenet.settings.sources import is_url
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,9 @@ log = logging.getLogger(__name__)
 # What a resume of the URL's run reads, in the order it is written (best files first).
 RESUME_RECORD = (files.BEST, files.BEST_EMA, files.CHECKPOINT, METRICS, rundir.CONFIG)
 DEMO = "demo-data"  # --demo builds its data set in OUTPUT_DIR
-NOT_UPLOADED = {rundir.PREVIOUS, DEMO}  # top-level names that stay local
+# Top-level names that stay local. The default --cache-dir (folder index, compiled graphs)
+# is rebuilt where it is missing: it stays on this node, kept between runs.
+NOT_UPLOADED = {rundir.PREVIOUS, DEMO, CACHE}
 
 
 def staging_dir(url: str) -> Path:
@@ -212,10 +214,11 @@ def check_writable(fs: Any, root: str, url: str) -> None:
 
 
 def clear_staging(staging: Path) -> None:
-    """An empty staging folder but for its lock (held by this run) and the demo data (built
-    before): what a previous run on this node left may be older than the URL's record."""
+    """An empty staging folder but for its lock (held by this run), the demo data and the
+    cache (built before, and no part of the record): what a previous run on this node left may
+    be older than the URL's record."""
     for path in staging.iterdir():
-        if path.name in (rundir.LOCK, DEMO):
+        if path.name in (rundir.LOCK, DEMO, CACHE):
             continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
