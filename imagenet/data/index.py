@@ -8,7 +8,8 @@ folder and any folder below one), the folder's inode, modification time and chan
 folder's modification and change times; a tool that restores the modification time (``rsync
 -t``, ``cp -p``, ``tar x``) still moves the change time, which no call can set back; a folder
 replaced by another copy has another inode. A start therefore stats each recorded folder (one
-``stat`` per folder: ImageNet's 1,001, against listing its 1.28 M files) and lists again only
+``stat`` per folder, several at once: ImageNet's 1,001, against listing its 1.28 M files; about
+0.1 s on a local disk for 200,000 files in 1,000 folders) and lists again only
 the folders whose record differs, reading the rest from the index; the index is then rewritten.
 Folders whose times were within ``SETTLE_NS`` of the moment they were listed are never taken
 from the index (a file system with one-second or two-second timestamps could hide a file added
@@ -37,6 +38,7 @@ import os
 import time
 import zlib
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,7 @@ log = logging.getLogger(__name__)
 FORMAT, VERSION = "imagenet-trainer folder index", 1
 SETTLE_NS = 2_000_000_000  # a folder changed this recently when listed is listed again next time
 SUBFOLDER = "folder-index"
+STAT_THREADS = 16  # folders stat'ed at once when an index is checked
 
 # A folder's record: [identity (inode, mtime_ns, ctime_ns) or None when unsettled, its
 # sub-folders, its image files], both sorted.
@@ -130,14 +133,20 @@ def list_folder(path: str, files: bool = True) -> Record:
     return [ident if settled else None, sorted(dirs), sorted(images)]
 
 
-def unchanged(path: str, record: Record | None) -> bool:
-    """True when ``record`` still describes the folder at ``path``."""
-    if record is None or record[0] is None:
-        return False
-    try:
-        return identity(path) == record[0]
-    except OSError:
-        return False
+def identities(root: str, old: Mapping[str, Record]) -> dict[str, list[int] | None]:
+    """The identity of every folder ``old`` records (None: gone), taken ``STAT_THREADS`` at a
+    time: on a network file system each stat is a round trip, and they overlap."""
+    def one(rel: str) -> list[int] | None:
+        try:
+            return identity(os.path.join(root, rel) if rel else root)
+        except OSError:
+            return None
+
+    settled = [rel for rel, record in old.items() if record[0] is not None]
+    if len(settled) < 2 * STAT_THREADS:
+        return {rel: one(rel) for rel in settled}
+    with ThreadPoolExecutor(STAT_THREADS, thread_name_prefix="folder-index") as pool:
+        return dict(zip(settled, pool.map(one, settled, chunksize=64)))
 
 
 @dataclass
@@ -159,12 +168,13 @@ def walk(root: str, old: Mapping[str, Record]) -> Walked:
     where the folder is unchanged, the others listed. The root must be listable; a folder
     below it that cannot be listed is left out, as os.walk leaves it out."""
     found = Walked()
+    now = identities(root, old)
     stack = [""]
     while stack:
         rel = stack.pop()
         path = os.path.join(root, rel) if rel else root
         record = old.get(rel)
-        if not unchanged(path, record):
+        if record is None or record[0] is None or now.get(rel) != record[0]:
             why = found.new if record is None else \
                 found.unsettled if record[0] is None else found.changed
             try:

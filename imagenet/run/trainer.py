@@ -377,9 +377,9 @@ def log_epoch(logger: RunLogger, step: Step, record: dict[str, Any]) -> None:
         log.info("=> epoch %d trained at %.1f img/s%s%s%s", step.epoch,
                  record["train_images_per_sec"],
                  "" if wait is None else f", waiting for data {100 * wait:.0f}% of the time",
-                 "" if compiled is None else f"; {compiled} graph(s) compiled"
-                 + (f" ({loaded} part(s) loaded from the compile cache, "
-                    f"{record['compile_cache_misses']} compiled anew)" if loaded else ""),
+                 "" if compiled is None else f"; {compiled} graph(s) compiled" if not loaded
+                 else f"; {compiled} graph(s) traced, their code loaded from the compile cache "
+                      f"({loaded} hit(s), {record['compile_cache_misses']} miss(es))",
                  "" if memory is None else f"; peak device memory {memory:.1f} GB")
     logger.flush()
 

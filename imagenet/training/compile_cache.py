@@ -191,7 +191,8 @@ class CompileCache:
         self.known |= new
         self._write_manifest()
         return (f"=> --compile: kept {len(new)} newly compiled file(s) for crop size {size} px "
-                f"in {self.place} ({entry['bytes'] / 1e6:.1f} MB): a restart loads them")
+                f"in {self.place} (its archive: {entry['bytes'] / 1e6:.1f} MB): a restart loads "
+                "them")
 
     def _write_manifest(self) -> None:
         """The manifest naming the current archives (atomically), then the others removed."""
@@ -241,13 +242,22 @@ def differences(saved: Any, now: dict[str, Any]) -> str:
     return ", ".join(changed[:4]) + (" and more" if len(changed) > 4 else "")
 
 
+def users_own_cache() -> bool:
+    """True when TORCHINDUCTOR_CACHE_DIR names a folder of the user's (inductor itself sets it
+    to its default folder once it has looked)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get(ENV)
+    return bool(current) and os.path.abspath(current) != os.path.abspath(default_cache_dir())
+
+
 def open_cache(place: Path | None, made_for: dict[str, Any], writes: bool) -> CompileCache | None:
     """Point inductor at a new folder of this process's, filled from ``place`` when its graphs
     fit ``made_for``; None (torch's own cache folder as usual) when --cache-dir is none or
     TORCHINDUCTOR_CACHE_DIR is set (the user's own cache). Call before anything compiles."""
     if place is None:
         return None
-    if os.environ.get(ENV):
+    if users_own_cache():
         if writes:
             log.info("=> --compile: %s is set (%s): torch's compile cache is there, the run "
                      "keeps none of its own", ENV, os.environ[ENV])
