@@ -18,7 +18,8 @@ still traces the model, nothing is compiled). Otherwise one line says why, nothi
 this run's graphs replace the old ones. Inductor keys each graph by its code, shapes, torch
 version and settings, so a graph the signature did not foresee is compiled, never mistaken.
 The CPU kernels are built for this CPU's instruction set (-march=native): the CPU model and its
-flags are part of the signature.
+flags are part of the signature. A process killed before its end leaves its work folder in the
+temp folder: the next start on that node removes it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ SUBFOLDER = "compile"
 MANIFEST = "manifest.json"
 FORMAT, VERSION = "imagenet-trainer compiled graphs", 1
 SKIPPED = ("locks",)  # inductor's lock files: not part of a compiled graph
+WORK_PREFIX = "imagenet-compile-"  # this process's folder: WORK_PREFIX<pid>-<random>
 
 
 def device_name(device: torch.device) -> str:
@@ -242,6 +244,21 @@ def differences(saved: Any, now: dict[str, Any]) -> str:
     return ", ".join(changed[:4]) + (" and more" if len(changed) > 4 else "")
 
 
+def remove_stale_work_folders() -> None:
+    """Remove the work folders that processes killed before their end left on this node
+    (this user's, whose process is gone)."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{WORK_PREFIX}*-*"):
+        try:
+            pid = int(folder.name[len(WORK_PREFIX):].split("-", 1)[0])
+            if folder.stat().st_uid != os.getuid():
+                continue
+            os.kill(pid, 0)  # ProcessLookupError: gone
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except (ValueError, OSError):
+            continue
+
+
 def users_own_cache() -> bool:
     """True when TORCHINDUCTOR_CACHE_DIR names a folder of the user's (inductor itself sets it
     to its default folder once it has looked)."""
@@ -262,7 +279,8 @@ def open_cache(place: Path | None, made_for: dict[str, Any], writes: bool) -> Co
             log.info("=> --compile: %s is set (%s): torch's compile cache is there, the run "
                      "keeps none of its own", ENV, os.environ[ENV])
         return None
-    work = Path(tempfile.mkdtemp(prefix="imagenet-compile-"))
+    remove_stale_work_folders()
+    work = Path(tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{os.getpid()}-"))
     os.environ[ENV] = str(work)  # read by inductor at each use, and by its compile workers
     cache = CompileCache(place / SUBFOLDER, work, made_for, writes)
     line = cache.reuse()
