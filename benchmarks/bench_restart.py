@@ -16,8 +16,8 @@ process started to the end of its first step, and each stage of it.
 
 **The simulated network file system** (``--latency-us E``, as ``folder``'s legs run): listing a
 folder costs E us per entry, charged after every 100 entries and at the end (READDIRPLUS hands
-out about that many at once; the issue's own figures, minutes for ImageNet's 1.28 M files and
-half an hour for ImageNet-21K's 14 M, are 100-130 us per file), and each ``os.stat`` and each
+out about that many at once; a file system that lists ImageNet's 1.28 M files in a few minutes,
+or ImageNet-21K's 14 M in half an hour, spends 100-130 us per file), and each ``os.stat`` and each
 ``open`` of a file under the data folder costs 2 x E (a round trip). It is Python-level: the
 training process patches ``os.scandir``, ``os.stat`` and ``builtins.open`` before it imports the
 trainer (the loader workers fork from it), and sleeps. Nothing else is slowed: the interpreter,

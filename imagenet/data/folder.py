@@ -155,7 +155,7 @@ class Data:
     # Training images per class (an ImageFolder's; None for tar shards): the per-class report
     # and --class-balanced-loss.
     train_counts: list[int] | None = None
-    listed: str = ""  # how the ImageFolders were read: "folder index", "listed", ...
+    listed: str = ""  # how the ImageFolders were read (how_listed), for the start-up line
 
     @property
     def train_loader(self) -> DataLoader:
