@@ -154,6 +154,15 @@ def test_graphs_made_for_another_model_or_a_damaged_manifest_are_rebuilt(compile
     assert left == {saved["sizes"]["16"]["archive"]} and not left & old
 
 
+def test_a_cache_folder_that_cannot_be_written_warns_and_the_step_goes_on(toolchain, tmp_path):
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the cache folder would be")
+    done = run_compile(blocker, "16")
+    assert done["misses"] > 0
+    assert any("cannot keep the compiled graphs" in line and "a restart compiles them again"
+               in line for line in done["lines"])
+
+
 def test_a_requeued_compiled_run_compiles_nothing_and_ends_bitwise(toolchain, tmp_path):
     """main.py --compile uninterrupted, and stopped by SIGTERM in its second epoch and
     requeued on the same --cache-dir: the requeue loads every graph (no inductor cache miss in

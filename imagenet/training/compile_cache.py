@@ -103,7 +103,7 @@ class CompileCache:
         manifest = self.place / MANIFEST
         try:
             saved = json.loads(manifest.read_text())
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return (f"=> --compile: no compiled graphs in {self.place} yet; this start's are "
                     "kept there for the next one")
         except (OSError, ValueError) as exc:
@@ -215,7 +215,12 @@ class CompileCache:
         if missed == self._saved_misses:
             return
         self._saved_misses = missed
-        line = self.save(crop_size)
+        try:
+            line = self.save(crop_size)
+        except OSError as exc:  # a full or read-only cache folder must not stop training
+            log.warning("=> --compile: cannot keep the compiled graphs in %s (%s): a restart "
+                        "compiles them again", self.place, exc.strerror or exc)
+            return
         if line:
             log.info("%s", line)
 
