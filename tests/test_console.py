@@ -78,13 +78,15 @@ def test_a_resume_on_more_processes_keeps_the_global_batch_and_the_steps(global_
 def test_slow_start_up_stages_say_what_they_do(global_batch_runs):
     _, first, _ = global_batch_runs  # IMAGENET_NOTICE_AFTER=0: every stage counts as slow
     lines = first.splitlines()
+    # The training loader starts as soon as the data set is listed: its worker fetches while
+    # the model is built and the checks run (run.startup).
     expected = ["=> reading the data set",
                 "=> found 3 classes, 24 training images per epoch and 9 validation images (",
+                "=> starting the training loader (1 worker process(es)) ...",
                 "=> checking the disk space and every validation image ...",
                 "=> disk space and validation images checked (",
-                "=> starting the training loader (1 worker process(es)) ...",
                 "=> waiting for the first training batch", "=> first training batch ready (",
-                "Epoch: [0]"]
+                "=> first step ", "Epoch: [0]"]
     at = [next(i for i, line in enumerate(lines) if line.startswith(text)) for text in expected]
     assert at == sorted(at), first
 

@@ -28,7 +28,7 @@ OPERATIONAL = frozenset({
     "save_every", "start_epoch", "pretrained", "weights", "compile", "channels_last",
     "world_size", "rank", "dist_url", "dist_backend", "dist_timeout", "multiprocessing_distributed",
     "nproc_per_node", "local_rank", "gpu", "no_accel", "bucket_cap_mb", "log_to", "time_limit",
-    "keep_checkpoints",
+    "keep_checkpoints", "cache_dir",
     "finetune", "predictions", "tta_flip",  # the start's weights; what validation reports
 })
 
@@ -87,7 +87,7 @@ def _layout(world: int, batch: int, accum: int, steps: int) -> str:
 PER_RANK = frozenset({
     "data", "workers", "output_dir", "resume", "debug", "env_check", "world_size", "rank",
     "dist_url", "dist_timeout", "multiprocessing_distributed", "nproc_per_node", "local_rank",
-    "gpu", "pretrained", "weights", "config", "log_to", "finetune", "predictions",
+    "gpu", "pretrained", "weights", "config", "log_to", "finetune", "predictions", "cache_dir",
 })
 
 

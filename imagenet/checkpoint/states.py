@@ -19,6 +19,7 @@ import imagenet.training.fsdp as fsdp
 from imagenet.checkpoint import files
 from imagenet.errors import CheckpointError
 from imagenet.settings.flags import Config
+from imagenet.settings.launch import Layout
 from imagenet.training.models import unwrap
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,13 @@ def flags_kept(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         params = group["params"]
         group.clear()  # the saved settings, initial_lr included, give way to the flags'
         group.update(flags, params=params)
+
+
+def layout_kept(layout: Layout, ckpt: dict[str, Any]) -> bool:
+    """True when the checkpoint's world size, batch and accumulation match ``layout``."""
+    return (ckpt.get("world_size") == layout.world_size
+            and ckpt.get("batch_size") == layout.batch_size
+            and ckpt.get("grad_accum_steps", 1) == layout.grad_accum_steps)
 
 
 def same_order(ckpt: dict[str, Any], cfg: Config) -> bool:

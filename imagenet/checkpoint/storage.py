@@ -54,7 +54,7 @@ from imagenet.checkpoint import files
 from imagenet.errors import RunError, UsageError
 from imagenet.reporting.logger import METRICS
 from imagenet.reporting.trackers import RUN_IDS
-from imagenet.settings.flags import Config
+from imagenet.settings.flags import CACHE, Config
 from imagenet.settings.sources import is_url
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,9 @@ log = logging.getLogger(__name__)
 RESUME_RECORD = (files.BEST, files.BEST_EMA, files.HISTORY_INDEX, RUN_IDS, files.CHECKPOINT,
                  METRICS, rundir.CONFIG)
 DEMO = "demo-data"  # --demo builds its data set in OUTPUT_DIR
-NOT_UPLOADED = {rundir.PREVIOUS, DEMO}  # top-level names that stay local
+# Top-level names that stay local. The default --cache-dir (folder index, compiled graphs)
+# is rebuilt where it is missing: it stays on this node, kept between runs.
+NOT_UPLOADED = {rundir.PREVIOUS, DEMO, CACHE}
 
 
 def staging_dir(url: str, evaluate: bool = False) -> Path:
@@ -267,10 +269,11 @@ def check_writable(fs: Any, root: str, url: str, flag: str = "--output-dir") -> 
 
 
 def clear_staging(staging: Path) -> None:
-    """An empty staging folder but for its lock (held by this run) and the demo data (built
-    before): what a previous run on this node left may be older than the URL's record."""
+    """An empty staging folder but for its lock (held by this run), the demo data and the
+    cache (built before, and no part of the record): what a previous run on this node left may
+    be older than the URL's record."""
     for path in staging.iterdir():
-        if path.name in (rundir.LOCK, DEMO):
+        if path.name in (rundir.LOCK, DEMO, CACHE):
             continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)

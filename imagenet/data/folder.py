@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import datasets
 
 import imagenet.data.device as device_decoding
+import imagenet.data.index as index
 import imagenet.data.transforms as T
 from imagenet.data.resizing import CornerCrop, sized_by_epoch
 from imagenet.data.samplers import (
@@ -155,6 +156,7 @@ class Data:
     # Training images per class (an ImageFolder's; None for tar shards): the per-class report
     # and --class-balanced-loss.
     train_counts: list[int] | None = None
+    listed: str = ""  # how the ImageFolders were read (how_listed), for the start-up line
 
     @property
     def train_loader(self) -> DataLoader:
@@ -206,26 +208,61 @@ def check_folder(root: Path, need_val: bool = True) -> tuple[Path, Path]:
     return train, val
 
 
-def image_folder(folder: Path, transform, backend: str,
-                 loader: Callable | None = None) -> datasets.ImageFolder:
-    """An ImageFolder whose errors name the folder instead of a traceback; ``loader`` reads a
-    file (default: decodes it with ``backend``)."""
+class IndexedFolder(datasets.ImageFolder):
+    """An ImageFolder whose scan is a ``Listing`` (``data.index``: read from the folder index,
+    or listed): the same classes, samples, order and errors as torchvision's own scan."""
+
+    def __init__(self, root: str, listing: index.Listing, **kwargs: Any) -> None:
+        self.listing = listing
+        super().__init__(root, **kwargs)
+        self.listed = listing.how  # "index", "updated" or "listed" (see data.index)
+        del self.listing  # the samples hold what the dataset needs
+
+    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+        if not self.listing.classes:
+            raise FileNotFoundError(f"Couldn't find any class folder in {directory}.")
+        return list(self.listing.classes), {c: i for i, c in enumerate(self.listing.classes)}
+
+    def make_dataset(self, directory: str, class_to_idx: dict[str, int],  # type: ignore[override]
+                     extensions: Any = None, is_valid_file: Any = None,
+                     allow_empty: bool = False) -> list[tuple[str, int]]:
+        return self.listing.samples(class_to_idx, allow_empty)
+
+
+def listed(folder: Path, files: index.IndexFiles | None, what: str = "") -> index.Listing:
+    """``folder``'s listing through its index (``data.index``); a folder that cannot be listed
+    is a DataError that names it."""
     try:
-        return datasets.ImageFolder(str(folder), transform=transform,
-                                    loader=loader or partial(T.load_image, backend=backend))
+        listing = index.folder_listing(folder, files)
+    except OSError as exc:
+        raise DataError(f"{what}{folder}: cannot list it ({exc.strerror or exc})") from None
+    line = index.describe(listing)
+    if line:
+        log.info("%s", line)
+    return listing
+
+
+def image_folder(folder: Path, transform, backend: str, loader: Callable | None = None,
+                 files: index.IndexFiles | None = None) -> IndexedFolder:
+    """An ImageFolder whose errors name the folder instead of a traceback; ``loader`` reads a
+    file (default: decodes it with ``backend``); ``files``: where its folder index is kept."""
+    try:
+        return IndexedFolder(str(folder), listed(folder, files), transform=transform,
+                             loader=loader or partial(T.load_image, backend=backend))
     except FileNotFoundError as exc:
         raise DataError(f"{folder}: {exc} (every class folder needs at least one image)"
                         ) from None
 
 
-class ClassMappedFolder(datasets.ImageFolder):
+class ClassMappedFolder(IndexedFolder):
     """An ImageFolder labelled with the indices of another class list (the training data's or
     a checkpoint's), matched by folder name: any order, any subset; an unknown folder is an
     error that names it."""
 
-    def __init__(self, root: str, classes: Sequence[str], **kwargs: Any) -> None:
+    def __init__(self, root: str, classes: Sequence[str], listing: index.Listing,
+                 **kwargs: Any) -> None:
         self.label_of = {name: i for i, name in enumerate(classes)}
-        super().__init__(root, **kwargs)
+        super().__init__(root, listing, **kwargs)
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
         found, _ = super().find_classes(directory)
@@ -240,13 +277,15 @@ class ClassMappedFolder(datasets.ImageFolder):
 
 
 def other_val_folder(folder: Path, classes: Sequence[str], transform: Callable,
-                     backend: str, loader: Callable | None = None) -> ClassMappedFolder:
+                     backend: str, loader: Callable | None = None,
+                     files: index.IndexFiles | None = None) -> ClassMappedFolder:
     """--val-data FOLDER: validation images labelled by ``classes`` (matched by name)."""
     if not folder.is_dir():
         raise UsageError(f"--val-data {folder}: no such folder; give an ImageFolder (one "
                          "sub-folder of images per class)")
     try:
-        val = ClassMappedFolder(str(folder), classes, transform=transform,
+        val = ClassMappedFolder(str(folder), classes, listed(folder, files, "--val-data "),
+                                transform=transform,
                                 loader=loader or partial(T.load_image, backend=backend))
     except FileNotFoundError as exc:
         raise DataError(f"--val-data {folder}: {exc} (every class folder needs at least one "
@@ -290,10 +329,12 @@ def build_transforms(cfg: Config, crops: CropSchedule) -> tuple[Callable, Callab
     return train_tf, val_tf
 
 
-def build_datasets(cfg: Config, crops: CropSchedule, data_root: Path, encoded: bool = False
+def build_datasets(cfg: Config, crops: CropSchedule, data_root: Path, encoded: bool = False,
+                   files: index.IndexFiles | None = None
                    ) -> tuple[Dataset, Dataset, list[str]]:
     """Train and validation datasets producing uint8 CHW images and integer labels (with
-    ``encoded``: JPEG bytes and crop boxes, decoded on the device; see data.device)."""
+    ``encoded``: JPEG bytes and crop boxes, decoded on the device; see data.device);
+    ``files``: where the folder indexes are kept."""
     if cfg.dummy:
         train = DummyDataset(cfg.dummy_size, cfg.dummy_classes,
                              max(crops.sizes(cfg.epochs)) if crops.progressive else crops.end)
@@ -305,12 +346,12 @@ def build_datasets(cfg: Config, crops: CropSchedule, data_root: Path, encoded: b
     train_tf, val_tf = device_decoding.item_transforms(cfg, crops) if encoded \
         else build_transforms(cfg, crops)
     loader = device_decoding.read_encoded if encoded else None
-    train = image_folder(train_dir, train_tf, cfg.image_backend, loader)
+    train = image_folder(train_dir, train_tf, cfg.image_backend, loader, files)
     if cfg.val_data is not None:
         val = other_val_folder(Path(cfg.val_data), train.classes, val_tf, cfg.image_backend,
-                               loader)
+                               loader, files)
     else:
-        val = image_folder(val_dir, val_tf, cfg.image_backend, loader)
+        val = image_folder(val_dir, val_tf, cfg.image_backend, loader, files)
         check_same_classes(train.classes, val.classes, data_root)
     return train, val, train.classes
 
@@ -323,14 +364,20 @@ def check_one_batch(per_process: int, batch_size: int, world_size: int) -> None:
                          "(it needs 2 images); add training images or use fewer processes")
 
 
+def stop_workers(loader: DataLoader) -> None:
+    """Stop ``loader``'s persistent workers now (torch has no public call for it); the next
+    ``iter(loader)`` starts new ones, with the dataset as it is then."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    loader._iterator = None
+
+
 def shutdown_workers(*loaders: DataLoader) -> None:
-    """Stop the persistent workers of ``loaders`` now (torch has no public call for it), then
-    any loader worker of this process that no loader holds."""
+    """Stop the persistent workers of ``loaders`` now, then any loader worker of this process
+    that no loader holds."""
     for loader in loaders:
-        iterator = getattr(loader, "_iterator", None)
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
-        loader._iterator = None
+        stop_workers(loader)
     kill_stray_workers()
 
 
@@ -364,17 +411,30 @@ def kill_stray_workers() -> None:
 
 
 def build_data(plan: Plan, data_root: str | Path, rank: int, aug_seed: int,
-               pin_memory: bool) -> Data:
+               pin_memory: bool, files: index.IndexFiles | None = None) -> Data:
     """Loaders for this rank: resumable shuffled training shard, unpadded validation shard
-    (JPEGs decoded where the plan says)."""
+    (JPEGs decoded where the plan says); ``files``: where the folder indexes are kept."""
     cfg, on_device = plan.cfg, plan.decode.on_device
-    train, val, classes = build_datasets(cfg, plan.crops, Path(data_root), on_device)
+    train, val, classes = build_datasets(cfg, plan.crops, Path(data_root), on_device, files)
     finish = device_decoding.device_crops(cfg) if on_device else None
     folder_train, val_loader = folder_loaders(cfg, train, val, rank, plan.layout, aug_seed,
                                               pin_memory, finish)
     return Data(folder_train, val_loader, len(classes), list(classes), len(val),
                 train_finish=finish and finish[0], val_finish=finish and finish[1],
-                train_counts=class_counts(train, len(classes)))
+                train_counts=class_counts(train, len(classes)), listed=how_listed(train, val))
+
+
+def how_listed(*datasets: Dataset) -> str:
+    """How the ImageFolders among ``datasets`` were read, in a few words ("" for none)."""
+    found = [getattr(d, "listed", None) for d in datasets]
+    found = [how for how in found if how is not None]
+    if not found:
+        return ""
+    if all(how == "index" for how in found):
+        return "from the folder index"
+    if any(how == "listed" for how in found):
+        return "listed every folder"
+    return "folder index, changed folders listed again"
 
 
 def folder_loaders(cfg: Config, train: Dataset, val: Dataset, rank: int, layout: Layout,

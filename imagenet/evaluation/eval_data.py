@@ -13,6 +13,7 @@ import torch
 import imagenet.checkpoint.rundir as rundir
 from imagenet.checkpoint import files
 from imagenet.data.folder import Data, build_transforms, folder_loaders, other_val_folder
+from imagenet.data.index import IndexFiles
 from imagenet.errors import TrainerError, UsageError
 from imagenet.launching.collectives import DistInfo, raise_agreed
 from imagenet.settings.flags import Config
@@ -67,10 +68,11 @@ def checkpoint_classes(cfg: Config) -> tuple[Path, list[str] | None, list[int] |
     return path, list(classes) if classes else None, list(counts) if counts else None
 
 
-def build_eval_data(plan: Plan, rank: int, aug_seed: int, pin_memory: bool) -> Data:
+def build_eval_data(plan: Plan, rank: int, aug_seed: int, pin_memory: bool,
+                    indexes: IndexFiles | None = None) -> Data:
     """-e --val-data FOLDER: that folder's images labelled with the checkpoint's classes; DIR
     is not read (nothing trains: the images stand in as the training set, which no step
-    reads)."""
+    reads); ``indexes``: where its folder index is kept."""
     cfg = plan.cfg
     path, classes, counts = checkpoint_classes(cfg)
     folder = Path(cfg.val_data)  # type: ignore[arg-type]
@@ -80,6 +82,6 @@ def build_eval_data(plan: Plan, rank: int, aug_seed: int, pin_memory: bool) -> D
         log.info("=> %s names no classes: label i is the i-th class folder of %s in sorted "
                  "order, as the classic script assumes", path, folder)
     _, val_tf = build_transforms(cfg, plan.crops)
-    val = other_val_folder(folder, classes, val_tf, cfg.image_backend)
+    val = other_val_folder(folder, classes, val_tf, cfg.image_backend, files=indexes)
     stand_in, val_loader = folder_loaders(cfg, val, val, rank, plan.layout, aug_seed, pin_memory)
     return Data(stand_in, val_loader, len(classes), list(classes), len(val), train_counts=counts)

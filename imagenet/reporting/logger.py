@@ -25,6 +25,7 @@ from imagenet.settings.choices import tracker_names
 log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
+CONFIG = "config.json"
 
 
 def setup_logging(rank: int, debug: bool = False) -> None:
@@ -144,10 +145,13 @@ class RunLogger:
             self._tb = SummaryWriter(str(output_dir / "tb"), purge_step=purge_step)
 
     def write_config(self, config: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
-        """config.json: the resolved flags plus derived values and versions."""
+        """config.json: the resolved flags plus derived values and versions, and the earlier
+        starts of the run it continues (``record_start``; a fresh run moved its folder's
+        earlier config.json aside)."""
         if self.enabled:
-            payload = {"config": dict(config), **extra, "environment": environment()}
-            (self.output_dir / "config.json").write_text(json.dumps(payload, indent=2) + "\n")
+            payload = {"config": dict(config), **extra, "environment": environment(),
+                       "starts": self._starts()}
+            self._write_json(CONFIG, payload)
             simple = {k: v for k, v in extra.items() if isinstance(v, (int, float, str, bool))}
             self._trackers.config({**config, **simple})
 
@@ -155,6 +159,34 @@ class RunLogger:
         """The flags to the trackers alone (-e: config.json stays the training run's)."""
         if self.enabled:
             self._trackers.config(config)
+
+    def record_start(self, start: Mapping[str, Any]) -> None:
+        """Add this start's record (time to its first step, its stages) to config.json's
+        ``starts``: one per start of the run, requeues and restarts included."""
+        if not self.enabled:
+            return
+        try:
+            payload = json.loads((self.output_dir / CONFIG).read_text())
+        except (OSError, ValueError):
+            return  # no config.json of this start to add to
+        payload["starts"] = [*self._starts(payload), dict(start)]
+        self._write_json(CONFIG, payload)
+
+    def _starts(self, payload: Mapping[str, Any] | None = None) -> list[Any]:
+        """The starts config.json records so far (none when it is missing or damaged)."""
+        if payload is None:
+            try:
+                payload = json.loads((self.output_dir / CONFIG).read_text())
+            except (OSError, ValueError):
+                return []
+        starts = payload.get("starts") if isinstance(payload, dict) else None
+        return list(starts) if isinstance(starts, list) else []
+
+    def _write_json(self, name: str, payload: Mapping[str, Any]) -> None:
+        """Replace ``name`` in the output folder whole (a temporary file renamed)."""
+        tmp = self.output_dir / f".{name}.tmp"
+        tmp.write_text(json.dumps(payload, indent=2) + "\n")
+        tmp.replace(self.output_dir / name)
 
     def scalars(self, prefix: str, values: Mapping[str, float], step: int) -> None:
         """TensorBoard scalars ``prefix/name`` at ``step``."""

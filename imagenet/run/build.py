@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
+from torchvision.datasets import DatasetFolder
 
 import imagenet.data.shm as shm
 import imagenet.data.transforms as T
@@ -24,14 +25,18 @@ from imagenet.checkpoint import files
 from imagenet.checkpoint.weights import read_agreed
 from imagenet.checkpoint.writer import Writer
 from imagenet.data.folder import Data, build_data
+from imagenet.data.index import IndexFiles
 from imagenet.data.shards import build_shard_data
+from imagenet.data.valcheck import ImageCheck
 from imagenet.errors import UsageError
 from imagenet.launching.collectives import DistInfo, from_rank0
 from imagenet.reporting.stages import slow_stage
 from imagenet.run.outputs import Outputs
+from imagenet.run.startup import EarlyBatches, StartClock, start_early
 from imagenet.settings.flags import Config
 from imagenet.settings.launch import Layout
 from imagenet.settings.plan import Plan
+from imagenet.training.compile_cache import CompileCache, graph_signature, open_cache
 from imagenet.training.engine import Engine, EpochTotals, Options, Parts, Step
 from imagenet.training.finetune import classifier_names, prepare_model
 from imagenet.training.models import build_model, wrap
@@ -85,6 +90,12 @@ class Run:
     train_totals: EpochTotals | None = None
     last_record: dict[str, Any] | None = None
     writer: Writer = field(default_factory=Writer)  # rank 0's checkpoint writes, in background
+    # A run's start (run_training's): its clock, the training batches started before the
+    # resume, the compiled graphs kept for restarts (--compile).
+    clock: StartClock | None = None
+    early: EarlyBatches | None = None
+    compile_cache: CompileCache | None = None
+    val_check: ImageCheck | None = None  # the validation images' check, begun early
 
     @property
     def cfg(self) -> Config:
@@ -125,12 +136,19 @@ def data_root(cfg: Config, output_dir: Path) -> str:
     return str(make_demo_dataset(output_dir / "demo-data"))
 
 
+def index_files(cfg: Config, dist: DistInfo) -> IndexFiles:
+    """Where the folder indexes are kept (--cache-dir); each node's first process writes the
+    ones it builds (node-local data copies get one each), every process reads them."""
+    return IndexFiles(cfg.cache_path(), write=dist.local_rank == 0)
+
+
 def load_data(plan: Plan, dist: DistInfo, root: str, aug_seed: int) -> Data:
     """This rank's data: an ImageFolder (or --dummy data) or tar shards, as the plan says."""
     cfg = plan.cfg
     pin_memory = dist.device.type == "cuda"
+    indexes = index_files(cfg, dist)
     if plan.data_format != "shards" and cfg.evaluate and cfg.val_data:  # -e: DIR is not read
-        return eval_data.build_eval_data(plan, dist.rank, aug_seed, pin_memory)
+        return eval_data.build_eval_data(plan, dist.rank, aug_seed, pin_memory, indexes)
     if dist.is_main and plan.decode.on_device:
         log.info("=> JPEGs decoded and cropped on %s (--decode-on-device %s); loader workers "
                  "read files", dist.device, plan.decode.why)
@@ -139,7 +157,7 @@ def load_data(plan: Plan, dist: DistInfo, root: str, aug_seed: int) -> Data:
                  plan.decode.why)
     if plan.data_format == "shards":
         return build_shard_data(plan, root, dist.rank, aug_seed, pin_memory=pin_memory)
-    return build_data(plan, root, dist.rank, aug_seed, pin_memory=pin_memory)
+    return build_data(plan, root, dist.rank, aug_seed, pin_memory=pin_memory, files=indexes)
 
 
 def amp_dtype(amp: str | None) -> torch.dtype | None:
@@ -175,8 +193,13 @@ def build_engine(cfg: Config, raw: nn.Module, model: nn.Module, device: torch.de
     return Engine(parts, opts)
 
 
-def build_run(plan: Plan, dist: DistInfo) -> Run:
-    """Data, model and engine for this process (no resume yet)."""
+def build_run(plan: Plan, dist: DistInfo, clock: StartClock | None = None) -> Run:
+    """Data, model and engine for this process (no resume yet).
+
+    ``clock``: a run's start (``run.trainer``), timed by it: the training loader also starts
+    at once, before the model is built (``start_early``), and --compile reuses the compiled
+    graphs a previous start kept (``training.compile_cache``).
+    """
     cfg, layout = plan.cfg, plan.layout
     output_dir = Path(cfg.output_dir)  # made, checked and locked by preflight.claim_output_dir
     # Model init uses the same seed on every rank; augmentation gets its own per-sample seeds.
@@ -201,6 +224,14 @@ def build_run(plan: Plan, dist: DistInfo) -> Run:
                              dist.local_world_size)
     if no_room:
         raise UsageError(no_room)
+    early, val_check = None, None
+    if clock is not None:
+        clock.mark("data", data.listed)
+        early = start_early(plan, data, output_dir)
+        if not cfg.evaluate:  # checked before training (preflight), meanwhile in the background
+            val_check = image_check(data.val_loader.dataset, dist.rank, dist.world_size,
+                                    cfg.image_backend)
+            val_check = val_check.start() if val_check is not None else None
     raw = build_model(cfg.arch, data.num_classes, cfg.pretrained, cfg.weights).to(dist.device)
     weights = read_agreed(Path(cfg.finetune)) if cfg.finetune else None
     prepare_model(raw, cfg, data.classes, weights)  # --finetune, --freeze-backbone: unwrapped
@@ -211,6 +242,10 @@ def build_run(plan: Plan, dist: DistInfo) -> Run:
         # where most of the speed comes from; cuDNN converts the small weights per conv.
         raw = raw.to(memory_format=torch.channels_last)
     ema = build_ema(raw, cfg, layout)  # a copy of the whole model: before --fsdp shards it
+    compiled = None
+    if clock is not None and cfg.compile:  # before anything compiles
+        compiled = open_cache(cfg.cache_path(), graph_signature(cfg, layout, data.num_classes,
+                                                                dist.device), dist.is_main)
     model = wrap(raw, cfg, dist, ema, sizes=plan.train_sizes)
     if cfg.seed is not None:  # per-rank stream for dropout / MixUp in the training step
         torch.manual_seed(cfg.seed + dist.rank)
@@ -219,5 +254,19 @@ def build_run(plan: Plan, dist: DistInfo) -> Run:
                           data.train_counts)
     name = files.dcp_name if cfg.sharded_checkpoint else str  # best: a file or a directory
     best_ema = Best(output_dir / name(files.BEST_EMA)) if cfg.model_ema else None
-    return Run(plan, dist, output_dir, data, raw, engine, Step(epoch=cfg.start_epoch),
-               Best(output_dir / name(files.BEST)), best_ema, aug_seed)
+    run = Run(plan, dist, output_dir, data, raw, engine, Step(epoch=cfg.start_epoch),
+              Best(output_dir / name(files.BEST)), best_ema, aug_seed, clock=clock,
+              early=early, compile_cache=compiled, val_check=val_check)
+    if clock is not None:
+        clock.mark("model", "compiled graphs from the cache" if compiled and compiled.reused
+                   else "")
+    return run
+
+
+def image_check(dataset: Any, rank: int, world_size: int, backend: str) -> ImageCheck | None:
+    """The check of this rank's share of an ImageFolder's images (every world_size-th, as the
+    validation's ShardSampler takes them); None for other datasets (--dummy; tar shards are
+    read whole to check)."""
+    if not isinstance(dataset, DatasetFolder):
+        return None
+    return ImageCheck([path for path, _ in dataset.samples[rank::world_size]], backend)

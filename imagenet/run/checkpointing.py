@@ -24,6 +24,7 @@ from imagenet.checkpoint.source import agreed_checkpoint, broadcast_weights
 from imagenet.checkpoint.states import (
     ema_state,
     flags_kept,
+    layout_kept,
     load_ema_state,
     model_state,
     optimizer_state,
@@ -378,8 +379,6 @@ def log_approximation(run: Run, point: ResumePoint, order_kept: bool = True) -> 
 
 def same_layout(run: Run, ckpt: dict[str, Any]) -> bool:
     """True when the checkpoint's world size, batch and accumulation match this run's."""
-    layout = run.layout
-    return (ckpt.get("world_size") == layout.world_size
-            and ckpt.get("batch_size") == layout.batch_size
-            and ckpt.get("grad_accum_steps", 1) == layout.grad_accum_steps)
+    return layout_kept(run.layout, ckpt)
+
 

@@ -13,19 +13,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torchvision.datasets import DatasetFolder
 
 import imagenet.checkpoint.disk as disk
 import imagenet.checkpoint.rundir as rundir
-import imagenet.data.transforms as T
-import imagenet.launching.watchdog as watchdog
 from imagenet.checkpoint import files
 from imagenet.checkpoint.storage import Remote
 from imagenet.data.shards.check import first_bad_shard
 from imagenet.data.shards.reader import ShardBatchSampler
 from imagenet.errors import DataError, RunError
 from imagenet.launching.collectives import DistInfo, on_rank0, raise_agreed
-from imagenet.run.build import Run
+from imagenet.run.build import Run, image_check
 from imagenet.settings.flags import Config
 
 log = logging.getLogger(__name__)
@@ -141,22 +138,19 @@ def first_bad_val_shard(run: Run) -> DataError | None:
 
 
 def first_bad_val_image(run: Run) -> DataError | None:
-    """The first unreadable image of this rank's validation shard (the ShardSampler's)."""
-    dataset = run.data.val_loader.dataset
-    if not isinstance(dataset, DatasetFolder):  # --dummy, or tar shards (read whole to check)
+    """The first unreadable image of this rank's validation shard (the ShardSampler's): the
+    answer of the check the start began (``run.val_check``), or of one made now."""
+    check = run.val_check or image_check(run.data.val_loader.dataset, run.dist.rank,
+                                         run.dist.world_size, run.cfg.image_backend)
+    if check is None:  # --dummy, or tar shards (read whole to check)
         return None
-    samples = dataset.samples
     start = time.perf_counter()
-    mine = samples[run.dist.rank::run.dist.world_size]
-    for path, _ in mine:
-        watchdog.beat(f"checking validation image {path}")
-        try:
-            T.check_image_file(path, run.cfg.image_backend)
-        except DataError as exc:
-            return DataError(f"{exc}; found by the check of the validation images before "
-                             "training: fix or remove the file")
-    log.debug("checked %d validation images in %.2f s", len(mine), time.perf_counter() - start)
-    return None
+    bad = check.result()
+    log.debug("validation images checked (waited %.2f s)", time.perf_counter() - start)
+    if bad is None:
+        return None
+    return DataError(f"{bad}; found by the check of the validation images before training: "
+                     "fix or remove the file")
 
 
 def nothing_left(cfg: Config, info: DistInfo, restarted: bool) -> str | None:

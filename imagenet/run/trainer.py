@@ -41,8 +41,10 @@ from imagenet.run.preflight import (
     claim_output_dir,
     nothing_left,
 )
+from imagenet.run.startup import StartClock
 from imagenet.settings.flags import get_args_parser
 from imagenet.settings.plan import Plan
+from imagenet.training.compile_cache import graph_cache_counts
 from imagenet.training.compiling import graphs_compiled, new_graphs
 from imagenet.training.engine import (
     EpochTotals,
@@ -55,6 +57,8 @@ from imagenet.training.engine import (
 from imagenet.training.models import for_evaluation
 
 log = logging.getLogger(__name__)
+
+AfterStep = Callable[[Step, Callable[[], None]], bool]  # the engine's Hooks.after_step
 
 
 def run_training(plan: Plan, dist: DistInfo, outputs: Outputs | None = None
@@ -70,7 +74,8 @@ def run_training(plan: Plan, dist: DistInfo, outputs: Outputs | None = None
         log.info("%s", finished)
         return {}
     watchdog.report_to(Path(cfg.output_dir))  # a hang's stacks: the run's (staging) folder
-    run = build_run(plan, dist)
+    clock = StartClock.begin(plan.started)
+    run = build_run(plan, dist, clock)
     run.outputs = replace(outputs or Outputs(), remote=remote, written=run.writer.wait)
     try:
         # Rank 0 of a training run holds OUTPUT_DIR's lock until the run ends; -e only reads.
@@ -83,6 +88,10 @@ def run_training(plan: Plan, dist: DistInfo, outputs: Outputs | None = None
         # Loader workers ignore SIGTERM (preemption.ignore_stop_signals): stop them here, or
         # multiprocessing's exit handler would terminate them in vain and wait forever.
         shutdown_workers(run.data.train_loader, run.data.val_loader)
+        if run.compile_cache is not None:
+            run.compile_cache.close()
+        if run.val_check is not None:
+            run.val_check.cancel()
 
 
 def resume_and_train(run: Run) -> dict[str, float]:
@@ -93,6 +102,8 @@ def resume_and_train(run: Run) -> dict[str, float]:
     watchdog.phase("resuming from the checkpoint")
     resumed = resume(run)
     watchdog.beat("resumed")
+    if run.clock is not None:
+        run.clock.mark("resume", "" if resumed is None else resumed.name)
     if run.cfg.evaluate:
         describe_evaluation(run, resumed)
         return evaluate_only(run)
@@ -115,6 +126,8 @@ def resume_and_train(run: Run) -> dict[str, float]:
                                                                     get_args_parser())})
         watchdog.phase("reading the augmented samples for TensorBoard")
         log_augmented_samples(run, logger)
+        if run.clock is not None:
+            run.clock.mark("checks")
         return train(run, logger)
 
 
@@ -137,7 +150,8 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
     stop = StopFlag(timelimit.deadline(run.plan.time_limit, run.dist.is_main,
                                        lambda: sum(checkpoint_bytes(run))))
     stop.install()
-    hooks = Hooks(on_progress=logger.progress_hook(), after_step=saver(run, stop))
+    hooks = Hooks(on_progress=logger.progress_hook(),
+                  after_step=first_step_timed(run, logger, saver(run, stop)))
     start, record = time.perf_counter(), {}
     upcoming: Iterator | None = None  # the next epoch's batches, loading during validation
     try:
@@ -145,6 +159,7 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
         for epoch in range(run.step.epoch, run.cfg.epochs):
             run.step.epoch = epoch
             graphs = graphs_compiled() if run.cfg.compile else 0
+            cached = graph_cache_counts() if run.cfg.compile else {}
             crop = resizing.announce(run.plan.crops, epoch, run.cfg.val_crop_size)
             new_crop = crop.get("train_crop_px") not in crops_seen
             if run.cfg.compile and new_crop and crops_seen and stop.settle(compiles=True):
@@ -159,6 +174,7 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
             # A signal stopped training: every rank saved this step's state; exit 143.
             if stop.stopping:
                 stop.drain()
+                keep_compiled(run)
                 raise stopped(run, stop)
             if epoch + 1 < run.cfg.epochs:  # no empty pipeline at the next epoch's start
                 upcoming = next_epoch_batches(run, epoch + 1)
@@ -173,9 +189,12 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
                 validated = validate_epoch(run, stop, report)
             except StopRequested:  # validation is not saved state; the trained epoch is
                 stop.drain()
+                keep_compiled(run)
                 raise stopped(run, stop, "during the validation of") from None
             if run.cfg.compile:  # in the first epoch only (compiling); a warning otherwise
                 record["compiled_graphs"] = new_graphs(graphs, epoch, expected=new_crop)
+                record.update(compile_cache_counts(cached, graph_cache_counts()))
+                keep_compiled(run)
             is_best, is_best_ema = track_best(run, validated, record)
             # Save (best files first, the record with it), then log the epoch.
             run.last_record, run.train_totals = record, None
@@ -215,16 +234,20 @@ def train_rest_of_epoch(run: Run, hooks: Hooks, batches: Iterator | None = None
         close(batches)
         return epoch_metrics(run.train_totals.of_job())
     if batches is None:
-        run.data.train.continue_after(run.step.epoch, run.images_trained())
-        batches = epoch_batches(run)
+        batches = epoch_batches(run, run.step.epoch, run.images_trained())
     return train_one_epoch(run.engine, batches, run.step, hooks, run.train_totals)
 
 
-def epoch_batches(run: Run) -> Iterator:
-    """The training batches from the data's position on, on the device; their loading starts
-    now (the workers prefetch, and with workers a thread decodes ahead: ``data.prefetch``)."""
-    return iter(device_batches(FirstBatch(run.data.train_loader, run.layout.workers, "training"),
-                               run.dist.device, run.data.train_finish,
+def epoch_batches(run: Run, epoch: int, images: int) -> Iterator:
+    """Epoch ``epoch``'s training batches after its first ``images`` images, on the device;
+    their loading starts now (the workers prefetch, and with workers a thread decodes ahead:
+    ``data.prefetch``), unless the start began it already (``run.startup.EarlyBatches``)."""
+    train = run.data.train
+    train.continue_after(epoch, images)
+    started = run.early.take((train.order_seed, train.aug_seed, epoch, images)) \
+        if run.early is not None else None
+    batches = started or FirstBatch(run.data.train_loader, run.layout.workers, "training")
+    return iter(device_batches(batches, run.dist.device, run.data.train_finish,
                                threaded=run.layout.workers > 0))
 
 
@@ -232,8 +255,7 @@ def next_epoch_batches(run: Run, epoch: int) -> Iterator:
     """Epoch ``epoch``'s batches from its start, loading while this epoch validates and saves:
     the same batches in the same order as when the epoch begins (every sample's augmentation is
     a function of its seed, epoch and index), so a resume and an uninterrupted run agree."""
-    run.data.train.continue_after(epoch, 0)
-    return epoch_batches(run)
+    return epoch_batches(run, epoch, 0)
 
 
 def close(batches: Iterator | None) -> None:
@@ -242,7 +264,39 @@ def close(batches: Iterator | None) -> None:
         batches.close()
 
 
-def saver(run: Run, stop: StopFlag) -> Callable[[Step, Callable[[], None]], bool]:
+def first_step_timed(run: Run, logger: RunLogger, after_step: AfterStep) -> AfterStep:
+    """``after_step`` that also ends the start at its first step: the start-up line, the
+    start's record in config.json; with --compile, the graphs compiled so far kept."""
+
+    def timed(step: Step, check_finite: Callable[[], None]) -> bool:
+        record = run.clock.first_step() if run.clock is not None else None
+        if record is not None:
+            if run.early is not None:
+                record["notes"]["training_batches"] = run.early.outcome
+            if run.cfg.compile:  # graphs compiled ("misses") and loaded by the first step
+                record["compile_cache"] = graph_cache_counts()
+            log.info("%s", StartClock.line(record))
+            logger.record_start(record)
+        keep_compiled(run)
+        return after_step(step, check_finite)
+
+    return timed
+
+
+def keep_compiled(run: Run) -> None:
+    """--compile: keep what was compiled since the last time for the restarts (rank 0; between
+    steps, where nothing is being compiled)."""
+    if run.compile_cache is not None:
+        run.compile_cache.save_if_compiled(run.plan.crops.size(run.step.epoch))
+
+
+def compile_cache_counts(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """An epoch's graphs loaded from the compile cache and compiled (inductor's counts)."""
+    return {"compile_cache_hits": after["hits"] - before["hits"],
+            "compile_cache_misses": after["misses"] - before["misses"]}
+
+
+def saver(run: Run, stop: StopFlag) -> AfterStep:
     """The ``after_step`` hook: mid-epoch saving (--save-every) and preemption."""
 
     def after_step(step: Step, check_finite: Callable[[], None]) -> bool:
@@ -346,11 +400,14 @@ def log_epoch(logger: RunLogger, step: Step, record: dict[str, Any]) -> None:
                              if k in record}, step.global_step)
     if "train_images_per_sec" in record:
         wait, compiled = record.get("train_data_wait"), record.get("compiled_graphs")
+        loaded = record.get("compile_cache_hits")
         memory = record.get("train_max_mem_gb")
         log.info("=> epoch %d trained at %.1f img/s%s%s%s", record["epoch"],
                  record["train_images_per_sec"],
                  "" if wait is None else f", waiting for data {100 * wait:.0f}% of the time",
-                 "" if compiled is None else f"; {compiled} graph(s) compiled",
+                 "" if compiled is None else f"; {compiled} graph(s) compiled" if not loaded
+                 else f"; {compiled} graph(s) traced, their code loaded from the compile cache "
+                      f"({loaded} hit(s), {record['compile_cache_misses']} miss(es))",
                  "" if memory is None else f"; peak device memory {memory:.1f} GB")
     logger.flush()
 

@@ -25,6 +25,7 @@ GROUPS = ("recipe", "data", "model", "optimisation", "distributed", "checkpointi
 AUTO_AUGMENT = ("ra", "ta_wide", "augmix", "imagenet")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 DATA_FORMATS = ("auto", "folder", "shards")
+CACHE = "cache"  # --cache-dir's default: OUTPUT_DIR/cache
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -473,6 +474,11 @@ class Config:
              "main.py started (imagenet.train: since its call): seconds, HH:MM:SS or "
              "D-HH:MM:SS; 'slurm' = this SLURM job's end time. Exits with code 143 (as on "
              "preemption); --resume auto continues (default: none)")
+    cache_dir: str | None = _flag(
+        "--cache-dir", group="checkpointing", default=None, metavar="DIR",
+        help="what a restart reuses instead of redoing: the data set's folder index (no listing "
+             "of every image) and, with --compile, the compiled graphs; put it where a requeued "
+             "job finds it (any node's); 'none' keeps nothing (default: OUTPUT_DIR/cache)")
     # ---- logging
     print_freq: int = _flag("-p", "--print-freq", group="logging", default=10, type=int,
                             metavar="N", help="progress line every N steps "
@@ -485,6 +491,12 @@ class Config:
                              "or none (metrics.jsonl is always written) (default: %(default)s)")
     env_check: bool = _flag("--env-check", group="logging", default=False, action=Switch,
                             help="check the installation and local devices, then exit")
+
+    def cache_path(self) -> Path | None:
+        """Where restarts find the folder index and compiled graphs (--cache-dir); None: off."""
+        if self.cache_dir is None:
+            return Path(self.output_dir) / CACHE
+        return None if self.cache_dir.lower() == "none" else Path(self.cache_dir)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, checkpoint-safe dict (loads with weights_only=True)."""
@@ -658,6 +670,10 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--bucket-cap-mb {cfg.bucket_cap_mb:g} with --compile: a compiled DDP "
                          "model needs buckets of at least 1 MB (torch's DDPOptimizer); give "
                          "--bucket-cap-mb 1 or more")
+    if cfg.cache_dir is not None and "://" in cfg.cache_dir:
+        raise UsageError(f"--cache-dir {cfg.cache_dir}: give a folder (a shared file system "
+                         "where a requeued job finds it), or 'none'; object storage is not "
+                         "supported for it")
     check_training_controls(cfg)
     check_numbers_and_ranks(cfg)
     check_dist_url(cfg.dist_url)

@@ -1,0 +1,165 @@
+"""What a start costs, stage by stage, and the training batches that load while the model is built.
+
+``StartClock`` times each stage of this process's start, from the moment the process started to
+the end of its first optimizer step; the trainer prints them in one line at that step and
+config.json keeps every start's (``starts``).
+
+``EarlyBatches``: once the data set is listed, the training loader's workers start and fetch the
+first batches of the position the resume will continue (read from the checkpoint's small
+entries, without its tensors), while the model is built, the checkpoint loaded and the output
+folder checked. The batches are only used when the resume then puts the data exactly there
+(same order seed, augmentation seed, epoch and images already trained); otherwise the workers
+are stopped and the loader starts again, as it would have without them: a guess never changes
+what is trained.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from imagenet.checkpoint import files
+from imagenet.checkpoint.states import layout_kept, same_order
+from imagenet.data.folder import Data, FolderTrain, stop_workers
+from imagenet.reporting.stages import FirstBatch
+from imagenet.settings.plan import Plan
+from imagenet.training.position import resume_point
+
+log = logging.getLogger(__name__)
+
+# The stages, in order, and how the start-up line names them.
+STAGES = {"start": "Python, imports and joining the ranks", "data": "data set",
+          "model": "model", "resume": "checkpoint", "checks": "checks and logs",
+          "first_step": "first step"}
+
+Key = tuple[int, int, int, int]  # order seed, augmentation seed, epoch, images already trained
+
+
+@dataclass
+class StartClock:
+    """The seconds each stage of this start took (see ``STAGES``)."""
+
+    started: float  # unix time the process started (the plan's)
+    seconds: dict[str, float] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)  # a word on a stage: "folder index"
+    last: float = field(default_factory=time.perf_counter)
+    done: bool = False
+
+    @classmethod
+    def begin(cls, started: float) -> StartClock:
+        """The clock of a start whose process started at ``started`` (unix time)."""
+        clock = cls(started)
+        clock.seconds["start"] = max(time.time() - started, 0.0)
+        return clock
+
+    def mark(self, stage: str, note: str = "") -> None:
+        """``stage`` ends now (it began when the previous one ended)."""
+        now = time.perf_counter()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self.last
+        self.last = now
+        if note:
+            self.notes[stage] = note
+
+    def first_step(self) -> dict[str, Any] | None:
+        """Call after each step: at the first, the start's record (else None)."""
+        if self.done:
+            return None
+        self.done = True
+        self.mark("first_step")
+        return {"started": datetime.datetime.fromtimestamp(self.started).isoformat(
+                    timespec="seconds"),
+                "time_to_first_step_s": round(time.time() - self.started, 3),
+                "stages_s": {k: round(v, 3) for k, v in self.seconds.items()},
+                "notes": dict(self.notes)}
+
+    @staticmethod
+    def line(record: dict[str, Any]) -> str:
+        """The start-up line of a start's record."""
+        parts = []
+        for stage, seconds in record["stages_s"].items():
+            note = record["notes"].get(stage)
+            parts.append(f"{STAGES.get(stage, stage)} {seconds:.1f} s"
+                         + (f" ({note})" if note else ""))
+        return (f"=> first step {record['time_to_first_step_s']:.1f} s after the process "
+                f"started: {', '.join(parts)}")
+
+
+class EarlyBatches:
+    """Training batches started before the resume (see the module docstring)."""
+
+    def __init__(self, loader: DataLoader, key: Key, batches: Iterator) -> None:
+        self.loader, self.key, self.batches = loader, key, batches
+        self.outcome = "started early"
+
+    def take(self, key: Key) -> Iterator | None:
+        """The started batches when the data continues at ``key``; None (and the workers
+        stopped) otherwise, or once taken."""
+        batches, self.batches = self.batches, None
+        if batches is None:
+            return None
+        if key == self.key:
+            self.outcome = "loaded during the start"
+            return batches
+        log.debug("the training batches started early were for %s, the resume continues at "
+                  "%s: started again", self.key, key)
+        self.outcome = "started early for another position: started again"
+        stop_workers(self.loader)
+        return None
+
+
+def start_early(plan: Plan, data: Data, output_dir: Path) -> EarlyBatches | None:
+    """Start the training loader's workers on the batches the resume is expected to continue
+    with (``expected_start``); None without loader workers, or when it cannot
+    tell. The data's seeds are left as they were: the resume sets them."""
+    train = data.train
+    if plan.layout.workers == 0 or not isinstance(train, FolderTrain):
+        return None
+    try:
+        key = expected_start(plan, train, output_dir)
+    except Exception as exc:  # the resume itself reports what is wrong with the checkpoint
+        log.debug("no early start of the training loader: %s", exc)
+        return None
+    if key is None:
+        return None
+    seeds = train.order_seed, train.aug_seed
+    order_seed, aug_seed, epoch, images = key
+    train.reseed(order_seed, aug_seed)
+    train.continue_after(epoch, images)
+    batches = iter(FirstBatch(train.loader, plan.layout.workers, "training"))
+    train.reseed(*seeds)  # the workers hold their copy; the resume decides the run's
+    return EarlyBatches(train.loader, key, batches)
+
+
+def expected_start(plan: Plan, train: FolderTrain, output_dir: Path) -> Key | None:
+    """Where ``resume`` will put the training data - (order seed, augmentation seed, epoch,
+    images already trained) - read from the checkpoint this process would resume (only its
+    small entries: the tensors are memory-mapped, not read), before the model exists; None
+    when there is nothing to train first or it cannot tell. A guess to start the loader early
+    (``run.startup``): the trainer uses those batches only if the resume agrees."""
+    cfg, layout = plan.cfg, plan.layout
+    if cfg.evaluate:
+        return None
+    path = files.resolve_resume(cfg.resume, output_dir, plan.restarted, cfg.sharded_checkpoint)
+    if path is None:
+        return train.order_seed, train.aug_seed, cfg.start_epoch, 0
+    meta = path / files.SHARDED_META if path.is_dir() else path
+    ckpt = torch.load(meta, map_location="cpu", weights_only=True, mmap=True)
+    steps = -(-train.batches // layout.grad_accum_steps)
+    kept = same_order(ckpt, cfg)
+    point = resume_point(ckpt, steps, layout, layout_kept(layout, ckpt) and kept,
+                         train.order_size if train.continues_any_layout and kept else None)
+    order_seed = int(ckpt["sampler"]["seed"]) if ckpt.get("sampler") else train.order_seed
+    aug_seed = int(ckpt.get("aug_seed", train.aug_seed))
+    if point.step_in_epoch < steps:
+        return order_seed, aug_seed, point.epoch, min(point.images, train.images)
+    if point.epoch + 1 < cfg.epochs:  # only the validation is left: then the next epoch
+        return order_seed, aug_seed, point.epoch + 1, 0
+    return None
