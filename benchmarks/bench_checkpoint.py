@@ -47,7 +47,8 @@ def build(arch: str, batch: int, size: int, steps: int, output_dir: Path) -> Run
 
 def epoch_time(run: Run, save_every: int) -> float:
     """Seconds per step over one epoch, saving every ``save_every`` steps (0: never)."""
-    run.cfg = dataclasses.replace(run.cfg, save_every=save_every)
+    cfg = dataclasses.replace(run.cfg, save_every=save_every)
+    run.plan = dataclasses.replace(run.plan, cfg=cfg)
     hooks = Hooks(after_step=trainer.saver(run, StopFlag()))
     run.step = Step()
     run.data.train.set_position(0, 0)
