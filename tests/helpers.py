@@ -107,6 +107,11 @@ def load_checkpoint(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def save_edited(ckpt: dict, path: Path) -> None:
+    """Save a checkpoint edited by hand as a user would: without its (now stale) checksum."""
+    torch.save({k: v for k, v in ckpt.items() if k != "checksum"}, path)
+
+
 # ---------------------------------------------------------------- tiny models and data
 
 

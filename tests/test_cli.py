@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, child_env, load_checkpoint, run_main
+from helpers import TINY, child_env, load_checkpoint, run_main, save_edited
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def test_resume_continues_at_the_next_epoch_and_keeps_best(trained, tmp_path):
     run_dir.mkdir()
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     ckpt["best_acc1"] = 101.0  # unbeatable: model_best must not be overwritten after resume
-    torch.save(ckpt, run_dir / "checkpoint.pth.tar")
+    save_edited(ckpt, run_dir / "checkpoint.pth.tar")
     (run_dir / "model_best.pth.tar").write_bytes(b"sentinel")
     proc = run_main(str(data), *TINY, "--epochs", "3", "--resume", "auto",
                     "--output-dir", str(run_dir))

@@ -17,6 +17,7 @@ from helpers import (
     load_checkpoint,
     main_cmd,
     run_parallel,
+    save_edited,
     tiny_engine,
     tiny_net,
     write_image_folder,
@@ -71,7 +72,7 @@ def test_node_local_folders_resume_every_rank_from_rank_0s_checkpoint(tmp_path):
     stale["state_dict"] = {k: v + 1 if v.is_floating_point() else v
                            for k, v in stale["state_dict"].items()}
     (nodes[2] / "out").mkdir(parents=True)
-    torch.save(stale, nodes[2] / "out" / "checkpoint.pth.tar")
+    save_edited(stale, nodes[2] / "out" / "checkpoint.pth.tar")
     shared = tmp_path / "shared"
     shutil.copytree(first, shared / "out")
     args = ("--epochs", "2", "--resume", "auto")
@@ -120,8 +121,8 @@ def test_rank_0s_damaged_checkpoint_stops_every_rank_with_its_message(tmp_path):
     for result in results:
         assert result.returncode == 1, result.stderr
         (line,) = error_lines(result)
-        assert line.endswith(f"error: {damaged} is empty (truncated); use an older copy or "
-                             "start without --resume"), result.stderr
+        assert f"error: {damaged} is empty (truncated); use an older copy or start without " \
+            f"--resume; no intact checkpoint to fall back to in {outs[0]}" in line, result.stderr
         assert "Traceback" not in result.stderr
     assert damaged.read_bytes() == b""  # left as it was
 

@@ -26,6 +26,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,8 +96,11 @@ def stop_line(stop: tuple[str, int] | None, layout: Layout) -> str | None:
     return rf"Epoch: \[{epoch}\]\[\s*{layout.save_every + 1 if kind == 'mid' else 1}/"
 
 
-def run_leg(cmd: list[str], stop: str | None, log: Path) -> str:
-    """Run ``cmd``; SIGKILL its process group when a line matches ``stop``."""
+def run_leg(cmd: list[str], stop: str | None, log: Path,
+            saved: tuple[Path, tuple[int, int]] | None = None) -> str:
+    """Run ``cmd``; SIGKILL its process group when a line matches ``stop`` and (``saved``) the
+    checkpoint file holds that (epoch, step_in_epoch): checkpoints are written in the
+    background, and a kill before the write is in place would leave the previous one."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=child_env(PYTHONUNBUFFERED="1"), start_new_session=True)
     lines = []
@@ -104,6 +108,8 @@ def run_leg(cmd: list[str], stop: str | None, log: Path) -> str:
         for line in proc.stdout:  # type: ignore[union-attr]
             lines.append(line)
             if stop and re.search(stop, line):
+                if saved is not None:
+                    wait_for_position(*saved)
                 os.killpg(proc.pid, signal.SIGKILL)
                 stop = None
         code = proc.wait(timeout=300)
@@ -114,6 +120,22 @@ def run_leg(cmd: list[str], stop: str | None, log: Path) -> str:
     log.write_text(output)
     assert code in (0, -signal.SIGKILL) and stop is None, output
     return output
+
+
+def wait_for_position(path: Path, position: tuple[int, int], timeout: float = 60.0) -> None:
+    """Until the checkpoint at ``path`` was saved at ``position`` (its epoch, step_in_epoch) or
+    later (a leg describes itself by the checkpoint it left)."""
+    deadline, seen = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            seen = (ckpt["epoch"], ckpt["step_in_epoch"])
+        except (OSError, RuntimeError, EOFError):  # not there yet
+            seen = None
+        if seen is not None and seen >= position:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never reached {position} (last seen: {seen})")
 
 
 @dataclass
@@ -133,8 +155,11 @@ def run_chain(out: Path, legs: list[tuple[Layout, tuple[str, ...]]], stops: list
     resumed = []
     for i, ((layout, extra), stop) in enumerate(zip(legs, stops)):
         ckpt = load_checkpoint(out / "checkpoint.pth.tar") if i else None
+        position = None if stop is None else \
+            (stop[1], layout.save_every) if stop[0] == "mid" else (stop[1], 0)
         output = run_leg(command(out, layout, extra, resume=i > 0), stop_line(stop, layout),
-                         out / f"leg{i}.log")
+                         out / f"leg{i}.log",
+                         None if position is None else (out / "checkpoint.pth.tar", position))
         if ckpt is not None:
             sampler = ckpt["sampler"]
             images = sampler.get("images", sampler["start"] * ckpt["world_size"]) \
@@ -262,7 +287,8 @@ def test_shards_start_an_epoch_over_when_another_layout_resumes_it(tmp_path):
              "--val-crop-size", "32", "-j", "0", "-p", "1", "--seed", "0", *SCHEDULE]
     out = tmp_path / "out"
     run_leg(main_cmd(str(tmp_path / "shards"), *flags, "-b", "8", "--save-every", "3",
-                     "--output-dir", str(out)), r"Epoch: \[0\]\[\s*4/", tmp_path / "leg0.log")
+                     "--output-dir", str(out)), r"Epoch: \[0\]\[\s*4/", tmp_path / "leg0.log",
+            (out / "checkpoint.pth.tar", (0, 3)))
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["sampler"]["images"]) == (0, 3, 24)
     output = run_leg(main_cmd(str(tmp_path / "shards"), *flags, "-b", "12", "--output-dir",

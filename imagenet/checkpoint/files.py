@@ -90,7 +90,8 @@ def check_checksum(obj: Any, path: Path, advice: str) -> None:
     content = {k: v for k, v in obj.items() if k != CHECKSUM}
     if state_digest(content) != obj[CHECKSUM]:
         raise CheckpointError(f"{path} is damaged: its contents do not match the checksum "
-                              f"written with it (a flipped bit, a bad copy); {advice}")
+                              f"written with it (a flipped bit, a bad copy; a file edited by hand "
+                              f"must drop its '{CHECKSUM}' entry); {advice}")
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -8,7 +8,7 @@ checks every floating-point tensor it is about to write (one host sync per save,
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +60,15 @@ def last_good(folder: Path) -> str:
 
 
 def refuse_non_finite(payload: dict[str, Any], is_main: bool, folder: Path, epoch: int,
-                      step_in_epoch: int) -> None:
-    """Stop every rank if what rank 0 is about to save holds NaN or inf. Collective."""
+                      step_in_epoch: int, settle: Callable[[], None] = lambda: None) -> None:
+    """Stop every rank if what rank 0 is about to save holds NaN or inf. Collective.
+    ``settle``: called before the message names the last good checkpoint (a write under way
+    finishes first)."""
     error = None
     if is_main:
         bad = non_finite(payload)
         if bad:
+            settle()
             error = NonFiniteStateError(
                 f"the training state became NaN/infinite by epoch {epoch}, step {step_in_epoch} "
                 f"({len(bad)} tensor(s), first {bad[0]}); training stopped without saving it; "

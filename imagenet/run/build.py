@@ -137,9 +137,12 @@ def data_root(cfg: Config, output_dir: Path) -> str:
 
 
 def index_files(cfg: Config, dist: DistInfo) -> IndexFiles:
-    """Where the folder indexes are kept (--cache-dir); each node's first process writes the
-    ones it builds (node-local data copies get one each), every process reads them."""
-    return IndexFiles(cfg.cache_path(), write=dist.local_rank == 0)
+    """Where the folder indexes are kept (--cache-dir); every process reads them. Rank 0 writes
+    the ones it builds; so does each other node's first process when --cache-dir names a folder
+    (node-local data copies then get one each): in the default OUTPUT_DIR/cache, the run folder
+    is rank 0's alone, and a node without it writes nothing there."""
+    writes = dist.is_main or (dist.local_rank == 0 and cfg.cache_dir is not None)
+    return IndexFiles(cfg.cache_path(), write=writes)
 
 
 def load_data(plan: Plan, dist: DistInfo, root: str, aug_seed: int) -> Data:

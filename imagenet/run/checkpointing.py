@@ -142,7 +142,7 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
         return time.perf_counter() - start
     payload = to_host(checkpoint_state(run, epoch_done))  # training may go on from here
     guard.refuse_non_finite(payload, run.dist.is_main, run.output_dir, run.step.epoch,
-                            run.step.step_in_epoch)
+                            run.step.step_in_epoch, settle=run.writer.wait_quietly)
     written = None
     if run.dist.is_main:
         out, entry = run.output_dir, epoch_entry(run, score)

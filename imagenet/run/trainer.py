@@ -208,6 +208,7 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
         stop.drain()
         finish_saves(run)  # the last checkpoint is on disk before the run says it is done
     except NonFiniteLossError as exc:
+        run.writer.wait_quietly()  # the last good checkpoint may still be on its way to disk
         raise on_every_rank(NonFiniteLossError(f"{exc}; {last_good(run.output_dir)}")) from None
     finally:
         close(upcoming)  # stopped before the next epoch: its batches are not needed
