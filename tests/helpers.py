@@ -4,8 +4,10 @@ subprocesses and gloo ranks. Fixtures live in conftest.py."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -100,6 +102,18 @@ def run_parallel(commands: list[list[str]], envs: list[dict[str, str]], workdir:
     assert not timed_out, f"timed out after {timeout}s:\n" + "\n".join(
         f"{r.args}\n{r.stdout}\n{r.stderr}" for r in results)
     return results
+
+
+@cache
+def private_mount_prefix() -> tuple[str, ...] | None:
+    """``unshare`` arguments giving a command a mount namespace of its own, where it may mount
+    a tmpfs (as root, or through a user namespace); None where neither is allowed."""
+    for prefix in (("unshare", "-m"), ("unshare", "-rm")):
+        probe = subprocess.run([*prefix, "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
+                               capture_output=True)
+        if shutil.which("unshare") and probe.returncode == 0:
+            return prefix
+    return None
 
 
 def load_checkpoint(path: Path) -> dict:

@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import time
-from functools import cache
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from helpers import (
     child_env,
     load_checkpoint,
     main_cmd,
+    private_mount_prefix,
     run_main,
     run_parallel,
     write_image_folder,
@@ -154,18 +154,6 @@ except CheckpointError as exc:
         "free some space or give another --output-dir; the previous file is kept")
     assert torch.equal(load_checkpoint(path)["state_dict"]["w"], torch.ones(10))
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp file left
-
-
-@cache
-def private_mount_prefix() -> tuple[str, ...] | None:
-    """``unshare`` arguments giving a command a mount namespace of its own, where it may mount
-    a tmpfs (as root, or through a user namespace); None where neither is allowed."""
-    for prefix in (("unshare", "-m"), ("unshare", "-rm")):
-        probe = subprocess.run([*prefix, "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
-                               capture_output=True)
-        if shutil.which("unshare") and probe.returncode == 0:
-            return prefix
-    return None
 
 
 def in_tmpfs(size_mb: int, out: Path, cmd: list[str], then: str = "") -> \
