@@ -206,6 +206,30 @@ exit $code'''
     assert load_checkpoint(keep / "checkpoint.pth.tar")["step_in_epoch"] >= 1
 
 
+@pytest.mark.slow
+def test_a_full_disk_on_rank_0_ends_every_rank_with_its_line_and_nothing_more(data, tmp_path):
+    """Two processes; the disk fills after the first checkpoint, rank 0's next save fails. Rank 1
+    learns it from its mailbox and waits for rank 0 to exit (so that mp.spawn names rank 0):
+    meanwhile its hang watch must not talk to rank 0's store, which left with rank 0 (torch's
+    C++ 'Broken pipe' warnings with their stack frames, found by the chaos matrix)."""
+    out = tmp_path / "out"
+    fill = '''
+while [ ! -e "$OUT/checkpoint.pth.tar" ] && kill -0 $pid 2>/dev/null; do sleep 0.02; done
+avail=$(df --output=avail -B1 "$OUT" | tail -n 1)
+dd if=/dev/zero of="$OUT/filler" bs=65536 count=$(( (avail - 2097152) / 65536 )) 2>/dev/null'''
+    proc = in_tmpfs(250, out, main_cmd(str(data), *TINY, "--epochs", "2", "--save-every", "1",
+                                       "--multiprocessing-distributed", "--nproc-per-node", "2",
+                                       "--output-dir", str(out)), then=fill)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if re.match(r"(\[rank \d\] )?error:", x)]
+    assert len(lines) == 2, proc.stderr
+    assert lines[0 if lines[0].startswith("error:") else 1].startswith(
+        f"error: cannot write {out}/checkpoint.pth.tar: No space left on device")
+    assert any(x.startswith("[rank 1] error: rank 0 failed: cannot write") for x in lines)
+    assert not re.search(r"^frame #\d+: ", proc.stderr, flags=re.M), proc.stderr
+    assert "Broken pipe" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def pause_at_first_checkpoint(out: Path, fault: str, keep: Path, after: str = "") -> str:
     """Shell for ``in_tmpfs``: once ``out`` has a checkpoint, stop the run, apply ``fault``,
     let it go on; at the end list what is left into ``keep`` and run ``after``."""

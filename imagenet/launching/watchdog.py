@@ -72,6 +72,15 @@ def phase(what: str) -> None:
         dog.what = what
 
 
+def stand_down() -> None:
+    """Stop this rank's watch from now on: the rank ends with a peer's failure (``failures``),
+    and the store the watch talks to may have left with that peer (rank 0 hosts it), where each
+    request would fail with torch's C++ warnings and their stack frames."""
+    dog = _dog
+    if dog is not None:
+        dog.stop.set()
+
+
 def stacks_dir() -> str | None:
     """Where this rank's loader workers write their stacks (None: no hang watch)."""
     return _stacks_dir
@@ -168,6 +177,8 @@ class Watchdog:
         request for as long as TCP retries (many minutes; the store's timeout bounds only
         some), and this thread must keep its own clock. TimeoutError after STORE_TIMEOUT
         seconds, and at once while an earlier request is still blocked."""
+        if self.stop.is_set():
+            raise TimeoutError("the watch has stopped")
         if self._pending is not None and self._pending.is_alive():
             raise TimeoutError("the store did not answer an earlier request")
         result: dict[str, Any] = {}
