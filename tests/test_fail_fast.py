@@ -35,9 +35,11 @@ from helpers import (
 from imagenet.cli import main
 
 
-def one_error_line(text: str) -> str:
-    """The single ``error:`` line of a failed run (and no traceback)."""
-    lines = [ln for ln in text.splitlines() if ln.startswith("error:")]
+def one_error_line(text: str, rank: int = 0) -> str:
+    """The single ``error:`` line of a failed run (of a process of ``rank``: its tag first), and
+    no traceback."""
+    tag = f"[rank {rank}] " if rank else ""
+    lines = [ln.removeprefix(tag) for ln in text.splitlines() if ln.startswith(f"{tag}error:")]
     assert len(lines) == 1, text
     assert "Traceback" not in text, text
     return lines[0]
@@ -328,7 +330,7 @@ def test_a_master_port_that_listens_but_never_answers_ends_after_the_timeout(dat
                        f"tcp://127.0.0.1:{port}", "--dist-timeout", "3")
         (result,) = run_parallel([cmd], [child_env()], tmp_path / "logs", timeout=120)
     assert result.returncode == 1, result.stdout + result.stderr
-    line = one_error_line(result.stderr)
+    line = one_error_line(result.stderr, rank=1)  # the line says which process it is
     assert f"127.0.0.1:{port} as rank 1 of world size 2" in line
     assert "accepts connections but did not answer" in line and "--dist-timeout 3s" in line
 
@@ -336,19 +338,25 @@ def test_a_master_port_that_listens_but_never_answers_ends_after_the_timeout(dat
 # ---------------------------------------------------------------- case 9: bad validation images
 
 @pytest.mark.slow
-def test_a_bad_validation_image_is_found_before_training_on_every_rank(data, tmp_path):
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_a_bad_validation_image_is_found_before_training_on_every_rank(data, tmp_path, launcher):
+    """Every rank stops with the finding, each line tagged with its rank (under torchrun too,
+    where the line is printed after the process left the training: it used to say rank 0's)."""
     broken = tmp_path / "data"
     shutil.copytree(data, broken)
     bad = broken / "val" / "class0" / "img1.jpg"  # validation image 1: rank 1's shard
     bad.write_bytes(b"<html>404</html>")
     out = tmp_path / "out"
-    cmd = main_cmd(str(broken), *TINY, "--epochs", "1", "--multiprocessing-distributed",
-                   "--nproc-per-node", "2", "--output-dir", str(out))
+    args = [str(broken), *TINY, "--epochs", "1", "--output-dir", str(out)]
+    cmd = main_cmd(*args, "--multiprocessing-distributed", "--nproc-per-node", "2") \
+        if launcher == "spawn" else [sys.executable, "-m", "torch.distributed.run",
+                                     "--standalone", "--nproc-per-node", "2", *main_cmd(*args)[1:]]
     (result,) = run_parallel([cmd], [child_env()], tmp_path / "logs", timeout=300)
     assert result.returncode == 1, result.stdout + result.stderr
     reason = f"cannot read image {bad}: no image format recognises its first bytes (16 bytes: " \
         "empty, damaged or not an image); found by the check of the validation images"
-    assert f"\nerror: {reason}" in "\n" + result.stderr  # rank 0 stops with rank 1's finding
+    own = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert len(own) == 1 and own[0].startswith(f"error: {reason}"), result.stderr  # rank 0's
     assert f"[rank 1] error: {reason}" in result.stderr
     assert "object at 0x" not in result.stderr
     assert "Epoch: [" not in result.stdout and not (out / "checkpoint.pth.tar").exists()
