@@ -128,7 +128,8 @@ def _train_here(local_index: int, plan: Plan, master: dict[str, str],
         cleanup()
     except TrainerError as exc:
         if plan.launch.mode != "spawn":
-            raise  # main() reports it
+            exc.rank = ranks.rank  # type: ignore[attr-defined]  # main() reports it, as this rank
+            raise
         # A spawned child dies with the message, not a traceback; mp.spawn stops its siblings.
         sys.exit(report(exc, cfg.debug, ranks.rank))
 
@@ -260,7 +261,7 @@ def _main(argv: Sequence[str] | None) -> int:
             f"=> {launch.reason}; {batch} -> {layout.batch_size} per "
             f"process; -j {given} -> {layout.workers} per process"))
     except TrainerError as exc:
-        return report(exc, debug)
+        return report(exc, debug, getattr(exc, "rank", 0))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE

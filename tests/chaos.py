@@ -1,10 +1,12 @@
 """The chaos matrix: seeded scenarios of launches, interruptions and resumes.
 
 A scenario starts a tiny real training run (one process, --multiprocessing-distributed or
-torchrun; 1 to 3 processes), interrupts it (SIGKILL at a random step after a checkpoint, SIGTERM
-in training or validation, SIGKILL while a checkpoint is written; to the main process or to its
-whole process group), resumes it with a changed command line (or the same one), and holds the
-result against an uninterrupted run of that final command line (docs/chaos.md lists the checks).
+torchrun; 1 to 3 processes; two hosts in network namespaces), interrupts it (SIGKILL at a random
+step after a checkpoint, SIGTERM in training or validation, SIGKILL while a checkpoint is
+written; to the main process or to its whole process group) or meets it with a fault (a hang, a
+full disk, a damaged checkpoint, a lost link, slow storage: tests/chaos_faults.py), resumes it
+with a changed command line (or the same one), and holds the result against an uninterrupted run
+of that final command line (docs/chaos.md lists the checks).
 
     python tests/chaos.py --seed S -n N [--first I] [--workdir DIR] [--keep]
 
@@ -17,6 +19,7 @@ tests/test_chaos.py runs a fixed slice in CI.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -37,7 +40,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import MAIN, ROOT, child_env, write_image_folder  # noqa: E402
+from helpers import MAIN, ROOT, TwoHosts, Unavailable, child_env, write_image_folder  # noqa: E402
+
+sys.path.insert(0, str(ROOT))  # the trainer's own checkpoint loader judges a checkpoint whole
+import chaos_faults as faults  # noqa: E402
 
 CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS = 3, 17, 5  # 51 training images: last batches of one
 VAL_IMAGES = CLASSES * VAL_PER_CLASS
@@ -46,6 +52,7 @@ MODEL = ["-a", "squeezenet1_1", "--train-crop-size", "32", "--val-resize-size", 
          "--val-crop-size", "128", "-p", "1", "--wd", "1e-4", "--dist-timeout", "60"]
 LEG_TIMEOUT = 300.0  # seconds for one command
 ORPHAN_GRACE = 30.0  # seconds the processes of a killed launcher may take to stop (and save)
+HANG_GRACE = 60.0  # seconds after --hang-timeout by which every process of a hung run is gone
 PROGRESS = re.compile(r"^Epoch: \[(\d+)\]\[\s*(\d+)/(\d+)\]")
 TEMP_FILE = re.compile(r"^\..*\.tmp")
 
@@ -56,7 +63,8 @@ TEMP_FILE = re.compile(r"^\..*\.tmp")
 class Setup:
     """One command line of a scenario, as the flags a user would change."""
 
-    launcher: str = "single"  # single | spawn (--multiprocessing-distributed) | torchrun
+    launcher: str = "single"  # single | spawn (--multiprocessing-distributed) | torchrun |
+    #                           hosts (one process on each of two hosts, --dist-url)
     world: int = 1  # processes
     batch: int = 8  # images per process and micro-batch
     accum: int = 1  # --grad-accum-steps
@@ -68,13 +76,17 @@ class Setup:
     shards: bool = False
     workers: int = 0  # loader workers per process
     save_every: int = 0  # --save-every (0: at epoch ends only)
+    hang_timeout: int = 0  # --hang-timeout, seconds (0: the default, half of --dist-timeout)
+    keep: int = 0  # --keep-checkpoints
 
     def describe(self) -> str:
         parts = [f"{self.launcher}x{self.world}", f"-b {self.batch}", f"--epochs {self.epochs}",
                  self.scheduler, f"accum {self.accum}" if self.accum > 1 else "",
                  f"warmup {self.warmup}" if self.warmup else "", "ema" if self.ema else "",
                  "shards" if self.shards else "folder", f"-j {self.workers}",
-                 f"--save-every {self.save_every}" if self.save_every else ""]
+                 f"--save-every {self.save_every}" if self.save_every else "",
+                 f"--hang-timeout {self.hang_timeout}" if self.hang_timeout else "",
+                 f"--keep-checkpoints {self.keep}" if self.keep else ""]
         return " ".join(p for p in parts if p)
 
 
@@ -98,16 +110,26 @@ def flags(s: Setup) -> list[str]:
         out += ["--model-ema", "--model-ema-steps", "2"]
     if s.save_every:
         out += ["--save-every", str(s.save_every)]
+    if s.hang_timeout:
+        out += ["--hang-timeout", str(s.hang_timeout)]
+    if s.keep:
+        out += ["--keep-checkpoints", str(s.keep)]
     if s.launcher == "spawn":
         out += ["--multiprocessing-distributed", "--nproc-per-node", str(s.world)]
     return out
 
 
-def command(s: Setup, data: Path, out: Path, resume: str | None = None) -> list[str]:
-    """The whole command line of ``s``, writing to ``out``."""
+def command(s: Setup, data: Path, out: Path, resume: str | None = None,
+            hosts: TwoHosts | None = None) -> list[str]:
+    """The whole command line of ``s``, writing to ``out`` (``hosts``: where a two-host run's
+    processes run)."""
     args = [str(data), *flags(s), "--output-dir", str(out)]
     if resume:
         args += ["--resume", resume]
+    if s.launcher == "hosts":
+        if hosts is None:
+            raise Unavailable("a two-host run without its hosts")
+        return faults.on_two_hosts(hosts, [[sys.executable, MAIN, *args]] * s.world)
     if s.launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", str(s.world), "--monitor-interval", "0.5", MAIN, *args]
@@ -122,17 +144,28 @@ class Scenario:
     first: Setup
     final: Setup
     change: str  # what differs on resume ("none", "-b 8->5", ...)
-    interrupt: str  # kill (at a step after a checkpoint) | term | kill-save
-    target: str  # main (the launcher's process) | group (every process of its session)
+    interrupt: str  # kill (at a step after a checkpoint) | term | kill-save | stop (a hang) |
+    #                 fill (the disk) | link-down
+    target: str  # main (the launcher's process) | group (every process of its session) | what
+    #              a fault hits (rank R, the loader worker of rank R, disk, link)
     when: float  # where in the run (0-1 of its steps) the interruption is aimed
     where: str  # train | validation | ema-validation (the phase a SIGTERM is aimed at)
     delay: float  # seconds after the aimed-at line
     resume: str  # auto | path
+    fault: str = "none"  # none | hang | full-disk | damaged | lost-link | slow-storage
+    detail: str = ""  # the fault's own draw (bytes left, how damaged, mid-step or mid-save, MB/s)
 
     def describe(self) -> str:
         aim = f"{self.where}@{self.when:.2f}+{self.delay:.2f}s"
-        return (f"{self.name} {self.first.describe()} | {self.interrupt}->{self.target} {aim} | "
-                f"change {self.change} | --resume {self.resume}")
+        fault = "" if self.fault == "none" else \
+            f"{self.fault} ({self.detail}): " if self.detail else f"{self.fault}: "
+        return (f"{self.name} {self.first.describe()} | {fault}{self.interrupt}->{self.target} "
+                f"{aim} | change {self.change} | --resume {self.resume}")
+
+    @property
+    def in_a_save(self) -> bool:
+        """Whether the interruption is aimed at a checkpoint's write (its temp file)."""
+        return self.interrupt == "kill-save" or self.detail == "mid-save"
 
 
 # ---------------------------------------------------------------- the seeded generator
@@ -142,8 +175,24 @@ LAUNCHES = [("single", 1)] * 4 + [("spawn", 2)] * 3 + [("torchrun", 2)] * 2 + \
 CHANGES = ["none"] * 4 + ["launch", "batch", "accum", "epochs", "lr", "schedule"]
 
 
+FAULTS = ["hang", "full-disk", "damaged", "lost-link", "slow-storage"]
+FAULT_SHARE = 0.4  # of the scenarios; the rest are the kills and SIGTERMs drawn as before
+HANG_TIMEOUTS = [8, 15]  # --hang-timeout of a hang or a lost link, seconds
+
+
 def scenario(seed: int, index: int) -> Scenario:
-    """Scenario ``index`` of the matrix of ``seed``: the same pair always gives the same one."""
+    """Scenario ``index`` of the matrix of ``seed``: the same pair always gives the same one.
+    Whether it meets a fault is drawn apart (its own generator): a scenario without one is the
+    one the matrix drew before the faults came."""
+    sc, change, rng = interruption(seed, index)
+    draw = random.Random(f"chaos-fault:{seed}:{index}")
+    if draw.random() >= FAULT_SHARE:
+        return sc
+    return with_fault(sc, change, draw.choice(FAULTS), draw)
+
+
+def interruption(seed: int, index: int) -> tuple[Scenario, str, random.Random]:
+    """The scenario of a kill or SIGTERM, its change on resume, and its generator."""
     rng = random.Random(f"chaos:{seed}:{index}")
     launcher, world = rng.choice(LAUNCHES)
     first = Setup(launcher=launcher, world=world, batch=rng.choice([4, 5, 8]),
@@ -160,7 +209,37 @@ def scenario(seed: int, index: int) -> Scenario:
         ["train", "train", "validation"] + ["ema-validation"] * first.ema)
     return Scenario(f"{seed}:{index}", first, final, said, interrupt,
                     rng.choice(["main", "group"]), round(rng.uniform(0.05, 0.95), 2), where,
-                    round(rng.uniform(0, 0.3), 2), rng.choice(["auto", "path"]))
+                    round(rng.uniform(0, 0.3), 2), rng.choice(["auto", "path"])), change, rng
+
+
+def with_fault(sc: Scenario, change: str, fault: str, rng: random.Random) -> Scenario:
+    """``sc`` meeting ``fault`` instead of its kill or SIGTERM (its launch, options, change on
+    resume and aim kept where the fault allows)."""
+    first, how = sc.first, {"where": "train"}
+    if fault == "hang":  # a rank stopped; at one process its loader worker (-j 1)
+        first = dataclasses.replace(first, hang_timeout=rng.choice(HANG_TIMEOUTS),
+                                    workers=first.workers if first.world > 1 else 1)
+        rank = rng.randrange(first.world)
+        how.update(interrupt="stop", target=f"the loader worker of rank {rank}"
+                   if first.world == 1 else f"rank {rank}")
+    elif fault == "full-disk":
+        how.update(interrupt="fill", target="disk", detail=rng.choice(["2 MB left",
+                                                                       "0 MB left"]))
+    elif fault == "damaged":  # after a SIGKILL; an older checkpoint kept
+        first = dataclasses.replace(first, keep=rng.choice([1, 2]))
+        how.update(interrupt="kill", resume="auto", detail=rng.choice(["flip", "truncate"]))
+    elif fault == "lost-link":
+        first = dataclasses.replace(first, launcher="hosts", world=2,
+                                    hang_timeout=rng.choice(HANG_TIMEOUTS))
+        how.update(interrupt="link-down", target="link",
+                   detail=rng.choice(["mid-step", "mid-save"]))
+    else:  # slow storage: a SIGKILL while a slow write is under way, or a SIGTERM
+        how.update(interrupt=rng.choice(["kill-save", "kill-save", "term"]),
+                   detail=f"{rng.choice([1, 2])} MB/s")
+        if how["interrupt"] == "term":
+            how["where"] = rng.choice(["train", "validation"])
+    final, said = changed(first, change, rng)
+    return dataclasses.replace(sc, first=first, final=final, change=said, fault=fault, **how)
 
 
 def changed(s: Setup, change: str, rng: random.Random) -> tuple[Setup, str]:
@@ -192,11 +271,12 @@ class Leg:
     """One command in a session of its own; every process it starts is tagged, so that
     torchrun's workers (in sessions of their own) and orphans are found too."""
 
-    def __init__(self, cmd: list[str], log: Path) -> None:
+    def __init__(self, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.cmd, self.log, self.token = cmd, log, uuid.uuid4().hex
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True, cwd=ROOT,
-                                     env=child_env(PYTHONUNBUFFERED="1", CHAOS_TOKEN=self.token))
+                                     env=child_env(PYTHONUNBUFFERED="1", CHAOS_TOKEN=self.token,
+                                                   **(env or {})))
         self.lines: list[str] = []
         self.changed = threading.Condition()
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -268,19 +348,7 @@ class Leg:
 
 def tagged(token: str) -> list[int]:
     """Live (not zombie) processes whose CHAOS_TOKEN is ``token``."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if f"CHAOS_TOKEN={token}".encode() not in (entry / "environ").read_bytes():
-                continue
-            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue
-        except OSError:
-            continue
-        pids.append(int(entry.name))
-    return pids
+    return [pid for pid, _, _ in faults.processes(token)]
 
 
 class Background:
@@ -305,8 +373,9 @@ class Background:
         return self._result
 
 
-def run_to_end(cmd: list[str], log: Path) -> tuple[int | None, str]:
-    leg = Leg(cmd, log)
+def run_to_end(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> \
+        tuple[int | None, str]:
+    leg = Leg(cmd, log, env)
     code = leg.wait()
     return code, leg.output
 
@@ -319,29 +388,78 @@ class Interrupted:
 
     code: int | None
     output: str
-    sent: str  # what was sent, when ("" if nothing was)
+    sent: str  # what was done, when ("" if nothing was)
     orphans: list[int] = field(default_factory=list)  # still running ORPHAN_GRACE s later
+    pinned: int | None = None  # the global step of the checkpoint complete when it was done
+    gone: float | None = None  # seconds from then until no process of the run was left
+    problems: list[str] = field(default_factory=list)  # found right after it (fault checks)
 
 
 def checkpoint_exists(out: Path) -> bool:
     return (out / "checkpoint.pth.tar").is_file()
 
 
-def interrupt(sc: Scenario, cmd: list[str], out: Path, log: Path) -> Interrupted:
-    """Run the first command line and interrupt it as ``sc`` says."""
-    leg = Leg(cmd, log)
+class Trigger:
+    """The interruption, done once: the checkpoint in place pinned first (no lost checkpoint),
+    the time noted (a hung run's end is timed from it)."""
+
+    def __init__(self, action, checkpoint: Path) -> None:
+        self.action, self.checkpoint = action, checkpoint
+        self.pin = faults.Pin()
+        self.what: str | None = None
+        self.at: float | None = None
+
+    def __call__(self) -> None:
+        if self.what is not None:
+            return
+        self.pin.take(self.checkpoint)
+        self.at = time.monotonic()
+        self.what = self.action()
+
+
+def action(sc: Scenario, leg: Leg, view: Path, hosts: TwoHosts | None):
+    """What the interruption of ``sc`` does to the run of ``leg`` (``view``: its output folder
+    as the run sees it); each returns what it did."""
+    if sc.interrupt == "stop":
+        rank = int(sc.target.split()[-1])
+        return lambda: faults.stop(leg.token, sc.first.launcher, rank,
+                                   sc.target.startswith("the loader worker"), leg.proc.pid)
+    if sc.interrupt == "fill":
+        return lambda: faults.fill(view, int(sc.detail.split()[0]) * 1_000_000)
+    if sc.interrupt == "link-down":
+        return lambda: faults.take_link(hosts, up=False)
     sig = signal.SIGKILL if sc.interrupt.startswith("kill") else signal.SIGTERM
-    group = sc.target == "group"
-    sent = aim(sc, leg, out, lambda: leg.send(sig, group))
-    code = leg.wait()
-    deadline = time.monotonic() + ORPHAN_GRACE
+
+    def send() -> str:
+        leg.send(sig, sc.target == "group")
+        return signal.Signals(sig).name
+
+    return send
+
+
+def interrupt(sc: Scenario, cmd: list[str], out: Path, log: Path,
+              env: dict[str, str] | None = None, hosts: TwoHosts | None = None) -> Interrupted:
+    """Run the first command line and interrupt it as ``sc`` says."""
+    leg = Leg(cmd, log, env)
+    view = faults.seen_by(leg.proc.pid, out) if sc.fault == "full-disk" else out
+    trigger = Trigger(action(sc, leg, view, hosts), view / "checkpoint.pth.tar")
+    sent = aim(sc, leg, view, trigger)
+    timeout = LEG_TIMEOUT
+    if sc.interrupt in ("stop", "link-down") and trigger.at is not None:  # a hang ends itself
+        timeout = trigger.at + sc.first.hang_timeout + HANG_GRACE + 10 - time.monotonic()
+    code = leg.wait(max(timeout, 1))
+    grace = ORPHAN_GRACE
+    if sc.first.hang_timeout and trigger.at is not None:  # a hang: timed from the fault
+        grace = max(trigger.at + sc.first.hang_timeout + HANG_GRACE - time.monotonic(), grace)
+    deadline = time.monotonic() + grace
     while leg.pids() and time.monotonic() < deadline:
         time.sleep(0.2)
     orphans = leg.pids()
+    gone = time.monotonic() - trigger.at if trigger.at is not None and not orphans else None
     leg.kill_all()
     leg.write_log(code)
-    return Interrupted(code, leg.output, f"{signal.Signals(sig).name} {sent}" if sent else "",
-                       orphans)
+    return Interrupted(code, leg.output, f"{trigger.what} {sent}" if sent else "", orphans,
+                       trigger.pin.global_step(), gone)
 
 
 def aim(sc: Scenario, leg: Leg, out: Path, fire) -> str | None:
@@ -362,7 +480,7 @@ def aim(sc: Scenario, leg: Leg, out: Path, fire) -> str | None:
             if (epoch * steps + step) / (sc.first.epochs * steps) < sc.when or \
                     not checkpoint_exists(out):
                 continue
-            if sc.interrupt == "kill-save":
+            if sc.in_a_save:
                 saving = saving or fire_during_a_save(out, fire, leg)
             elif sc.where == "train":
                 time.sleep(sc.delay)
@@ -416,8 +534,14 @@ class References:
         self.code = source_hash()
         self.runs = 0
 
-    def get(self, s: Setup, data: Path) -> tuple[Path, str | None]:
-        """The output folder of ``s``'s uninterrupted run, and a problem with it (or None)."""
+    def get(self, s: Setup, data: Path, hosts: TwoHosts | None = None) -> \
+            tuple[Path, str | None]:
+        """The output folder of ``s``'s uninterrupted run, and a problem with it (or None);
+        ``hosts``: where a two-host run runs (not the scenario's: its link goes down). The
+        reference leaves out --hang-timeout and --keep-checkpoints: they say what happens on a
+        failure and what is kept, not what is trained (were they to change it, the scenario
+        would deviate), so scenarios with and without them share it."""
+        s = dataclasses.replace(s, hang_timeout=0, keep=0)
         key = hashlib.sha256(json.dumps([self.code, str(data), flags(s), s.launcher,
                                          s.world]).encode()).hexdigest()[:16]
         out = self.folder / key
@@ -426,7 +550,8 @@ class References:
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir(parents=True)
             self.runs += 1
-            code, output = run_to_end(command(s, data, out / "run"), out / "log.txt")
+            code, output = run_to_end(command(s, data, out / "run", hosts=hosts),
+                                      out / "log.txt")
             if code != 0:
                 return out / "run", f"the uninterrupted run exited {code} (see {out}/log.txt)"
             done.write_text("ok\n")
@@ -442,26 +567,32 @@ def load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def tracebacks(output: str, torchrun_term: bool) -> list[str]:
-    """The last line of every Python traceback in ``output``; torchrun's own SignalException
-    (how its agent reports a SIGTERM) is not the trainer's."""
+TORCHRUN_OWN = ("SignalException", "ChildFailedError")
+
+
+def tracebacks(output: str, torchrun_own: bool) -> list[str]:
+    """The last line of every Python traceback in ``output``; with ``torchrun_own``, torchrun's
+    own SignalException (how its agent reports a SIGTERM) and ChildFailedError (how it reports
+    workers that exited with a code) are not the trainer's."""
     found = []
     lines = output.splitlines()
     for i, line in enumerate(lines):
         if line.startswith("Traceback (most recent call last)"):
             last = next((x for x in lines[i + 1:] if x and not x.startswith(" ")), "?")
-            if not (torchrun_term and "SignalException" in last):
+            if not (torchrun_own and any(name in last for name in TORCHRUN_OWN)):
                 found.append(last)
     return found
 
 
 def expected_first_codes(sc: Scenario) -> set[int]:
-    """The exit codes the interrupted command may end with."""
-    if sc.interrupt != "term":
+    """The exit codes the interrupted command may end with: what a requeue expects."""
+    if sc.interrupt in ("kill", "kill-save"):
         return {-signal.SIGKILL}
     if sc.first.launcher == "torchrun":
-        return {1}  # torchrun's agent ends with SignalException; its workers saved, exit 143
-    return {143}
+        # torchrun's agent ends with its own code: SignalException on a SIGTERM, ChildFailedError
+        # when its workers end with a code (143 after a SIGTERM or a hang, 1 on a full disk)
+        return {1}
+    return {1} if sc.interrupt == "fill" else {143}
 
 
 def equal_tensors(a: dict, b: dict, where: str) -> list[str]:
@@ -486,20 +617,17 @@ def evaluated(data: Path, best: Path, ema: bool, log: Path) -> str | None:
 def check(sc: Scenario, data: Path, out: Path, first: Interrupted, resumed: tuple,
           ref: Path, logs: Path) -> list[str]:
     """Every deviation of the scenario from its uninterrupted reference."""
-    bad: list[str] = []
-    torchrun_term = sc.first.launcher == "torchrun" and sc.interrupt == "term"
+    bad: list[str] = list(first.problems)
+    torchrun_own = sc.first.launcher == "torchrun" and sc.interrupt in ("term", "stop", "fill")
     if first.code not in expected_first_codes(sc):
         bad.append(f"interrupted run exited {first.code}, expected "
                    f"{sorted(expected_first_codes(sc))}")
-    if first.orphans:
-        bad.append(f"{len(first.orphans)} process(es) of the interrupted run still running "
-                   f"{ORPHAN_GRACE:.0f} s after it ended")
     code, output, resumed_at = resumed
     if code != 0:
         bad.append(f"resumed run exited {code}")
     for name, text in (("interrupted", first.output), ("resumed", output)):
         bad += [f"traceback in the {name} run: {last}"
-                for last in tracebacks(text, torchrun_term and name == "interrupted")]
+                for last in tracebacks(text, torchrun_own and name == "interrupted")]
         if re.search(r"^frame #\d+: ", text, flags=re.M):
             bad.append(f"C++ stack frames in the {name} run's output")
     if code != 0:
@@ -582,19 +710,97 @@ def check_files(sc: Scenario, data: Path, out: Path, ref: Path, logs: Path) -> l
     return bad
 
 
-# ---------------------------------------------------------------- one scenario, a matrix
+def fault_problems(sc: Scenario, out: Path, first: Interrupted) -> list[str]:
+    """What the first command line left that the scenario's fault forbids: a lost checkpoint
+    (every scenario); a hang's report, error lines and end; a full disk's one line; an injection
+    that did not take."""
+    bad = []
+    if first.orphans:
+        bad.append(f"{len(first.orphans)} process(es) of the interrupted run still running "
+                   f"{ORPHAN_GRACE:.0f} s after it ended")
+    lost = faults.lost_checkpoint(first.pinned, out / "checkpoint.pth.tar")
+    if lost:
+        bad.append(lost)
+    errors = [x for x in first.output.splitlines() if re.match(r"(\[rank \d+\] )?error:", x)]
+    if sc.interrupt in ("stop", "link-down"):
+        limit = sc.first.hang_timeout + HANG_GRACE
+        if first.gone is None or first.gone > limit:
+            took = f"{first.gone:.0f} s" if first.gone is not None else "not all gone"
+            bad.append(f"the hung run's processes took longer than --hang-timeout + "
+                       f"{HANG_GRACE:.0f} s = {limit:.0f} s to end ({took})")
+        bad += faults.hang_report(out, int(sc.target.split()[-1])
+                                  if sc.interrupt == "stop" else None)
+        if not errors or any("error: hang: rank " not in x for x in errors) or \
+                (sc.interrupt == "link-down" and len(errors) != sc.first.world):
+            bad.append(f"the hang's error lines: {errors}")
+    if sc.interrupt == "fill":  # rank 0 writes; the others say its line, or that it failed
+        own = [x for x in errors if x.startswith("error: cannot write ")]
+        said = own[0].removeprefix("error: ") if len(own) == 1 else None
+        if said is None or any(x not in own and re.sub(r"^\[rank \d+\] error: ", "", x)
+                               not in (said, f"rank 0 failed: {said}") for x in errors):
+            bad.append(f"the full disk's error lines (one 'cannot write' expected): {errors}")
+    if sc.fault == "slow-storage" and faults.SLOW_STORAGE_LINE not in first.output:
+        bad.append("the slow storage was not injected")
+    return bad
+
+
+def damaged_resume(sc: Scenario, data: Path, out: Path, folder: Path,
+                   hosts: TwoHosts | None) -> tuple[int | None, str, int, str, list[str]]:
+    """Damage checkpoint.pth.tar and resume (--resume auto): it names the damage in one line and
+    falls back to the newest intact checkpoint; with none, it refuses in one error line, and
+    the user removes the file and starts afresh. The exit code and output of the run that
+    finished the job, the epoch it began in, what happened, and the deviations."""
+    fallbacks = faults.intact_fallbacks(out)
+    faults.damage(out / "checkpoint.pth.tar", sc.detail)
+    cmd = command(sc.final, data, out, "auto", hosts)
+    code, output = run_to_end(cmd, folder / "resumed.txt")
+    if not fallbacks:
+        errors = [x for x in output.splitlines() if x.startswith("error:")]
+        bad = [] if code == 1 and len(errors) == 1 and "no intact checkpoint to fall back to" \
+            in errors[0] else [f"resume without an intact checkpoint exited {code}, its error "
+                               f"lines {errors}"]
+        (out / "checkpoint.pth.tar").unlink()
+        code, output = run_to_end(cmd, folder / "resumed-afresh.txt")
+        return code, output, 0, "no intact checkpoint: refused, then started afresh", bad
+    notices = re.findall(r"resuming from (\S+) instead, the newest intact checkpoint", output)
+    newest = max(at["global_step"] for at in fallbacks.values())
+    older = fallbacks.get(Path(notices[0])) if len(notices) == 1 else None
+    if older is None or older["global_step"] != newest:
+        return code, output, 0, "", [f"the damage notices {notices}: one naming the newest "
+                                         f"intact checkpoint (step {newest}) expected"]
+    return code, output, older["epoch"], f"fell back to {Path(notices[0]).name} (epoch " \
+        f"{older['epoch']} step {older['step_in_epoch']})", []
+
+
+def run_first(sc: Scenario, data: Path, folder: Path, hosts: TwoHosts | None) -> Interrupted:
+    """The first command line, interrupted as ``sc`` says (with a full disk, on a tmpfs of its
+    own, whose files come back to the output folder afterwards); the fault's checks run."""
+    out = folder / "out"
+    cmd, env, keep = command(sc.first, data, out, hosts=hosts), None, folder / "disk"
+    if sc.fault == "full-disk":
+        out.mkdir()
+        keep.mkdir()
+        cmd = faults.on_tmpfs(cmd, out, keep)
+    if sc.fault == "slow-storage":
+        env = faults.slow_storage_env(folder, float(sc.detail.split()[0]), ROOT)
+    first = interrupt(sc, cmd, out, folder / "first.txt", env, hosts)
+    if sc.fault == "full-disk":
+        faults.move_back(keep, out)
+    first.problems = fault_problems(sc, out, first)
+    return first
+
 
 @dataclass
 class Outcome:
     scenario: Scenario
     deviations: list[str]
     note: str  # what was sent, where the resume began
-    seconds: float
-    missed: bool = False  # the aimed-at point never came (the run ended first)
+    missed: str = ""  # why the scenario tested nothing (the run ended first, a skipped fault)
+    seconds: float = 0.0
 
     def line(self) -> str:
-        verdict = "missed (the run ended before the aimed-at point)" if self.missed else \
-            "ok" if not self.deviations else "DEVIATION: " + "; ".join(self.deviations)
+        verdict = "DEVIATION: " + "; ".join(self.deviations) if self.deviations else \
+            f"missed ({self.missed})" if self.missed else "ok"
         return f"{self.scenario.describe()} | {self.note} | {verdict} ({self.seconds:.0f} s)"
 
 
@@ -618,31 +824,58 @@ def run_scenario(sc: Scenario, workdir: Path, refs: References) -> Outcome:
     folder = workdir / "scenarios" / sc.name.replace(":", "-")
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
+    try:
+        with contextlib.ExitStack() as stack:
+            # The scenario's hosts, and others for its reference: the link of these goes down.
+            hosts = [stack.enter_context(TwoHosts()) if s.launcher == "hosts" else None
+                     for s in (sc.first, sc.final)]
+            if sc.fault == "full-disk" and faults.full_disk_problem():
+                raise Unavailable(faults.full_disk_problem())
+            outcome = play(sc, data, folder, refs, hosts[0], hosts[1])
+    except Unavailable as exc:
+        outcome = Outcome(sc, [], "", missed=f"skipped: {exc}")
+    outcome.seconds = time.monotonic() - start
+    return outcome
+
+
+def play(sc: Scenario, data: Path, folder: Path, refs: References, hosts: TwoHosts | None,
+         ref_hosts: TwoHosts | None) -> Outcome:
     out = folder / "out"
     # The reference (if not cached yet) runs meanwhile: on 2 cores the wall time halves.
-    reference = Background(refs.get, sc.final, data)
-    first = interrupt(sc, command(sc.first, data, out), out, folder / "first.txt")
-    if not first.sent:
-        reference.result()
-        return Outcome(sc, [], "never interrupted", time.monotonic() - start, missed=True)
-    if not checkpoint_exists(out):
-        reference.result()
-        return Outcome(sc, ["no checkpoint after the interruption"], first.sent,
-                       time.monotonic() - start)
-    saved = load(out / "checkpoint.pth.tar")
-    if first.code in (0, -signal.SIGTERM) and saved["epoch"] == sc.first.epochs:
-        # The signal came after the trainer had finished (its handlers gone): nothing to test.
-        reference.result()
-        return Outcome(sc, [], f"{first.sent}: after the end", time.monotonic() - start,
-                       missed=True)
-    at = f"resumed at epoch {saved['epoch']} step {saved['step_in_epoch']}"
-    resume = "auto" if sc.resume == "auto" else str(out / "checkpoint.pth.tar")
-    code, output = run_to_end(command(sc.final, data, out, resume), folder / "resumed.txt")
-    ref, problem = reference.result()
-    if problem:
-        return Outcome(sc, [problem], f"{first.sent}; {at}", time.monotonic() - start)
-    bad = check(sc, data, out, first, (code, output, saved["epoch"]), ref, folder)
-    return Outcome(sc, bad, f"{first.sent}; {at}", time.monotonic() - start)
+    reference = Background(refs.get, sc.final, data, ref_hosts)
+    try:
+        first = run_first(sc, data, folder, hosts)
+        if not first.sent:
+            return Outcome(sc, [], "", missed="the run ended before the aimed-at point")
+        if not checkpoint_exists(out):
+            return Outcome(sc, ["no checkpoint after the interruption", *first.problems],
+                           first.sent)
+        saved = load(out / "checkpoint.pth.tar")
+        if first.code == 0 or (first.code == -signal.SIGTERM and
+                               saved["epoch"] == sc.first.epochs):
+            # The run finished all the same (the fault came too late to matter, or the signal
+            # after the trainer's handlers were gone): nothing to test.
+            return Outcome(sc, first.problems, first.sent,
+                           missed=f"exit {first.code}: the run ended before it mattered")
+        if sc.interrupt == "link-down":
+            faults.take_link(hosts, up=True)
+        at = f"resumed at epoch {saved['epoch']} step {saved['step_in_epoch']}"
+        if sc.fault == "damaged":
+            code, output, resumed_at, at, bad = damaged_resume(sc, data, out, folder, hosts)
+            first.problems += bad
+        else:
+            resume = "auto" if sc.resume == "auto" else str(out / "checkpoint.pth.tar")
+            code, output = run_to_end(command(sc.final, data, out, resume, hosts),
+                                      folder / "resumed.txt")
+            resumed_at = saved["epoch"]
+        ref, problem = reference.result()
+        if problem:
+            return Outcome(sc, [problem], f"{first.sent}; {at}")
+        bad = check(sc, data, out, first, (code, output, resumed_at), ref, folder)
+        return Outcome(sc, bad, f"{first.sent}; {at}")
+    finally:
+        with contextlib.suppress(Exception):
+            reference.result()  # never left running: its hosts go when this scenario ends
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -653,7 +886,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where runs and the reference cache go (default: /tmp/chaos)")
     parser.add_argument("--keep", action="store_true", help="keep the output of ok scenarios")
+    parser.add_argument("--list", action="store_true", help="print the scenarios, run nothing")
     args = parser.parse_args(argv)
+    if args.list:
+        for index in range(args.first, args.first + args.n):
+            print(scenario(args.seed, index).describe())
+        return 0
     workdir = args.workdir or Path("/tmp/chaos")
     refs = References(workdir / "refs")
     outcomes = []
@@ -665,11 +903,18 @@ def main(argv: list[str] | None = None) -> int:
                           ignore_errors=True)
         outcomes.append(outcome)
     deviating = [o for o in outcomes if o.deviations]
-    missed = sum(o.missed for o in outcomes)
-    print(f"{len(outcomes)} scenarios (seed {args.seed}): {len(outcomes) - len(deviating) - missed}"
-          f" ok, {len(deviating)} with deviations, {missed} missed; {refs.runs} reference "
-          f"run(s); {math.fsum(o.seconds for o in outcomes):.0f} s", flush=True)
+    print(f"{len(outcomes)} scenarios (seed {args.seed}): {counts(outcomes)}; by fault: "
+          + "; ".join(f"{fault} {counts([o for o in outcomes if o.scenario.fault == fault])}"
+                      for fault in ["none", *FAULTS])
+          + f"; {refs.runs} reference run(s); {math.fsum(o.seconds for o in outcomes):.0f} s",
+          flush=True)
     return 1 if deviating else 0
+
+
+def counts(outcomes: list[Outcome]) -> str:
+    deviating = sum(bool(o.deviations) for o in outcomes)
+    missed = sum(bool(o.missed) and not o.deviations for o in outcomes)
+    return f"{len(outcomes) - deviating - missed} ok, {deviating} with deviations, {missed} missed"
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ subprocesses and gloo ranks. Fixtures live in conftest.py."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -102,6 +104,18 @@ def run_parallel(commands: list[list[str]], envs: list[dict[str, str]], workdir:
     return results
 
 
+@cache
+def private_mount_prefix() -> tuple[str, ...] | None:
+    """``unshare`` arguments giving a command a mount namespace of its own, where it may mount
+    a tmpfs (as root, or through a user namespace); None where neither is allowed."""
+    for prefix in (("unshare", "-m"), ("unshare", "-rm")):
+        probe = subprocess.run([*prefix, "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
+                               capture_output=True)
+        if shutil.which("unshare") and probe.returncode == 0:
+            return prefix
+    return None
+
+
 def load_checkpoint(path: Path) -> dict:
     """A checkpoint as a user would load it: on the CPU, weights_only."""
     return torch.load(path, map_location="cpu", weights_only=True)
@@ -110,6 +124,68 @@ def load_checkpoint(path: Path) -> dict:
 def save_edited(ckpt: dict, path: Path) -> None:
     """Save a checkpoint edited by hand as a user would: without its (now stale) checksum."""
     torch.save({k: v for k, v in ckpt.items() if k != "checksum"}, path)
+
+
+# ---------------------------------------------------------------- two hosts on one machine
+
+MASTER, PEER = "10.200.0.1", "10.200.0.2"
+
+
+class Unavailable(Exception):
+    """What a test or a chaos scenario needs cannot be made on this machine (it says why)."""
+
+
+def ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+class TwoHosts:
+    """Two network namespaces joined by a veth pair, with MASTER and PEER: two hosts, one per
+    rank (``on_host``); removed on leaving the ``with``. Unavailable without root or iproute2."""
+
+    made = 0  # pairs made by this process: their names are unique to it
+
+    def __init__(self, prefix: str = "imgnt") -> None:
+        TwoHosts.made += 1
+        tag = f"{os.getpid() % 100000:05d}{TwoHosts.made % 1000:03d}"
+        self.names = [f"{prefix}{tag}{side}" for side in "ab"]
+        self.ends = [f"v{prefix[:3]}{tag}{side}" for side in "ab"]  # at most 15 characters
+        self.port = 29500  # the last rendezvous port used there (each run takes the next)
+
+    def __enter__(self) -> TwoHosts:
+        if os.geteuid() != 0:
+            raise Unavailable("network namespaces need root")
+        if shutil.which("ip") is None or ip("netns", "list").returncode != 0:
+            raise Unavailable("`ip netns` (iproute2) is not available")
+        steps = [("netns", "add", self.names[0]), ("netns", "add", self.names[1]),
+                 ("link", "add", self.ends[0], "type", "veth", "peer", "name", self.ends[1])]
+        for name, end, addr in zip(self.names, self.ends, (MASTER, PEER)):
+            steps += [("link", "set", end, "netns", name),
+                      ("-n", name, "addr", "add", f"{addr}/24", "dev", end),
+                      ("-n", name, "link", "set", end, "up"),
+                      ("-n", name, "link", "set", "lo", "up")]
+        for step in steps:
+            result = ip(*step)
+            if result.returncode != 0:
+                self.__exit__()
+                raise Unavailable(f"cannot build the namespaces (ip {' '.join(step)}): "
+                                  f"{result.stderr.strip()}")
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for name in self.names:
+            ip("netns", "delete", name)  # deletes the veth end inside it too
+        ip("link", "delete", self.ends[0])  # in case it never moved into its namespace
+
+    def link(self, up: bool) -> subprocess.CompletedProcess:
+        """Bring the link between the hosts up or down (at the peer's end)."""
+        return ip("-n", self.names[1], "link", "set", self.ends[1], "up" if up else "down")
+
+    def on_host(self, rank: int, cmd: list[str]) -> list[str]:
+        """``cmd`` run on host ``rank``: in its namespace, under a host name of its own (two
+        machines to a run: neither may signal the other's processes)."""
+        own_name = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', f"host{rank}"]
+        return ["ip", "netns", "exec", self.names[rank], *own_name, *cmd]
 
 
 # ---------------------------------------------------------------- tiny models and data

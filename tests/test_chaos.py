@@ -4,7 +4,11 @@ Three scenarios that cover what the issue found broken: a SIGTERM to the whole p
 (loader workers included) during the EMA's validation; a SIGKILL to every process of a
 --multiprocessing-distributed job while it writes a checkpoint, resumed on one process from the
 checkpoint's path; a SIGTERM to torchrun's agent in a tar-shard run, resumed with more epochs.
-The first two share their reference run (the same final command line).
+And one of each fault but the lost link (tests/test_netns.py has it): a loader worker stopped
+(a hang, at one process); the disk full under --multiprocessing-distributed, resumed on one
+process; checkpoint.pth.tar damaged after a SIGKILL; slow storage and a SIGKILL during its
+write. All but the torchrun one share their reference run (the same final command line, the
+flags a reference leaves out aside).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from chaos import References, Scenario, Setup, run_scenario
 EMA = Setup(launcher="single", world=1, batch=8, epochs=2, scheduler="cosine", warmup=1,
             ema=True, workers=1)
 SPAWN = replace(EMA, launcher="spawn", world=2, save_every=2)
+HANG, KEPT = replace(EMA, hang_timeout=8), replace(EMA, keep=1)
 TORCHRUN = Setup(launcher="torchrun", world=2, batch=4, epochs=2, scheduler="step",
                  shards=True)
 SLICE = {
@@ -28,6 +33,18 @@ SLICE = {
     "SIGTERM to torchrun's agent, shards, more epochs": Scenario(
         "ci:2", TORCHRUN, replace(TORCHRUN, epochs=3), "--epochs 2->3", "term", "main", 0.5,
         "train", 0.1, "auto"),
+    "hang: the loader worker stopped": Scenario(
+        "ci:3", HANG, HANG, "none", "stop", "the loader worker of rank 0", 0.3, "train", 0.0,
+        "auto", fault="hang"),
+    "full disk under 2 processes -> 1": Scenario(
+        "ci:4", SPAWN, EMA, "spawnx2->singlex1", "fill", "disk", 0.4, "train", 0.0, "auto",
+        fault="full-disk", detail="2 MB left"),
+    "checkpoint damaged after a SIGKILL, an epoch kept": Scenario(
+        "ci:5", KEPT, KEPT, "none", "kill", "group", 0.7, "train", 0.0, "auto",
+        fault="damaged", detail="flip"),
+    "slow storage, SIGKILL during its write": Scenario(
+        "ci:6", EMA, EMA, "none", "kill-save", "main", 0.4, "train", 0.0, "path",
+        fault="slow-storage", detail="1 MB/s"),
 }
 
 

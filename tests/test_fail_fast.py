@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import time
-from functools import cache
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from helpers import (
     child_env,
     load_checkpoint,
     main_cmd,
+    private_mount_prefix,
     run_main,
     run_parallel,
     write_image_folder,
@@ -35,9 +35,11 @@ from helpers import (
 from imagenet.cli import main
 
 
-def one_error_line(text: str) -> str:
-    """The single ``error:`` line of a failed run (and no traceback)."""
-    lines = [ln for ln in text.splitlines() if ln.startswith("error:")]
+def one_error_line(text: str, rank: int = 0) -> str:
+    """The single ``error:`` line of a failed run (of a process of ``rank``: its tag first), and
+    no traceback."""
+    tag = f"[rank {rank}] " if rank else ""
+    lines = [ln.removeprefix(tag) for ln in text.splitlines() if ln.startswith(f"{tag}error:")]
     assert len(lines) == 1, text
     assert "Traceback" not in text, text
     return lines[0]
@@ -156,18 +158,6 @@ except CheckpointError as exc:
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp file left
 
 
-@cache
-def private_mount_prefix() -> tuple[str, ...] | None:
-    """``unshare`` arguments giving a command a mount namespace of its own, where it may mount
-    a tmpfs (as root, or through a user namespace); None where neither is allowed."""
-    for prefix in (("unshare", "-m"), ("unshare", "-rm")):
-        probe = subprocess.run([*prefix, "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
-                               capture_output=True)
-        if shutil.which("unshare") and probe.returncode == 0:
-            return prefix
-    return None
-
-
 def in_tmpfs(size_mb: int, out: Path, cmd: list[str], then: str = "") -> \
         subprocess.CompletedProcess:
     """Run ``cmd`` with ``out`` a fresh ``size_mb`` MB tmpfs (a real full disk), in a private
@@ -216,6 +206,30 @@ exit $code'''
     left = (keep / "listing").read_text().split()
     assert not [name for name in left if ".tmp" in name], left  # no partial file in place
     assert load_checkpoint(keep / "checkpoint.pth.tar")["step_in_epoch"] >= 1
+
+
+@pytest.mark.slow
+def test_a_full_disk_on_rank_0_ends_every_rank_with_its_line_and_nothing_more(data, tmp_path):
+    """Two processes; the disk fills after the first checkpoint, rank 0's next save fails. Rank 1
+    learns it from its mailbox and waits for rank 0 to exit (so that mp.spawn names rank 0):
+    meanwhile its hang watch must not talk to rank 0's store, which left with rank 0 (torch's
+    C++ 'Broken pipe' warnings with their stack frames, found by the chaos matrix)."""
+    out = tmp_path / "out"
+    fill = '''
+while [ ! -e "$OUT/checkpoint.pth.tar" ] && kill -0 $pid 2>/dev/null; do sleep 0.02; done
+avail=$(df --output=avail -B1 "$OUT" | tail -n 1)
+dd if=/dev/zero of="$OUT/filler" bs=65536 count=$(( (avail - 2097152) / 65536 )) 2>/dev/null'''
+    proc = in_tmpfs(250, out, main_cmd(str(data), *TINY, "--epochs", "2", "--save-every", "1",
+                                       "--multiprocessing-distributed", "--nproc-per-node", "2",
+                                       "--output-dir", str(out)), then=fill)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if re.match(r"(\[rank \d\] )?error:", x)]
+    assert len(lines) == 2, proc.stderr
+    assert lines[0 if lines[0].startswith("error:") else 1].startswith(
+        f"error: cannot write {out}/checkpoint.pth.tar: No space left on device")
+    assert any(x.startswith("[rank 1] error: rank 0 failed: cannot write") for x in lines)
+    assert not re.search(r"^frame #\d+: ", proc.stderr, flags=re.M), proc.stderr
+    assert "Broken pipe" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def pause_at_first_checkpoint(out: Path, fault: str, keep: Path, after: str = "") -> str:
@@ -316,7 +330,7 @@ def test_a_master_port_that_listens_but_never_answers_ends_after_the_timeout(dat
                        f"tcp://127.0.0.1:{port}", "--dist-timeout", "3")
         (result,) = run_parallel([cmd], [child_env()], tmp_path / "logs", timeout=120)
     assert result.returncode == 1, result.stdout + result.stderr
-    line = one_error_line(result.stderr)
+    line = one_error_line(result.stderr, rank=1)  # the line says which process it is
     assert f"127.0.0.1:{port} as rank 1 of world size 2" in line
     assert "accepts connections but did not answer" in line and "--dist-timeout 3s" in line
 
@@ -324,19 +338,25 @@ def test_a_master_port_that_listens_but_never_answers_ends_after_the_timeout(dat
 # ---------------------------------------------------------------- case 9: bad validation images
 
 @pytest.mark.slow
-def test_a_bad_validation_image_is_found_before_training_on_every_rank(data, tmp_path):
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_a_bad_validation_image_is_found_before_training_on_every_rank(data, tmp_path, launcher):
+    """Every rank stops with the finding, each line tagged with its rank (under torchrun too,
+    where the line is printed after the process left the training: it used to say rank 0's)."""
     broken = tmp_path / "data"
     shutil.copytree(data, broken)
     bad = broken / "val" / "class0" / "img1.jpg"  # validation image 1: rank 1's shard
     bad.write_bytes(b"<html>404</html>")
     out = tmp_path / "out"
-    cmd = main_cmd(str(broken), *TINY, "--epochs", "1", "--multiprocessing-distributed",
-                   "--nproc-per-node", "2", "--output-dir", str(out))
+    args = [str(broken), *TINY, "--epochs", "1", "--output-dir", str(out)]
+    cmd = main_cmd(*args, "--multiprocessing-distributed", "--nproc-per-node", "2") \
+        if launcher == "spawn" else [sys.executable, "-m", "torch.distributed.run",
+                                     "--standalone", "--nproc-per-node", "2", *main_cmd(*args)[1:]]
     (result,) = run_parallel([cmd], [child_env()], tmp_path / "logs", timeout=300)
     assert result.returncode == 1, result.stdout + result.stderr
     reason = f"cannot read image {bad}: no image format recognises its first bytes (16 bytes: " \
         "empty, damaged or not an image); found by the check of the validation images"
-    assert f"\nerror: {reason}" in "\n" + result.stderr  # rank 0 stops with rank 1's finding
+    own = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert len(own) == 1 and own[0].startswith(f"error: {reason}"), result.stderr  # rank 0's
     assert f"[rank 1] error: {reason}" in result.stderr
     assert "object at 0x" not in result.stderr
     assert "Epoch: [" not in result.stdout and not (out / "checkpoint.pth.tar").exists()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import MAIN, TINY, load_checkpoint, write_image_folder
 from test_fault_tolerance import Live, _tagged_pids
 
@@ -151,3 +152,23 @@ def test_the_line_names_the_rank_where_and_the_folder(tmp_path):
     busy = {**stopped, "silent": False}
     assert "made no progress for 312 s (--hang-timeout 300)" in \
         watchdog.describe(busy, 300, 412.0, tmp_path)
+
+
+@pytest.mark.parametrize("timeout", [8.0, 300.0])
+def test_the_rank_silent_since_the_hang_began_is_named_under_any_timeout(tmp_path, timeout):
+    """Rank 1's heartbeat stopped when the progress did (SIGSTOP, a lost link): it is the rank
+    named, as stopped. Under a --hang-timeout shorter than the watch's usual 10 s of silence, it
+    used to count as alive, and rank 0, waiting for it in the all-reduce, was named instead."""
+    store = dist.HashStore()
+    dog = watchdog.Watchdog(timeout, 0, 2, tmp_path, store, "t", "h")
+    now = time.time()
+    last = now - timeout  # the last progress of both ranks, and rank 1's last heartbeat
+    beats = {0: (now, "waiting for the gradient all-reduce"), 1: (last, "epoch 0, step 3 trained")}
+    try:
+        for rank, (alive, what) in beats.items():
+            store.set(f"t/heartbeat/{rank}", json.dumps({"alive": alive, "progress": last,
+                                                         "what": what, "host": "h", "pid": 1}))
+        stopped = dog._who_stopped(now)
+    finally:
+        dog.close()
+    assert stopped["rank"] == 1 and stopped["silent"], stopped

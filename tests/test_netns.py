@@ -16,53 +16,40 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, TINY, child_env, load_checkpoint, run_parallel, write_image_folder
+from helpers import (
+    MASTER,
+    ROOT,
+    TINY,
+    TwoHosts,
+    Unavailable,
+    child_env,
+    ip,
+    load_checkpoint,
+    run_parallel,
+    write_image_folder,
+)
 
-MASTER, PEER = "10.200.0.1", "10.200.0.2"
 RUN_MULTINODE = ROOT / "run_multinode.sh"
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-
-
 @pytest.fixture
-def two_hosts(request) -> tuple[list[str], list[str]]:
+def two_hosts() -> Iterator[tuple[list[str], list[str]]]:
     """Namespaces (names, veth ends) with 10.200.0.1/24 and 10.200.0.2/24; removed afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    if shutil.which("ip") is None or _ip("netns", "list").returncode != 0:
-        pytest.skip("`ip netns` (iproute2) is not available")
-    tag = str(os.getpid())[-6:]
-    names, ends = [f"imgnt{tag}a", f"imgnt{tag}b"], [f"vimg{tag}a", f"vimg{tag}b"]
-
-    def cleanup() -> None:
-        for name in names:
-            _ip("netns", "delete", name)  # deletes the veth end inside it too
-        _ip("link", "delete", ends[0])  # in case it never moved into its namespace
-
-    request.addfinalizer(cleanup)
-    steps = [("netns", "add", names[0]), ("netns", "add", names[1]),
-             ("link", "add", ends[0], "type", "veth", "peer", "name", ends[1])]
-    for name, end, addr in zip(names, ends, (MASTER, PEER)):
-        steps += [("link", "set", end, "netns", name),
-                  ("-n", name, "addr", "add", f"{addr}/24", "dev", end),
-                  ("-n", name, "link", "set", end, "up"),
-                  ("-n", name, "link", "set", "lo", "up")]
-    for step in steps:
-        result = _ip(*step)
-        if result.returncode != 0:
-            pytest.skip(f"cannot build the namespaces (ip {' '.join(step)}): "
-                        f"{result.stderr.strip()}")
-    if shutil.which("ping"):
-        ping = subprocess.run(["ip", "netns", "exec", names[1], "ping", "-c", "1", "-W", "5",
-                               MASTER], capture_output=True, text=True, timeout=30)
-        assert ping.returncode == 0, f"the veth link carries no traffic: {ping.stdout}"
-    return names, ends
+    try:
+        with TwoHosts() as hosts:
+            if shutil.which("ping"):
+                ping = subprocess.run(["ip", "netns", "exec", hosts.names[1], "ping", "-c", "1",
+                                       "-W", "5", MASTER], capture_output=True, text=True,
+                                      timeout=30)
+                assert ping.returncode == 0, f"the veth link carries no traffic: {ping.stdout}"
+            yield hosts.names, hosts.ends
+    except Unavailable as exc:
+        pytest.skip(str(exc))
 
 
 @pytest.mark.slow
@@ -148,7 +135,7 @@ def test_a_lost_link_ends_both_hosts_and_the_resume_matches(two_hosts, tmp_path:
         out.mkdir(exist_ok=True)
         assert _catch_a_save(out), "no checkpoint write was seen"
         os.kill(ranks[0].proc.pid, signal.SIGSTOP)  # ip, unshare and sh exec python itself
-    assert _ip("-n", names[1], "link", "set", ends[1], "down").returncode == 0
+    assert ip("-n", names[1], "link", "set", ends[1], "down").returncode == 0
     lost = time.monotonic()
     if when == "mid-save":
         os.kill(ranks[0].proc.pid, signal.SIGCONT)
@@ -168,7 +155,7 @@ def test_a_lost_link_ends_both_hosts_and_the_resume_matches(two_hosts, tmp_path:
     # Nothing half written in place; the checkpoint there is whole (its checksum is checked).
     assert not [p for p in out.iterdir() if ".tmp-" in p.name]
     load_checkpoint(out / "checkpoint.pth.tar")
-    assert _ip("-n", names[1], "link", "set", ends[1], "up").returncode == 0
+    assert ip("-n", names[1], "link", "set", ends[1], "up").returncode == 0
     for live in _both(names, data, out, 29512, "--resume", "auto"):
         assert live.finish() == 0, live.output
     a, b = (load_checkpoint(d / "checkpoint.pth.tar") for d in (whole, out))

@@ -141,6 +141,7 @@ class SharedFate:
         if value == DONE or not self.claim():
             return
         failure = Failure(**json.loads(value))
+        watchdog.stand_down()  # the failed rank may be rank 0, the store's host
         say_error(failure.error(), self.rank)
         self._done(wait_for_all=True)
         follow(failure)
@@ -308,6 +309,7 @@ def _fate(fate: SharedFate | None, info: DistInfo) -> Iterator[None]:
             raise
         fate.finish(wait_for_all=peer is not None)  # a rank that vanished never says done
         if peer is not None:
+            watchdog.stand_down()
             follow(peer)
             raise peer.error() from None
         raise DistributedError(

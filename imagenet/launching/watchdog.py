@@ -50,7 +50,8 @@ T = TypeVar("T")
 REQUEUE = Preempted.exit_code
 STACKS_SIGNAL = signal.SIGUSR2  # a process asked for its Python stacks (faulthandler)
 LOOK = 1.0  # seconds between the thread's looks (at most; less for a short --hang-timeout)
-SILENT = 10.0  # seconds without a heartbeat after which a rank no longer answers
+SILENT = 10.0  # seconds without a heartbeat after which a rank no longer answers (at most
+# half of --hang-timeout)
 STORE_TIMEOUT = 10.0  # seconds for one store request of the thread
 DUMP_WAIT = 3.0  # seconds for the other ranks to write their stacks before this rank exits
 HANG_DIR = "hang"
@@ -70,6 +71,15 @@ def phase(what: str) -> None:
     dog = _dog
     if dog is not None:
         dog.what = what
+
+
+def stand_down() -> None:
+    """Stop this rank's watch from now on: the rank ends with a peer's failure (``failures``),
+    and the store the watch talks to may have left with that peer (rank 0 hosts it), where each
+    request would fail with torch's C++ warnings and their stack frames."""
+    dog = _dog
+    if dog is not None:
+        dog.stop.set()
 
 
 def stacks_dir() -> str | None:
@@ -168,6 +178,8 @@ class Watchdog:
         request for as long as TCP retries (many minutes; the store's timeout bounds only
         some), and this thread must keep its own clock. TimeoutError after STORE_TIMEOUT
         seconds, and at once while an earlier request is still blocked."""
+        if self.stop.is_set():
+            raise TimeoutError("the watch has stopped")
         if self._pending is not None and self._pending.is_alive():
             raise TimeoutError("the store did not answer an earlier request")
         result: dict[str, Any] = {}
@@ -229,8 +241,12 @@ class Watchdog:
             return {"rank": 0, "what": "unknown (its store does not answer: it stopped, or the "
                     "network to it is down)", "progress": None,
                     "pid": None, "host": None, "silent": True}
+        # Silent for half the timeout at most: a rank that stopped when the progress did has
+        # been silent for the whole timeout when the hang is found (a live rank's heartbeat is
+        # never older than a few looks).
+        after = max(min(SILENT, self.timeout / 2), 3 * LOOK)
         silent = [r for r in range(self.world)
-                  if r not in beats or now - beats[r]["alive"] > max(SILENT, 3 * LOOK)]
+                  if r not in beats or now - beats[r]["alive"] > after]
         if silent:
             r = silent[0]
             beat = beats.get(r, {})
