@@ -7,14 +7,16 @@ real ``after_step`` hook with --save-every), the time of each step:
 
 - in an epoch without saves (the baseline),
 - in an epoch that saves every N steps to a folder whose writes are throttled to R MB/s: the
-  steps that overlap a write in the background, the steps that do not, and the step that took
-  the save (the copy off the model, on the training path).
+  steps that overlap a write in the background, the steps of the same epoch that do not (the
+  control, measured under the same conditions), and the step that took the save (the copy off
+  the model, on the training path).
 
 The throttle is injected in-process (every write of the checkpoint's file object sleeps for its
 bytes at R MB/s, as a slow network file system's write() blocks): this machine has no
 device-mapper or cgroup-v2 I/O throttling. Run by hand (not a test):
 
-    python benchmarks/bench_async_save.py -a resnet18 --mb-per-s 4 --steps 40 --save-every 20
+    python benchmarks/bench_async_save.py -a mobilenet_v3_small --size 128 --steps 200 \\
+        --save-every 50 --mb-per-s 4
 """
 
 from __future__ import annotations
@@ -89,8 +91,8 @@ def epoch(run: Run, save_every: int) -> Steps:
     return steps
 
 
-def mean(values: list[float]) -> float:
-    return statistics.fmean(values) if values else float("nan")
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
 
 
 def main() -> None:
@@ -115,21 +117,22 @@ def main() -> None:
         base = epoch(run, 0)
         saving = epoch(run, args.save_every)
         size = (Path(folder) / files.CHECKPOINT).stat().st_size
-    # The first step of an epoch carries the loader's start: left out of every mean.
-    base_s = mean(base.seconds[1:])
+    # The first step of an epoch carries the loader's start: left out. Medians: a shared
+    # machine's other work lands on a few steps.
+    base_s = median(base.seconds[1:])
     pairs = list(zip(saving.seconds, saving.overlapped, saving.saving))[1:]
-    over = mean([s for s, o, took in pairs if o and not took])
-    free = mean([s for s, o, took in pairs if not o and not took])
-    took = mean([s for s, _, t in pairs if t])
+    over = median([s for s, o, took in pairs if o and not took])
+    free = median([s for s, o, took in pairs if not o and not took])
+    took = median([s for s, _, t in pairs if t])
     n_over = sum(o and not t for _, o, t in pairs)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.arch} -b "
           f"{args.batch_size} at {args.size} px, {args.steps} steps, --save-every "
           f"{args.save_every}, checkpoint {size / 2**20:.1f} MB written at {args.mb_per_s:g} "
           f"MB/s (about {size / 2**20 / args.mb_per_s:.1f} s a write)")
-    print(f"step without saves          {base_s:7.3f} s")
+    print(f"step in an epoch without saves {base_s:5.3f} s")
+    print(f"step with no write under way {free:6.3f} s  (same epoch: the control)")
     print(f"step overlapping a write    {over:7.3f} s  ({n_over} steps)  "
-          f"{100 * (over / base_s - 1):+6.1f}%")
-    print(f"step with no write under way {free:6.3f} s  {100 * (free / base_s - 1):+6.1f}%")
+          f"{100 * (over / free - 1):+6.1f}% against the control")
     print(f"step that took the save     {took:7.3f} s  (the copy off the model; a synchronous "
           f"save would add the whole write)")
     print(f"epoch: {sum(saving.seconds):.1f} s saving vs {sum(base.seconds):.1f} s without")
