@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -119,6 +122,34 @@ def private_mount_prefix() -> tuple[str, ...] | None:
 def load_checkpoint(path: Path) -> dict:
     """A checkpoint as a user would load it: on the CPU, weights_only."""
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def checkpoint_position(path: Path) -> tuple[int, int] | None:
+    """(epoch, step_in_epoch) of the checkpoint at ``path``; None while there is none."""
+    try:  # mmap: the small entries only
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (OSError, RuntimeError, EOFError):
+        return None
+    return ckpt["epoch"], ckpt["step_in_epoch"]
+
+
+def hold_once_saved(pgid: int, path: Path, positions: Sequence[tuple[int, int]],
+                    timeout: float = 60.0) -> tuple[int, int]:
+    """Stop the process group ``pgid`` (SIGSTOP) once the checkpoint at ``path`` holds one of
+    ``positions`` (epoch, step_in_epoch), and return it. Checkpoints are written in the
+    background, so the line printed after a save can come before its file: the group is held
+    for each look, and goes on (SIGCONT) for 10 ms at a time until the write is in place. It is
+    left stopped: the caller kills it at exactly that checkpoint."""
+    deadline = time.monotonic() + timeout
+    while True:
+        os.killpg(pgid, signal.SIGSTOP)
+        seen = checkpoint_position(path)
+        if seen in positions:
+            return seen
+        assert seen is None or seen < max(positions), f"{path} went past {positions}: {seen}"
+        assert time.monotonic() < deadline, f"{path} never reached {positions} (saw {seen})"
+        os.killpg(pgid, signal.SIGCONT)
+        time.sleep(0.01)
 
 
 def save_edited(ckpt: dict, path: Path) -> None:

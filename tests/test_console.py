@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import TINY, child_env, load_checkpoint, run_main, write_image_folder
+from helpers import TINY, child_env, load_checkpoint, run_main, save_edited, write_image_folder
 
 from imagenet.errors import UsageError
 from imagenet.settings.flags import parse_config
@@ -164,8 +164,12 @@ def test_the_last_line_names_no_best_file_that_is_not_there(tmp_path, capsys):
     flags = [str(data), *TINY[:-2], "--log-to", "none"]
     assert main([*flags, "--lr", "0.01", "--epochs", "1", "--output-dir", str(tmp_path / "a")]) == 0
     capsys.readouterr()
+    # A best no epoch can beat (equal weights could still tie-break one image differently).
+    ckpt = load_checkpoint(tmp_path / "a" / "checkpoint.pth.tar")
+    ckpt["best_acc1"] = 101.0
+    save_edited(ckpt, tmp_path / "unbeaten.pth.tar")
     assert main([*flags, "--lr", "0", "--freeze-backbone", "--epochs", "2", "--output-dir",
-                 str(tmp_path / "b"), "--resume", str(tmp_path / "a" / "checkpoint.pth.tar")]) == 0
+                 str(tmp_path / "b"), "--resume", str(tmp_path / "unbeaten.pth.tar")]) == 0
     text = capsys.readouterr().out
     assert not (tmp_path / "b" / "model_best.pth.tar").exists()  # the same weights: not better
     assert "outputs in" in text and "model_best.pth.tar (best Acc@1" not in text, text

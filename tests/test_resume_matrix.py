@@ -26,14 +26,13 @@ import os
 import re
 import signal
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import child_env, load_checkpoint, main_cmd
+from helpers import child_env, hold_once_saved, load_checkpoint, main_cmd
 
 IMAGES = 96
 SCHEDULE = ["--epochs", "4", "--lr", "0.05", "--lr-scheduler", "cosine", "--lr-warmup-epochs", "2"]
@@ -109,7 +108,7 @@ def run_leg(cmd: list[str], stop: str | None, log: Path,
             lines.append(line)
             if stop and re.search(stop, line):
                 if saved is not None:
-                    wait_for_position(*saved)
+                    hold_once_saved(proc.pid, saved[0], [saved[1]])
                 os.killpg(proc.pid, signal.SIGKILL)
                 stop = None
         code = proc.wait(timeout=300)
@@ -120,22 +119,6 @@ def run_leg(cmd: list[str], stop: str | None, log: Path,
     log.write_text(output)
     assert code in (0, -signal.SIGKILL) and stop is None, output
     return output
-
-
-def wait_for_position(path: Path, position: tuple[int, int], timeout: float = 60.0) -> None:
-    """Until the checkpoint at ``path`` was saved at ``position`` (its epoch, step_in_epoch) or
-    later (a leg describes itself by the checkpoint it left)."""
-    deadline, seen = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            seen = (ckpt["epoch"], ckpt["step_in_epoch"])
-        except (OSError, RuntimeError, EOFError):  # not there yet
-            seen = None
-        if seen is not None and seen >= position:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{path} never reached {position} (last seen: {seen})")
 
 
 @dataclass
