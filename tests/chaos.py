@@ -710,6 +710,12 @@ def check_files(sc: Scenario, data: Path, out: Path, ref: Path, logs: Path) -> l
     return bad
 
 
+def nothing_stopped(first: Interrupted) -> bool:
+    """A hang aimed at a process that was not there (a loader worker that had finished its
+    epoch): no hang happened, so there is nothing of one to check and the scenario is missed."""
+    return "nothing stopped (" in first.sent
+
+
 def fault_problems(sc: Scenario, out: Path, first: Interrupted) -> list[str]:
     """What the first command line left that the scenario's fault forbids: a lost checkpoint
     (every scenario); a hang's report, error lines and end; a full disk's one line; an injection
@@ -722,7 +728,7 @@ def fault_problems(sc: Scenario, out: Path, first: Interrupted) -> list[str]:
     if lost:
         bad.append(lost)
     errors = [x for x in first.output.splitlines() if re.match(r"(\[rank \d+\] )?error:", x)]
-    if sc.interrupt in ("stop", "link-down"):
+    if sc.interrupt in ("stop", "link-down") and not nothing_stopped(first):
         limit = sc.first.hang_timeout + HANG_GRACE
         if first.gone is None or first.gone > limit:
             took = f"{first.gone:.0f} s" if first.gone is not None else "not all gone"
@@ -847,6 +853,8 @@ def play(sc: Scenario, data: Path, folder: Path, refs: References, hosts: TwoHos
         first = run_first(sc, data, folder, hosts)
         if not first.sent:
             return Outcome(sc, [], "", missed="the run ended before the aimed-at point")
+        if nothing_stopped(first):
+            return Outcome(sc, first.problems, first.sent, missed=first.sent)
         if not checkpoint_exists(out):
             return Outcome(sc, ["no checkpoint after the interruption", *first.problems],
                            first.sent)
