@@ -8,14 +8,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import MAIN, TINY, load_checkpoint, write_image_folder
+from helpers import MAIN, ROOT, TINY, load_checkpoint, write_image_folder
 from test_fault_tolerance import Live, _tagged_pids
 
 from imagenet.data.samplers import ResumableDistributedSampler
@@ -172,3 +174,42 @@ def test_the_rank_silent_since_the_hang_began_is_named_under_any_timeout(tmp_pat
     finally:
         dog.close()
     assert stopped["rank"] == 1 and stopped["silent"], stopped
+
+
+WATCHING = """
+import sys, time
+from pathlib import Path
+from imagenet.launching import watchdog
+dog = watchdog.Watchdog(300.0, int(sys.argv[1]), 1, Path(sys.argv[2]))
+print(dog.stacks, flush=True)
+time.sleep(600)
+"""
+
+
+def test_stack_folders_of_killed_ranks_are_removed_by_the_next_start(tmp_path, monkeypatch):
+    """A rank killed with SIGKILL (a preemption's last signal, the OOM killer) cannot remove its
+    stack folder from the temp folder: the next start removes it, never a live rank's."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the children's temp folder, and this one's
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ranks = [subprocess.Popen([sys.executable, "-c", WATCHING, str(r), str(tmp_path / "out")],
+                              stdout=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
+    try:
+        folders = [Path(p.stdout.readline().strip()) for p in ranks]
+        assert all(f.parent == tmp_path and (f / f"rank{r}.txt").is_file()
+                   for r, f in enumerate(folders)), folders
+        ranks[0].kill()
+        ranks[0].wait()
+        old = time.time() - watchdog.STALE_AFTER - 1  # from an earlier start
+        for folder in folders:
+            os.utime(folder, (old, old))
+        young = Path(tempfile.mkdtemp(prefix=f"{watchdog.STACKS_PREFIX}2-"))  # a rank starting
+        dog = watchdog.Watchdog(300.0, 3, 1, tmp_path / "out")
+        dog.close()
+        assert not folders[0].exists()  # the killed rank's
+        assert folders[1].is_dir() and young.is_dir()  # a live rank's, one just made
+        assert not dog.stacks.exists()  # its own, at its end
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()

@@ -18,6 +18,10 @@ building, compiling and loading are --dist-timeout's and the start-up stages'), 
   (143), its loader workers killed: a requeue resumes from the last checkpoint (``--resume
   auto``).
 
+Until a hang, each rank's stack files wait in a folder of the temp folder, removed when the rank
+ends; a rank killed with SIGKILL cannot remove it, so each start removes those whose rank is gone
+(``remove_stale_stacks``).
+
 The heartbeat is a key per rank in the store that mailboxes one rank's failure to the others
 (``failures``); a single process needs none. No collective ever runs in the thread.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import fcntl
 import json
 import logging
 import multiprocessing
@@ -55,6 +60,8 @@ SILENT = 10.0  # seconds without a heartbeat after which a rank no longer answer
 STORE_TIMEOUT = 10.0  # seconds for one store request of the thread
 DUMP_WAIT = 3.0  # seconds for the other ranks to write their stacks before this rank exits
 HANG_DIR = "hang"
+STALE_AFTER = 60.0  # seconds: a younger stack folder is never taken for a left-over one
+STACKS_PREFIX = "imagenet-stacks-"  # TMPDIR/imagenet-stacks-RANK-XXXX: a rank's stack files
 _dog: Watchdog | None = None
 _stacks_dir: str | None = None  # where loader workers write their stacks (set before they start)
 
@@ -111,6 +118,46 @@ def die_with_parent() -> None:
         pass
 
 
+def remove_stale_stacks(tmp: str | None = None) -> list[str]:
+    """Remove the stack folders that ranks killed without a word (SIGKILL, the OOM killer, a
+    preemption's last signal) left in the temp folder. A live rank holds a lock on its own
+    stack file (``Watchdog``); the kernel drops it with the process, so a folder whose file
+    can be locked is left over. Folders made in the last minute are not looked at (a rank
+    starting beside this one may not hold its lock yet), nor folders of another user. What
+    was removed."""
+    tmp = tmp or tempfile.gettempdir()
+    removed = []
+    try:
+        names = [n for n in os.listdir(tmp) if n.startswith(STACKS_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(tmp, name)
+        try:
+            if os.stat(path).st_uid != os.getuid() or not _left_over(path):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _left_over(folder: str) -> bool:
+    """Whether no live process holds ``folder``'s rank file (see ``remove_stale_stacks``)."""
+    if time.time() - os.stat(folder).st_mtime < STALE_AFTER:
+        return False
+    owned = [n for n in os.listdir(folder) if n.startswith("rank")]
+    if not owned:
+        return True
+    with open(os.path.join(folder, owned[0]), "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+    return True
+
+
 class _keep_going:
     """Suppress OSError: a report that cannot be written must not stop the run."""
 
@@ -132,8 +179,11 @@ class Watchdog:
         self.started = time.time()
         self.progress: float | None = None  # wall time of the last progress (None: not yet)
         self.what = "starting"
-        self.stacks = Path(tempfile.mkdtemp(prefix=f"imagenet-stacks-{rank}-"))
+        remove_stale_stacks()
+        self.stacks = Path(tempfile.mkdtemp(prefix=f"{STACKS_PREFIX}{rank}-"))
         self.own = open(self.stacks / f"rank{rank}.txt", "w")
+        with _keep_going():  # held while this process lives: the folder is not left over
+            fcntl.flock(self.own, fcntl.LOCK_EX | fcntl.LOCK_NB)
         faulthandler.register(STACKS_SIGNAL, file=self.own, all_threads=True)
         self.stop = threading.Event()
         self._pending: threading.Thread | None = None  # a store request still in flight
