@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 
@@ -133,23 +133,33 @@ def checkpoint_position(path: Path) -> tuple[int, int] | None:
     return ckpt["epoch"], ckpt["step_in_epoch"]
 
 
-def hold_once_saved(pgid: int, path: Path, positions: Sequence[tuple[int, int]],
-                    timeout: float = 60.0) -> tuple[int, int]:
-    """Stop the process group ``pgid`` (SIGSTOP) once the checkpoint at ``path`` holds one of
-    ``positions`` (epoch, step_in_epoch), and return it. Checkpoints are written in the
-    background, so the line printed after a save can come before its file: the group is held
-    for each look, and goes on (SIGCONT) for 10 ms at a time until the write is in place. It is
-    left stopped: the caller kills it at exactly that checkpoint."""
+def hold_until_saved(pgid: int, path: Path, accept: Callable[[tuple[int, int]], bool],
+                     timeout: float = 60.0) -> tuple[int, int]:
+    """Stop the process group ``pgid`` (SIGSTOP) once the checkpoint at ``path`` holds a
+    position (epoch, step_in_epoch) that ``accept`` takes, and return it. Checkpoints are
+    written in the background, so the line printed after a save can come before its file: the
+    group is held for each look, and goes on (SIGCONT) for 10 ms at a time until the write is
+    in place. It is left stopped: the caller kills it at exactly that checkpoint."""
     deadline = time.monotonic() + timeout
     while True:
         os.killpg(pgid, signal.SIGSTOP)
         seen = checkpoint_position(path)
-        if seen in positions:
+        if seen is not None and accept(seen):
             return seen
-        assert seen is None or seen < max(positions), f"{path} went past {positions}: {seen}"
-        assert time.monotonic() < deadline, f"{path} never reached {positions} (saw {seen})"
+        assert time.monotonic() < deadline, f"{path} never reached what was waited for " \
+            f"(saw {seen})"
         os.killpg(pgid, signal.SIGCONT)
         time.sleep(0.01)
+
+
+def hold_once_saved(pgid: int, path: Path, positions: Sequence[tuple[int, int]],
+                    timeout: float = 60.0) -> tuple[int, int]:
+    """``hold_until_saved`` at exactly one of ``positions``: a later save fails the test."""
+    def exactly(seen: tuple[int, int]) -> bool:
+        assert seen in positions or seen < max(positions), f"{path} went past {positions}: {seen}"
+        return seen in positions
+
+    return hold_until_saved(pgid, path, exactly, timeout)
 
 
 def save_edited(ckpt: dict, path: Path) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MAIN, child_env, load_checkpoint, main_cmd, write_image_folder
+from helpers import MAIN, child_env, hold_until_saved, load_checkpoint, main_cmd, write_image_folder
 
 from imagenet.cli import child_exit
 from imagenet.launching.preemption import PREEMPT_EXIT_CODE
@@ -110,24 +110,20 @@ def run_to_end(cmd: list[str]) -> str:
 
 
 def kill_at(cmd: list[str], line: str, sig: int = signal.SIGKILL,
-            saved: Callable[[dict], bool] | None = None, out: Path | None = None
+            saved: Callable[[tuple[int, int]], bool] | None = None, out: Path | None = None
             ) -> tuple[int, str]:
     """Start ``cmd``, send ``sig`` to its process group when ``line`` is printed (and, with
-    ``saved``, once ``out``'s checkpoint satisfies it: saves are written in the background, so a
-    save point printed is not yet a file on disk; a SIGKILL cannot wait for the write)."""
+    ``saved``, once ``out``'s checkpoint is at a position (epoch, step_in_epoch) that it takes:
+    saves are written in the background, so a save point printed is not yet a file on disk; a
+    SIGKILL cannot wait for the write)."""
     live = Live(cmd)
     live.wait_for(line)
     if saved is not None:
         assert out is not None
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if saved(load_checkpoint(out / "checkpoint.pth.tar")):
-                    break
-            except Exception:  # not there yet (or being replaced: os.replace is atomic)
-                pass
-            time.sleep(0.05)
+        hold_until_saved(live.proc.pid, out / "checkpoint.pth.tar", saved)
     live.signal_group(sig)
+    if saved is not None:
+        live.signal_group(signal.SIGCONT)  # held: a signal but SIGKILL waits for it
     code = live.finish()
     return code, live.output
 
@@ -191,7 +187,7 @@ def boundary_kill_then_finish(cmd: list[str], out: Path, resumed_step: int) -> N
     """Resume ``cmd`` (no mid-epoch saves) from step ``resumed_step`` of epoch 0, SIGKILL it in
     epoch 1 so that it resumes from the epoch-end checkpoint, then run it to the end."""
     code, output = kill_at([*cmd, "--resume", "auto"], step_line(1, 2),
-                           saved=lambda ckpt: ckpt["epoch"] == 1, out=out)
+                           saved=lambda at: at[0] == 1, out=out)
     assert code in (-signal.SIGKILL, 128 + signal.SIGKILL), output
     assert f"(epoch 0, step {resumed_step}," in output, output
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
@@ -216,7 +212,7 @@ def test_sigkill_mid_epoch_and_at_epoch_boundary_resume_bitwise(data, reference,
     cmd = run_cmd(data, out, *flags, "-j", workers)
     # Mid-epoch: checkpoints every 2 steps, killed after step 3 -> resumes at step 2 or 4.
     code, output = kill_at([*cmd, "--save-every", "2"], step_line(0, 3), out=out,
-                           saved=lambda ckpt: ckpt["step_in_epoch"] >= 2)
+                           saved=lambda at: at[1] >= 2)
     assert code == -signal.SIGKILL, output
     assert f"; {per_process} loader worker(s) per process;" in output, output
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
@@ -303,7 +299,7 @@ def test_fp16_grad_scaler_state_is_checkpointed_and_restored_bitwise(data, tmp_p
     out = tmp_path / "out"
     cmd = run_cmd(data, out, flags=flags)
     code, output = kill_at([*cmd, "--save-every", "2"], step_line(1, 3), out=out,
-                           saved=lambda ckpt: (ckpt["epoch"], ckpt["step_in_epoch"]) >= (1, 2))
+                           saved=lambda at: at >= (1, 2))
     assert code == -signal.SIGKILL, output
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert ckpt["epoch"] == 1 and ckpt["step_in_epoch"] in (2, 4), output
@@ -331,7 +327,7 @@ def test_three_processes_resume_bitwise(data, tmp_path):
     out = tmp_path / "out"
     cmd = run_cmd(data, out, flags=flags)
     code, output = kill_at([*cmd, "--save-every", "2"], "Epoch: [0][3/4]", out=out,
-                           saved=lambda ckpt: ckpt["step_in_epoch"] >= 2)
+                           saved=lambda at: at[1] >= 2)
     assert code == -signal.SIGKILL, output
     assert load_checkpoint(out / "checkpoint.pth.tar")["step_in_epoch"] in (2, 4), output
     run_to_end([*cmd, "--resume", "auto"])

@@ -51,7 +51,7 @@ def runs(data, tmp_path_factory) -> Path:
     run_to_end(run_cmd(data, base / "ddp1", *SPAWN, "-j", "0", "--epochs", "1"))
     cmd = run_cmd(data, base / "fsdp1", *FSDP, "-j", "0", "--epochs", "1", "--save-every", "2")
     code, output = kill_at(cmd, step_line(0, 3), out=base / "fsdp1",
-                           saved=lambda ckpt: ckpt["step_in_epoch"] >= 2)
+                           saved=lambda at: at[1] >= 2)
     assert code == -signal.SIGKILL, output
     assert load_checkpoint(base / "fsdp1" / "checkpoint.pth.tar")["step_in_epoch"] in (2, 4)
     output = run_to_end([*cmd, "--resume", "auto"])
