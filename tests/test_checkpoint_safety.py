@@ -295,3 +295,30 @@ def test_resume_auto_falls_back_to_the_newest_intact_checkpoint(image_folder, tm
                     "--resume", str(damaged))
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {damaged} is damaged")
+
+
+@pytest.mark.slow
+def test_a_finished_runs_damaged_checkpoint_is_named_not_taken_for_the_end(image_folder,
+                                                                            tmp_path):
+    """Found by the chaos matrix (seed 29002, scenario 59): the check that ends a chained job
+    whose checkpoint has trained every epoch read the position of a damaged checkpoint.pth.tar
+    and said "nothing left to train", the damage unnamed. It is named, and --resume auto goes on
+    from the newest intact checkpoint (the epoch-2 file is the damaged one under another name,
+    a hard link): the last epoch is trained again and the run ends with an intact checkpoint."""
+    out = tmp_path / "out"
+    flags = [str(image_folder), *TINY, "--seed", "0", "-j", "0", "--keep-checkpoints", "2",
+             "--epochs", "2", "--output-dir", str(out)]
+    assert run_main(*flags).returncode == 0
+    flip_a_bit_in_the_weights(out / files.CHECKPOINT)
+    proc = run_main(*flags, "--resume", "auto")
+    out_text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out_text[-3000:]
+    damaged = out_text.find("checkpoint.pth.tar is damaged")
+    assert damaged >= 0, out_text[-3000:]
+    used = re.search(r"resuming from (\S+) instead, the newest intact checkpoint \(epoch 1,",
+                     out_text)
+    assert used and Path(used[1]).name in ("checkpoint_epoch001.pth.tar",
+                                           "model_best.pth.tar"), out_text[-3000:]
+    assert "nothing left to train" not in out_text, out_text[-3000:]
+    assert "Traceback" not in out_text
+    assert files.load_checkpoint(out / files.CHECKPOINT)["epoch"] == 2  # whole again

@@ -181,5 +181,10 @@ def _finished(cfg: Config, restarted: bool) -> str | None:
         return None
     if epoch < cfg.epochs or ckpt.get("arch", cfg.arch) != cfg.arch:  # another -a: the resume
         return None  # refuses it with its own message
+    if not path.is_dir():  # its position is read unchecked: whole, or the resume names it
+        try:
+            files.load_file(path)
+        except files.CheckpointError:
+            return None
     return (f"=> nothing left to train: {path} has finished {epoch} of --epochs {cfg.epochs} "
             f"(best Acc@1 {best:.3f}); give a larger --epochs to train on")
