@@ -12,7 +12,7 @@ from multiprocessing import resource_tracker
 import torch
 import torch.multiprocessing as mp
 
-from imagenet.errors import INTERRUPTED_EXIT_CODE, TrainerError, report
+from imagenet.errors import INTERRUPTED_EXIT_CODE, TrainerError, report, show_crash_stacks
 from imagenet.launching.failures import stop_together
 from imagenet.launching.preemption import (
     PREEMPT_EXIT_CODE,
@@ -52,6 +52,7 @@ def take_interrupts() -> None:
 def _worker(local_index: int, plan: Plan, master: dict[str, str],
             start: SpawnStart | None = None) -> None:
     """One training process: join the others, then train (the body of every mp.spawn child)."""
+    show_crash_stacks()
     try:
         _train_here(local_index, plan, master, start)
     except KeyboardInterrupt:
@@ -236,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+    show_crash_stacks()  # each process: main.py's, torchrun's workers (mp.spawn's in _worker)
     try:
         cfg = parse_config(argv)  # imports torchvision (-a)
         if cfg.env_check:

@@ -1,5 +1,6 @@
 """Exceptions that the entry points turn into one message and an exit code (``report``)."""
 
+import faulthandler
 import sys
 import traceback
 
@@ -20,6 +21,18 @@ class TrainerError(Exception):
             last = [line for line in message.strip().splitlines() if line.strip()][-1]
             message = last.split(": ", 1)[1] if ": " in last else last
         super().__init__(message)
+
+
+def show_crash_stacks() -> None:
+    """On a crash in C code (SIGSEGV, SIGBUS, SIGFPE, SIGABRT, SIGILL), print every thread's
+    Python stack to stderr: a launcher then shows where the process was, not only its exit
+    code (-11). Left as it is where already on, or where stderr is no file (a notebook)."""
+    if faulthandler.is_enabled():
+        return
+    try:
+        faulthandler.enable(all_threads=True)
+    except (ValueError, RuntimeError, AttributeError, OSError):
+        pass
 
 
 def report(exc: TrainerError, debug: bool = False, rank: int = 0) -> int:

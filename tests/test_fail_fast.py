@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
+    MAIN,
+    ROOT,
     TINY,
     child_env,
     load_checkpoint,
@@ -502,3 +504,25 @@ print("still alive", flush=True)
     assert proc.returncode == 143, proc.stdout + proc.stderr
     assert "still alive" not in proc.stdout and "KeyboardInterrupt" not in proc.stderr
     assert "second signal (SIGINT): exiting now (the checkpoint is saved)" in proc.stderr
+
+
+CRASHING = """
+import ctypes, runpy, sys
+import imagenet.run.trainer as trainer
+trainer.train = lambda *args, **kwargs: ctypes.string_at(0)  # a crash in C code, in training
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_crash_in_c_code_prints_where_each_thread_was(tmp_path):
+    """A segfault (found once in a chaos run under torchrun: only "exitcode -11") now prints the
+    Python stack of every thread of the process, so the crash says where it was."""
+    proc = subprocess.run(
+        [sys.executable, "-c", CRASHING, MAIN, "--dummy", *TINY, "--epochs", "1",
+         "--output-dir", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == -signal.SIGSEGV, proc.stderr[-3000:]
+    assert "Fatal Python error: Segmentation fault" in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r'File ".*imagenet/run/trainer\.py", line \d+ in resume_and_train',
+                     proc.stderr), proc.stderr[-3000:]
