@@ -315,10 +315,20 @@ class Watchdog:
             report.mkdir(parents=True, exist_ok=True)
             faulthandler.dump_traceback(file=self.own, all_threads=True)
             self.own.flush()
+        # The report and the line first: a launcher that sees a rank die meanwhile (torchrun
+        # ends every worker then) must not take them with it.
+        line = describe(stopped, self.timeout, time.time(), report)
         if found:
             if self.store is not None:
                 with _store_errors():
                     self._ask(self.store.set, self._key("hang"), json.dumps(stopped))
+            with _keep_going():
+                _write_report(report, {**stopped, "found_by": self.rank,
+                                       "hang_timeout": self.timeout, "message": line,
+                                       "at": datetime.datetime.now().isoformat(
+                                           timespec="seconds")}, self.rank, self.started)
+        say_error(line, self.rank)
+        if found:
             self._ask_stacks(stopped)
         self._ask_worker_stacks()
         time.sleep(DUMP_WAIT if self.world > 1 else 0.5)  # their stacks, on disk
@@ -328,14 +338,6 @@ class Watchdog:
                     f"rank{self.rank}-{path.name}"
                 shutil.copyfile(path, report / name)
         shutil.rmtree(self.stacks, ignore_errors=True)
-        line = describe(stopped, self.timeout, time.time(), report)
-        if found:
-            with _keep_going():
-                _write_report(report, {**stopped, "found_by": self.rank,
-                                       "hang_timeout": self.timeout, "message": line,
-                                       "at": datetime.datetime.now().isoformat(
-                                           timespec="seconds")}, self.rank, self.started)
-        say_error(line, self.rank)
         if found and stopped.get("silent"):
             _end_if_here(stopped, self.host)
         # The loader workers die with this process (``die_with_parent``): killed here first,
