@@ -213,3 +213,46 @@ def test_stack_folders_of_killed_ranks_are_removed_by_the_next_start(tmp_path, m
         for p in ranks:
             p.kill()
             p.wait()
+
+
+ASKED = """
+import sys, time
+from pathlib import Path
+import torch.distributed as dist
+from imagenet.launching import watchdog
+dog = watchdog.Watchdog(0.5, 0, 2, Path(sys.argv[1]), dist.HashStore(), "t", "h").start()
+print(dog.own.name, flush=True)
+while True:  # the main thread runs Python, as training does
+    time.sleep(0.001)
+"""
+
+
+def test_a_rank_asked_for_its_stacks_while_watching_does_not_crash(tmp_path):
+    """SIGUSR2 writes a rank's stacks (all threads) into its stack file. It was faulthandler's
+    handler, which walks the threads without the GIL while they run: a thread of the watch that
+    ended meanwhile crashed the process (SIGSEGV; chaos seed 29003, scenario 24, where another
+    rank's watch sent it to a stopped rank, which now only continues it). Four watching ranks,
+    stopped, asked and continued 400 times each: none dies, and each file holds its stacks."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ranks = [subprocess.Popen([sys.executable, "-c", ASKED, str(tmp_path / str(r))],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              env=env) for r in range(4)]
+    try:
+        files = [Path(rank.stdout.readline().strip()) for rank in ranks]
+        for _ in range(400):  # what the hang watch of another rank does, many times over
+            for sent in (signal.SIGSTOP, None, signal.SIGUSR2, signal.SIGCONT):
+                for rank in ranks:
+                    if sent is not None:
+                        rank.send_signal(sent)
+                time.sleep(0.01 if sent is None else 0)
+            time.sleep(0.02)
+            died = [rank.returncode for rank in ranks if rank.poll() is not None]
+            assert not died, f"a rank asked for its stacks died: {died}"
+        for file in files:  # every thread's stacks, each time
+            text = file.read_text()
+            assert text.count('File "<string>", line 9 in <module>') >= 300, text[-2000:]
+            assert "in _watch" in text, text[-2000:]
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()

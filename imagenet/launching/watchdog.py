@@ -10,8 +10,9 @@ building, compiling and loading are --dist-timeout's and the start-up stages'), 
 - it names the rank that stopped: one that no longer answers (stopped with SIGSTOP, killed, its
   node gone: its thread stopped publishing its heartbeat), else one waiting for its data (a
   loader worker blocked on a read), else every rank stuck in the same collective;
-- a rank that no longer answers and runs on this host is asked for its stacks (SIGCONT, then
-  SIGUSR2: Python's faulthandler) and killed; loader workers dump theirs the same way;
+- a rank that no longer answers and runs on this host is continued (SIGCONT): its own thread
+  then finds the hang and dumps its stacks, as every rank's does; it is killed if it has not
+  ended within seconds; loader workers are asked for theirs (SIGUSR2: Python's faulthandler);
 - the stacks go to OUTPUT_DIR/hang/ (rank{R}.txt, rank{R}-worker{PID}.txt, report.json; a
   second rank that found a hang, as both sides of a lost link do: report-rank{R}.json), one
   ``error:`` line says who stopped and where, and every process exits with the requeue code
@@ -106,6 +107,14 @@ def worker_stacks(folder: str | None) -> None:
         faulthandler.register(STACKS_SIGNAL, file=open(path, "w"), all_threads=True)
 
 
+def _on_stacks_signal(handler: Any) -> Any:
+    """Handle SIGUSR2 with ``handler``; the handler it had (None: not set, outside the main
+    thread, where Python cannot set one)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(STACKS_SIGNAL, handler)
+
+
 def die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when the thread that started it exits (prctl
     PR_SET_PDEATHSIG); nothing elsewhere."""
@@ -184,7 +193,7 @@ class Watchdog:
         self.own = open(self.stacks / f"rank{rank}.txt", "w")
         with _keep_going():  # held while this process lives: the folder is not left over
             fcntl.flock(self.own, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        faulthandler.register(STACKS_SIGNAL, file=self.own, all_threads=True)
+        self._asked = _on_stacks_signal(self._dump)  # the previous handler, or None
         self.stop = threading.Event()
         self._pending: threading.Thread | None = None  # a store request still in flight
         self.thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
@@ -202,10 +211,19 @@ class Watchdog:
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(timeout=5)
         _dog, _stacks_dir = None, None
-        with _keep_going():
-            faulthandler.unregister(STACKS_SIGNAL)
+        if self._asked is not None:
+            _on_stacks_signal(self._asked)
         self.own.close()
         shutil.rmtree(self.stacks, ignore_errors=True)
+
+    def _dump(self, *_: object) -> None:
+        """SIGUSR2 (a person's ``kill -USR2``): every thread's stacks into this rank's file.
+        A Python handler, so with the GIL held: faulthandler's own handler walks the threads
+        without it while they run, and crashed the process (SIGSEGV) when one of them ended
+        meanwhile (chaos seed 29003, scenario 24)."""
+        with _keep_going():
+            faulthandler.dump_traceback(file=self.own, all_threads=True)
+            self.own.flush()
 
     # ---------------------------------------------------------------- the thread
 
@@ -345,12 +363,12 @@ class Watchdog:
         os._exit(REQUEUE)
 
     def _ask_stacks(self, stopped: dict) -> None:
-        """A rank on this host that no longer answers: continue it for its stacks."""
+        """A rank on this host that no longer answers: continue it for its stacks. Its own
+        watch then finds the hang published and writes them, as every rank does (``_end``)."""
         pid = stopped.get("pid")
         if not stopped.get("silent") or pid is None or stopped.get("host") != self.host:
             return
         with _keep_going():
-            os.kill(pid, STACKS_SIGNAL)  # pending until it runs again
             os.kill(pid, signal.SIGCONT)
 
     def _ask_worker_stacks(self) -> None:
