@@ -741,7 +741,9 @@ def fault_problems(sc: Scenario, out: Path, first: Interrupted) -> list[str]:
         if not errors or any("error: hang: rank " not in x for x in errors) or \
                 (sc.interrupt == "link-down" and len(errors) != sc.first.world):
             bad.append(f"the hang's error lines: {errors}")
-    if sc.interrupt == "fill":  # rank 0 writes; the others say its line, or that it failed
+    if sc.interrupt == "fill" and first.code == 0:  # filled after the last write (29005:43)
+        bad += faults.finished_whole(out, sc.first.epochs)
+    elif sc.interrupt == "fill":  # rank 0 writes; the others say its line, or that it failed
         own = [x for x in errors if x.startswith("error: cannot write ")]
         said = own[0].removeprefix("error: ") if len(own) == 1 else None
         if said is None or any(x not in own and re.sub(r"^\[rank \d+\] error: ", "", x)

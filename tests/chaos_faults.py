@@ -136,6 +136,30 @@ def lost_checkpoint(pinned: int | None, path: Path) -> str | None:
     return None
 
 
+def finished_whole(out: Path, epochs: int) -> list[str]:
+    """What is not whole in the folder of a run that exited 0 (after a full disk: the disk
+    filled after its last write, or a write failed unnoticed): its checkpoint and best file
+    load with their checksums, the checkpoint has trained every epoch, metrics.jsonl has each
+    epoch once."""
+    bad = []
+    for path in (out / files.CHECKPOINT, out / files.BEST):
+        try:
+            ckpt = files.load_checkpoint(path)
+        except CheckpointError as exc:
+            bad.append(f"exit 0, but {path.name} does not load: {exc}")
+            continue
+        if path.name == files.CHECKPOINT and ckpt.get("epoch") != epochs:
+            bad.append(f"exit 0, but {path.name} is at epoch {ckpt.get('epoch')} of {epochs}")
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        logged = [json.loads(line).get("epoch") for line in lines]
+    except (OSError, ValueError) as exc:
+        logged = [f"unreadable: {exc}"]
+    if logged != list(range(epochs)):
+        bad.append(f"exit 0, but metrics.jsonl has epochs {logged}")
+    return bad
+
+
 # ---------------------------------------------------------------- hang
 
 def hang_report(out: Path, rank: int | None) -> list[str]:
