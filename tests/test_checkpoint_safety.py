@@ -322,3 +322,38 @@ def test_a_finished_runs_damaged_checkpoint_is_named_not_taken_for_the_end(image
     assert "nothing left to train" not in out_text, out_text[-3000:]
     assert "Traceback" not in out_text
     assert files.load_checkpoint(out / files.CHECKPOINT)["epoch"] == 2  # whole again
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_is_replaced_by_the_intact_one_the_resume_used(image_folder,
+                                                                             tmp_path):
+    """Found by the chaos matrix (seed 29005, scenario 54): a finished run's checkpoint.pth.tar
+    truncated (a new file: its history copy is whole), then --resume auto: it named the damage,
+    went on from the history's copy of the last epoch, had nothing left to train and ended,
+    leaving the damaged file in place while its last line called it "the last epoch; --resume
+    auto continues it". The resume now puts a copy of the intact checkpoint in its place and
+    says so; -e reads the folder without changing it."""
+    out = tmp_path / "out"
+    flags = [str(image_folder), *TINY, "--seed", "0", "-j", "0", "--keep-checkpoints", "2",
+             "--epochs", "2", "--output-dir", str(out)]
+    assert run_main(*flags).returncode == 0
+    path = out / files.CHECKPOINT
+    whole = path.read_bytes()
+    path.unlink()  # the history's hard link keeps the whole file
+    path.write_bytes(whole[: len(whole) // 2])
+    evaluated = run_main(*flags, "-e", "--resume", "auto")
+    assert path.stat().st_size == len(whole) // 2, evaluated.stdout[-2000:]  # -e: untouched
+    proc = run_main(*flags, "--resume", "auto")
+    out_text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out_text[-3000:]
+    assert "checkpoint.pth.tar is truncated or damaged" in out_text, out_text[-3000:]
+    assert re.search(r"resuming from \S+checkpoint_epoch002.pth.tar instead", out_text), \
+        out_text[-3000:]
+    assert re.search(r"replaced the damaged \S+checkpoint.pth.tar with a copy of "
+                     r"\S+checkpoint_epoch002.pth.tar", out_text), out_text[-3000:]
+    assert files.load_checkpoint(path)["epoch"] == 2  # whole again
+    assert path.read_bytes() == whole
+    again = run_main(*flags, "--resume", "auto")  # the folder's own checkpoint: finished
+    said = again.stdout + again.stderr
+    assert again.returncode == 0 and "has finished 2 of --epochs 2" in said, said[-3000:]
+    assert "is truncated or damaged" not in said and "instead" not in said, said[-3000:]

@@ -29,10 +29,11 @@ Found = tuple[Path, dict[str, Any]]
 
 
 def resolve_and_load(resume: str | None, output_dir: Path, sharded: bool,
-                     restarted: bool = False) -> Found | None:
+                     restarted: bool = False, repair: bool = False) -> Found | None:
     """This process's choice: the checkpoint --resume (or a torchrun restart, ``restarted``)
     names, loaded (a --sharded-checkpoint directory: its trainer state; the shards are read
-    later)."""
+    later). ``repair``: a damaged checkpoint of OUTPUT_DIR that --resume auto fell back from
+    is replaced by a copy of the intact one (training runs; -e only reads)."""
     path = files.resolve_resume(resume, output_dir, restarted, sharded)
     if path is None:
         return None
@@ -49,7 +50,19 @@ def resolve_and_load(resume: str | None, output_dir: Path, sharded: bool,
         older, ckpt = fallback
         log.warning("=> %s; resuming from %s instead, the newest intact checkpoint (epoch %s, "
                     "step %s)", exc, older, ckpt.get("epoch"), ckpt.get("global_step"))
+        if repair:  # else a run with nothing left to train would end with the damaged file
+            _replace_damaged(path, older)
         return fallback
+
+
+def _replace_damaged(damaged: Path, intact: Path) -> None:
+    """Put a copy of ``intact`` where ``damaged`` is (the next save would replace it too)."""
+    try:
+        files.atomic_copy(intact, damaged)
+    except OSError as exc:
+        log.warning("=> could not replace the damaged %s (%s); the next save will", damaged, exc)
+        return
+    log.warning("=> replaced the damaged %s with a copy of %s", damaged, intact)
 
 
 def fallback_candidates(output_dir: Path) -> list[Path]:
@@ -89,15 +102,17 @@ def identity(ckpt: dict[str, Any]) -> list[Any]:
 
 
 def agreed_checkpoint(resume: str | None, output_dir: Path, info: DistInfo,
-                      sharded: bool = False, restarted: bool = False) -> Found | None:
+                      sharded: bool = False, restarted: bool = False,
+                      repair: bool = False) -> Found | None:
     """The checkpoint every rank resumes from (None: all start fresh); ``restarted``: torchrun
-    restarted the job (its checkpoint is resumed without --resume). Collective."""
+    restarted the job (its checkpoint is resumed without --resume); ``repair``: see
+    ``resolve_and_load``. Collective."""
     if not info.distributed:
-        return resolve_and_load(resume, output_dir, sharded, restarted)
+        return resolve_and_load(resume, output_dir, sharded, restarted, repair)
     found, decision = None, None
     if info.is_main:
         try:
-            found = resolve_and_load(resume, output_dir, sharded, restarted)
+            found = resolve_and_load(resume, output_dir, sharded, restarted, repair)
             decision = {"path": str(found[0]) if found else None,
                         "identity": identity(found[1]) if found else None}
         except TrainerError as exc:

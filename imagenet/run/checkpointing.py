@@ -259,7 +259,8 @@ def resume(run: Run) -> Path | None:
     """
     check_ranks_agree(run.cfg, run.dist.world_size)
     found = agreed_checkpoint(run.cfg.resume, run.output_dir, run.dist,
-                              run.cfg.sharded_checkpoint, run.plan.restarted)
+                              run.cfg.sharded_checkpoint, run.plan.restarted,
+                              repair=not run.cfg.evaluate)
     if found is None:
         if run.cfg.evaluate and run.cfg.resume == "auto":
             remote = run.outputs.remote
