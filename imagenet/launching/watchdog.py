@@ -107,12 +107,12 @@ def worker_stacks(folder: str | None) -> None:
         faulthandler.register(STACKS_SIGNAL, file=open(path, "w"), all_threads=True)
 
 
-def _on_stacks_signal(handler: Any) -> Any:
-    """Handle SIGUSR2 with ``handler``; the handler it had (None: not set, outside the main
-    thread, where Python cannot set one)."""
+def _on_stacks_signal(handler: Any) -> tuple[bool, Any]:
+    """Handle SIGUSR2 with ``handler``: whether it could (only the main thread can set a
+    handler), and the handler it had (None: one not set from Python)."""
     if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(STACKS_SIGNAL, handler)
+        return False, None
+    return True, signal.signal(STACKS_SIGNAL, handler)
 
 
 def die_with_parent() -> None:
@@ -193,7 +193,7 @@ class Watchdog:
         self.own = open(self.stacks / f"rank{rank}.txt", "w")
         with _keep_going():  # held while this process lives: the folder is not left over
             fcntl.flock(self.own, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self._asked = _on_stacks_signal(self._dump)  # the previous handler, or None
+        self._asked = _on_stacks_signal(self._dump)  # (set, the previous handler)
         self.stop = threading.Event()
         self._pending: threading.Thread | None = None  # a store request still in flight
         self.thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
@@ -211,9 +211,10 @@ class Watchdog:
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(timeout=5)
         _dog, _stacks_dir = None, None
-        if self._asked is not None:
-            _on_stacks_signal(self._asked)
-        self.own.close()
+        set_here, before = self._asked
+        if set_here:
+            _on_stacks_signal(signal.SIG_DFL if before is None else before)
+        self.own.close()  # a SIGUSR2 that still comes to _dump (another thread) finds it closed
         shutil.rmtree(self.stacks, ignore_errors=True)
 
     def _dump(self, *_: object) -> None:
@@ -221,6 +222,8 @@ class Watchdog:
         A Python handler, so with the GIL held: faulthandler's own handler walks the threads
         without it while they run, and crashed the process (SIGSEGV) when one of them ended
         meanwhile (chaos seed 29003, scenario 24)."""
+        if self.own.closed:
+            return
         with _keep_going():
             faulthandler.dump_traceback(file=self.own, all_threads=True)
             self.own.flush()
