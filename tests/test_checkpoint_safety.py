@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import pickle
@@ -92,6 +93,29 @@ def test_resume_keeps_the_higher_best_acc1_of_model_best(tmp_path):
     assert resumed_best(ckpt, other, tmp_path) == 50.0
     (tmp_path / files.BEST).write_bytes(b"garbage")  # unreadable: warn and ignore
     assert resumed_best(ckpt, tmp_path / files.CHECKPOINT, tmp_path) == 50.0
+
+
+def test_a_damaged_model_best_does_not_set_the_resumed_best_acc1(tmp_path, caplog):
+    """A model_best whose bits changed after it was written (its checksum no longer matches)
+    is named and ignored: trusting its best_acc1 (here flipped to 99) would keep every later,
+    better epoch from replacing the damaged file."""
+    best = tmp_path / files.BEST
+    files.atomic_save({"state_dict": {"w": torch.ones(4)}, "best_acc1": 70.0},
+                      tmp_path / files.CHECKPOINT, copies=[best])
+    ckpt = {"state_dict": {}, "best_acc1": 50.0}
+    assert resumed_best(ckpt, tmp_path / files.CHECKPOINT, tmp_path) == 70.0  # intact: kept
+    flipped = torch.load(best, weights_only=True)
+    flipped["best_acc1"] = 99.0  # the checksum written with 70.0 stays
+    torch.save(flipped, best)
+    with caplog.at_level(logging.WARNING):
+        assert resumed_best(ckpt, tmp_path / files.CHECKPOINT, tmp_path) == 50.0
+    assert f"{best} is damaged" in caplog.text and "ignoring" in caplog.text
+    flipped["best_acc1"], flipped["state_dict"]["w"][0] = 70.0, 2.0  # a weight changed instead
+    torch.save(flipped, best)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert resumed_best(ckpt, tmp_path / files.CHECKPOINT, tmp_path) == 50.0
+    assert f"{best} is damaged" in caplog.text
 
 
 def test_atomic_save_replaces_and_leaves_no_temp_files(tmp_path):

@@ -396,14 +396,21 @@ def _few(keys: list[str], n: int = 5) -> str:
 
 
 def best_acc1_on_disk(folder: Path, name: str = BEST) -> float | None:
-    """best_acc1 recorded in ``folder``/``name`` (None if absent or unreadable)."""
+    """best_acc1 recorded in ``folder``/``name`` (None if absent, unreadable or damaged).
+
+    A damaged copy's best_acc1 is not trusted: a flipped bit that raised it would keep every
+    later, better epoch from replacing the file.
+    """
     path = folder / name
     if path.is_dir():
         path = path / SHARDED_META
     if not path.is_file():
         return None
-    try:  # mmap: only the small best_acc1 entry is read, not the weights
-        return best_acc1_of(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    try:  # mmap: the weights are read once, for the checksum, not copied into memory
+        best = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        check_checksum(best, path, "the next epoch better than the checkpoint's best "
+                                   "replaces it")
+        return best_acc1_of(best)
     except Exception as exc:  # a damaged best copy must not stop a resume
         log.warning("ignoring %s: %s", path, str(exc).splitlines()[0] if str(exc) else exc)
         return None
