@@ -13,6 +13,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from torchvision.datasets import DatasetFolder
 
 from imagenet.data.transforms import check_image_file
 from imagenet.errors import DataError
@@ -65,3 +68,12 @@ class ImageCheck:
         except DataError as exc:
             return exc
         return None
+
+
+def image_check(dataset: Any, rank: int, world_size: int, backend: str) -> ImageCheck | None:
+    """The check of this rank's share of an ImageFolder's images (every world_size-th, as the
+    validation's ShardSampler takes them); None for other datasets (--dummy; tar shards are
+    read whole to check)."""
+    if not isinstance(dataset, DatasetFolder):
+        return None
+    return ImageCheck([path for path, _ in dataset.samples[rank::world_size]], backend)

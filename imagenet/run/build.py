@@ -16,7 +16,6 @@ import numpy as np
 import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
-from torchvision.datasets import DatasetFolder
 
 import imagenet.data.shm as shm
 import imagenet.data.transforms as T
@@ -27,7 +26,7 @@ from imagenet.checkpoint.writer import Writer
 from imagenet.data.folder import Data, build_data
 from imagenet.data.index import IndexFiles
 from imagenet.data.shards import build_shard_data
-from imagenet.data.valcheck import ImageCheck
+from imagenet.data.valcheck import ImageCheck, image_check
 from imagenet.errors import UsageError
 from imagenet.launching.collectives import DistInfo, from_rank0
 from imagenet.reporting.stages import slow_stage
@@ -265,11 +264,3 @@ def build_run(plan: Plan, dist: DistInfo, clock: StartClock | None = None) -> Ru
                    else "")
     return run
 
-
-def image_check(dataset: Any, rank: int, world_size: int, backend: str) -> ImageCheck | None:
-    """The check of this rank's share of an ImageFolder's images (every world_size-th, as the
-    validation's ShardSampler takes them); None for other datasets (--dummy; tar shards are
-    read whole to check)."""
-    if not isinstance(dataset, DatasetFolder):
-        return None
-    return ImageCheck([path for path, _ in dataset.samples[rank::world_size]], backend)

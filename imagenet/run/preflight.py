@@ -20,9 +20,10 @@ from imagenet.checkpoint import files
 from imagenet.checkpoint.storage import Remote
 from imagenet.data.shards.check import first_bad_shard
 from imagenet.data.shards.reader import ShardBatchSampler
+from imagenet.data.valcheck import image_check
 from imagenet.errors import DataError, RunError
 from imagenet.launching.collectives import DistInfo, on_rank0, raise_agreed
-from imagenet.run.build import Run, image_check
+from imagenet.run.build import Run
 from imagenet.settings.flags import Config
 
 log = logging.getLogger(__name__)
