@@ -46,9 +46,9 @@ def worker(args: argparse.Namespace) -> None:
     import torchvision
 
     from imagenet.launching.collectives import DistInfo
-    from imagenet.run.build import build_engine
     from imagenet.settings.flags import parse_config
     from imagenet.settings.launch import Layout
+    from imagenet.training.assembly import build_engine
     from imagenet.training.engine import Step, train_one_epoch
     from imagenet.training.models import wrap
 

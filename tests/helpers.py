@@ -279,10 +279,10 @@ def uint8_batches(n: int, batch: int, size: int = 16, seed: int = 0
 
 def tiny_engine(model: nn.Module, *flags: str, steps: int, world: int = 1, batch: int = 8,
                 classes: int = 3, device: str = "cpu"):
-    """The trainer's own engine (build.build_engine) for ``model`` from main.py ``flags``."""
-    from imagenet.run.build import build_engine
+    """The trainer's own engine (assembly.build_engine) for ``model`` from main.py ``flags``."""
     from imagenet.settings.flags import parse_config
     from imagenet.settings.launch import Layout
+    from imagenet.training.assembly import build_engine
     from imagenet.training.models import unwrap
 
     cfg = parse_config(["data", *flags])

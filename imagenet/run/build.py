@@ -1,8 +1,4 @@
-"""Everything one training process holds (``Run``), built from the flags; no resume yet.
-
-``build_engine`` is the one place where flags become the objects of a training step: the trainer,
-the tests and the benchmarks all build their engines with it.
-"""
+"""Everything one training process holds (``Run``), built from the flags; no resume yet."""
 
 from __future__ import annotations
 
@@ -15,10 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.optim.swa_utils import AveragedModel
 
 import imagenet.data.shm as shm
-import imagenet.data.transforms as T
 import imagenet.evaluation.eval_data as eval_data
 from imagenet.checkpoint import files
 from imagenet.checkpoint.weights import read_agreed
@@ -35,17 +29,12 @@ from imagenet.run.startup import EarlyBatches, StartClock, start_early
 from imagenet.settings.flags import Config
 from imagenet.settings.launch import Layout
 from imagenet.settings.plan import Plan
+from imagenet.training.assembly import build_engine
 from imagenet.training.compile_cache import CompileCache, graph_signature, open_cache
-from imagenet.training.engine import Engine, EpochTotals, Options, Parts, Step
-from imagenet.training.finetune import classifier_names, prepare_model
+from imagenet.training.engine import Engine, EpochTotals, Step
+from imagenet.training.finetune import prepare_model
 from imagenet.training.models import build_model, wrap
-from imagenet.training.optim import (
-    build_criterion,
-    build_ema,
-    build_optimizer,
-    build_scheduler,
-    use_fused,
-)
+from imagenet.training.optim import build_ema
 from imagenet.training.position import EpochStart, images_trained
 
 log = logging.getLogger(__name__)
@@ -160,39 +149,6 @@ def load_data(plan: Plan, dist: DistInfo, root: str, aug_seed: int) -> Data:
     if plan.data_format == "shards":
         return build_shard_data(plan, root, dist.rank, aug_seed, pin_memory=pin_memory)
     return build_data(plan, root, dist.rank, aug_seed, pin_memory=pin_memory, files=indexes)
-
-
-def amp_dtype(amp: str | None) -> torch.dtype | None:
-    """torch dtype of --amp."""
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp or "")
-
-
-def build_engine(cfg: Config, raw: nn.Module, model: nn.Module, device: torch.device,
-                 layout: Layout, steps_per_epoch: int, num_classes: int,
-                 ema: AveragedModel | None = None,
-                 class_counts: list[int] | None = None) -> Engine:
-    """The objects and options of a training step, from the flags.
-
-    ``raw`` is the plain (or sharded) model (optimizer, EMA), ``model`` what the step calls
-    (DDP, compiled). ``ema``: built before --fsdp sharded ``raw``; None builds it from ``raw``.
-    ``class_counts``: training images per class (--class-balanced-loss).
-    """
-    head = classifier_names(raw, num_classes) if cfg.backbone_lr_scale != 1.0 else None
-    optimizer = build_optimizer(raw, cfg, head, fused=use_fused(device.type, cfg))
-    parts = Parts(
-        model=model, criterion=build_criterion(cfg, class_counts).to(device),
-        optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, cfg, steps_per_epoch),
-        scaler=torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None,
-        ema=ema if ema is not None else build_ema(raw, cfg, layout),
-        batch_transform=T.batch_transform(cfg.mixup_alpha, cfg.cutmix_alpha, num_classes))
-    opts = Options(
-        device=device, steps_per_epoch=steps_per_epoch, epochs=cfg.epochs,
-        world_size=layout.world_size, grad_accum_steps=layout.grad_accum_steps,
-        amp_dtype=amp_dtype(cfg.amp), channels_last=cfg.channels_last,
-        clip_grad_norm=cfg.clip_grad_norm, ema_steps=cfg.model_ema_steps,
-        ema_warmup_epochs=cfg.lr_warmup_epochs, print_freq=cfg.print_freq)
-    return Engine(parts, opts)
 
 
 def build_run(plan: Plan, dist: DistInfo, clock: StartClock | None = None) -> Run:
