@@ -250,7 +250,7 @@ def _main(argv: Sequence[str] | None) -> int:
         plan = make_plan(cfg, os.environ, cuda_count)  # every decision, once
         for note in plan.notes:
             log.warning("%s", note)
-        check_crop_sizes(cfg, plan.train_sizes)  # before any data is read or process started
+        check_crop_sizes(cfg.arch, plan.crop_flags)  # before any data is read or process started
         if plan.launch.mode != "spawn":
             _worker(0, plan, {})
             return 0

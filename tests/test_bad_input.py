@@ -169,7 +169,6 @@ def test_crops_too_small_for_the_architecture_name_its_size(capsys, tmp_path):
 def test_the_minimum_found_on_the_meta_device_is_the_real_one():
     import torchvision
 
-    from imagenet.settings.flags import parse_config
     from imagenet.training.inputsize import check_crop_sizes
 
     model = torchvision.models.alexnet(num_classes=3).eval()
@@ -178,5 +177,5 @@ def test_the_minimum_found_on_the_meta_device_is_the_real_one():
         with pytest.raises(RuntimeError, match="too small"):
             model(torch.zeros(1, 3, 62, 62))
     for arch, size in (("alexnet", "63"), ("resnet18", "32"), ("vit_b_16", "224")):
-        check_crop_sizes(parse_config(["data", "-a", arch, "--train-crop-size", size,
-                                       "--val-crop-size", size]), [])  # accepted: no error
+        check_crop_sizes(arch, {"--train-crop-size": int(size),
+                                "--val-crop-size": int(size)})  # accepted: no error

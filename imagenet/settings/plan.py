@@ -76,6 +76,18 @@ class Plan:
         """Every training crop size of the run, in order."""
         return self.crops.sizes(self.cfg.epochs) if self.crops.progressive else [self.crops.end]
 
+    @property
+    def crop_flags(self) -> dict[str, int]:
+        """The crop sizes the run feeds the model, by flag (-e validates only); with
+        --train-crop-start, its smallest (rounded) training size."""
+        cfg = self.cfg
+        crops = {"--val-crop-size": cfg.val_crop_size}
+        if not cfg.evaluate:
+            crops = {"--train-crop-size": cfg.train_crop_size, **crops}
+            if cfg.train_crop_start is not None:  # progressive resizing: its smallest size
+                crops = {"--train-crop-start": min(self.train_sizes), **crops}
+        return crops
+
 
 def process_start() -> float:
     """When this process started (unix time), from /proc; the time of this call where there is

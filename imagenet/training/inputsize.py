@@ -12,13 +12,12 @@ embeddings and attention partitions are fixed at construction, not interpolated 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from imagenet.errors import UsageError
-from imagenet.settings.flags import Config
 
 log = logging.getLogger(__name__)
 
@@ -52,30 +51,18 @@ def smallest_above(model: nn.Module, size: int) -> int | None:
     return high
 
 
-def crop_flags(cfg: Config, train_sizes: Sequence[int]) -> dict[str, int]:
-    """The crop sizes the run feeds the model, by flag (-e validates only); ``train_sizes``: the
-    plan's training crops."""
-    crops = {"--val-crop-size": cfg.val_crop_size}
-    if not cfg.evaluate:
-        crops = {"--train-crop-size": cfg.train_crop_size, **crops}
-        if cfg.train_crop_start is not None:  # progressive resizing: its smallest (rounded) size
-            crops = {"--train-crop-start": min(train_sizes), **crops}
-    return crops
-
-
-def check_crop_sizes(cfg: Config, train_sizes: Sequence[int]) -> None:
-    """UsageError naming the size ``-a`` needs when the crop flags give it one it cannot take
-    (``train_sizes``: the plan's training crops)."""
+def check_crop_sizes(arch: str, crops: Mapping[str, int]) -> None:
+    """UsageError naming the size ``-a``/``arch`` needs when a crop flag gives it one it cannot
+    take (``crops``: the size each crop flag feeds the model, ``Plan.crop_flags``)."""
     from imagenet.training.models import build_model  # torchvision: imported only when a run starts
 
     try:
         with torch.device("meta"):
-            model = build_model(cfg.arch, num_classes=10).eval()
+            model = build_model(arch, num_classes=10).eval()
     except Exception as exc:  # e.g. RegNet's init copies data; the real build reports errors
         log.debug("crop sizes not checked: -a %s cannot be built on the meta device (%s)",
-                  cfg.arch, exc)
+                  arch, exc)
         return
-    crops = crop_flags(cfg, train_sizes)
     taken = {size: accepts(model, size) for size in set(crops.values())}  # one forward each
     bad = {flag: size for flag, size in crops.items() if not taken[size]}
     if not bad:
@@ -84,11 +71,11 @@ def check_crop_sizes(cfg: Config, train_sizes: Sequence[int]) -> None:
     least = smallest_above(model, max(bad.values()))
     if least is not None:
         wanted = " and ".join(f"{flag} {least}" for flag in bad)
-        raise UsageError(f"{given}: too small for -a {cfg.arch}, which needs crops of at least "
+        raise UsageError(f"{given}: too small for -a {arch}, which needs crops of at least "
                          f"{least} px; give {wanted} or more")
     built = getattr(model, "image_size", BUILT_FOR)
     if isinstance(built, int) and accepts(model, built):
-        raise UsageError(f"{given}: -a {cfg.arch} takes crops of exactly {built} px (the size "
+        raise UsageError(f"{given}: -a {arch} takes crops of exactly {built} px (the size "
                          f"it is built for); give --train-crop-size {built} and "
                          f"--val-crop-size {built}")
-    log.debug("crop sizes not checked: -a %s accepts none of the sizes tried", cfg.arch)
+    log.debug("crop sizes not checked: -a %s accepts none of the sizes tried", arch)
