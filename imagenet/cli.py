@@ -20,8 +20,7 @@ from imagenet.launching.preemption import (
     stop_when_orphaned,
 )
 from imagenet.launching.rendezvous import cleanup, init_distributed
-from imagenet.reporting.console import startup_notes
-from imagenet.reporting.logger import preload_writers, setup_logging
+from imagenet.reporting.logger import preload_writers, setup_logging, startup_notes
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import rendezvous
 from imagenet.settings.plan import Plan, make_plan

@@ -1,10 +1,11 @@
 """Reporting: what a run writes for people besides checkpoints.
 
-  logger    console and progress lines, TensorBoard, metrics.jsonl, config.json (rank 0).
+  logger    console logging, what a person reads before a run starts (--demo's settings,
+            where outputs go) and progress lines, TensorBoard, metrics.jsonl, config.json
+            (rank 0).
   trackers  --log-to mlflow,wandb: the same scalars, flags and final metrics, continued across
             resumes (OUTPUT_DIR/trackers.json).
   results   the files of a validation's report: predictions CSV, per-class CSV/JSON,
             confusion matrix (also a TensorBoard image), the worst classes.
-  console   what a person reads before a run starts (--demo's settings, where outputs go).
   stages    start-up stages that take a while say so, and how long they took.
 """

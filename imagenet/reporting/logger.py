@@ -1,10 +1,12 @@
-"""Console logging and progress lines, TensorBoard, metrics.jsonl and config.json - rank-aware.
+"""Console logging, the notes before a run and progress lines, TensorBoard, metrics.jsonl and
+config.json - rank-aware.
 
 Rank 0 writes; on the other ranks ``RunLogger`` is a no-op and only warnings reach the console.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -21,6 +23,7 @@ import torch
 from imagenet.errors import Preempted
 from imagenet.reporting.trackers import Trackers, open_trackers
 from imagenet.settings.choices import tracker_names
+from imagenet.settings.flags import DEMO_DEFAULTS, Config
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,31 @@ def setup_logging(rank: int, debug: bool = False) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
 
+
+def _flag(name: str) -> str:
+    """The flag of a Config field as a user types it: '-b', '--lr'."""
+    field = next(f for f in dataclasses.fields(Config) if f.name == name)
+    return field.metadata["names"][0]
+
+
+def startup_notes(cfg: Config) -> list[str]:
+    """What a person reads before a run starts: the demo's own settings, and outputs in the
+    current folder (start-up stages that take a while: ``stages``; what a run says about
+    itself: ``run.announce``)."""
+    notes = []
+    if cfg.demo:
+        settings = " ".join(f"{_flag(k)} {getattr(cfg, k)}" for k, v in DEMO_DEFAULTS.items()
+                            if getattr(cfg, k) == v)
+        notes.append(f"=> --demo: training on the built-in demo data in {cfg.data} (drawn "
+                     "once, no download)")
+        if settings:
+            notes.append(f"=> --demo settings in place of the ImageNet defaults (flags you give "
+                         f"win): {settings}")
+    if not cfg.evaluate and Path(cfg.output_dir).resolve() == Path.cwd().resolve():
+        notes.append(f"=> outputs (checkpoints, metrics.jsonl, config.json, tb/) go to the "
+                     f"current folder {Path.cwd()} (--output-dir {cfg.output_dir}); give "
+                     "--output-dir DIR to keep runs apart")
+    return notes
 
 
 def _duration(seconds: float) -> str:
