@@ -30,6 +30,7 @@ from pathlib import Path
 
 from imagenet.checkpoint import files
 from imagenet.errors import RunError, UsageError
+from imagenet.launching.collectives import DistInfo, on_rank0
 from imagenet.reporting.logger import METRICS
 from imagenet.reporting.results import FILES as REPORTS
 from imagenet.reporting.trackers import RUN_IDS
@@ -122,6 +123,23 @@ def lock_folder(folder: Path, slurm_job: str | None = None) -> FolderLock:
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps(holder_record(slurm_job)).encode() + b"\n")
     return FolderLock(path, fd)
+
+
+def claim_folder(folder: Path, info: DistInfo, slurm_job: str | None = None) -> FolderLock:
+    """Rank 0 makes ``folder`` (OUTPUT_DIR), checks it can write there and takes its lock for the
+    run; then (and only then) removes temp files a killed writer left. Collective.
+
+    Called once the data and the model are built: a mistyped data folder leaves no trace.
+    """
+
+    def claim() -> FolderLock:
+        prepare_folder(folder)
+        lock = lock_folder(folder, slurm_job)
+        if lock.fd is not None:  # without a lock, a temp file may be another writer's
+            files.remove_stale_temp_files(folder)
+        return lock
+
+    return on_rank0(info, claim) or FolderLock(folder / LOCK, None)
 
 
 def holder_record(slurm_job: str | None = None) -> dict[str, object]:

@@ -159,7 +159,7 @@ def build_run(plan: Plan, dist: DistInfo, clock: StartClock | None = None) -> Ru
     graphs a previous start kept (``training.compile_cache``).
     """
     cfg, layout = plan.cfg, plan.layout
-    output_dir = Path(cfg.output_dir)  # made, checked and locked by preflight.claim_output_dir
+    output_dir = Path(cfg.output_dir)  # made, checked and locked by checkpoint.rundir.claim_folder
     # Model init uses the same seed on every rank; augmentation gets its own per-sample seeds.
     seed_process(cfg.seed)
     eval_data.check_outputs(cfg, dist)  # -e's report folder, --predictions

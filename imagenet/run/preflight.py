@@ -28,25 +28,6 @@ from imagenet.settings.flags import Config
 
 log = logging.getLogger(__name__)
 
-def claim_output_dir(cfg: Config, info: DistInfo, slurm_job: str | None = None
-                     ) -> rundir.FolderLock:
-    """Rank 0 makes OUTPUT_DIR, checks it can write there and takes its lock for the run; then
-    (and only then) removes temp files a killed writer left. Collective.
-
-    Called once the data and the model are built: a mistyped data folder leaves no trace.
-    """
-    folder = Path(cfg.output_dir)
-
-    def claim() -> rundir.FolderLock:
-        rundir.prepare_folder(folder)
-        lock = rundir.lock_folder(folder, slurm_job)
-        if lock.fd is not None:  # without a lock, a temp file may be another writer's
-            files.remove_stale_temp_files(folder)
-        return lock
-
-    return on_rank0(info, claim) or rundir.FolderLock(folder / rundir.LOCK, None)
-
-
 def check_before_training(run: Run, resumed: Path | None) -> None:
     """Room for the checkpoints (rank 0), every validation image or shard readable (all ranks,
     each its share); then rank 0 moves an earlier run's record aside. Collective."""

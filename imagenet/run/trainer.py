@@ -17,6 +17,7 @@ import torchvision
 from torch import nn
 
 import imagenet.checkpoint.disk as disk
+import imagenet.checkpoint.rundir as rundir
 import imagenet.data.resizing as resizing
 import imagenet.launching.timelimit as timelimit
 import imagenet.launching.watchdog as watchdog
@@ -38,7 +39,6 @@ from imagenet.run.outputs import Outputs
 from imagenet.run.preflight import (
     check_before_training,
     checkpoint_bytes,
-    claim_output_dir,
     nothing_left,
 )
 from imagenet.run.startup import StartClock
@@ -80,7 +80,7 @@ def run_training(plan: Plan, dist: DistInfo, outputs: Outputs | None = None
     try:
         # Rank 0 of a training run holds OUTPUT_DIR's lock until the run ends; -e only reads.
         lock = contextlib.nullcontext() if cfg.evaluate else \
-            claim_output_dir(cfg, dist, plan.slurm_job)
+            rundir.claim_folder(Path(cfg.output_dir), dist, plan.slurm_job)
         with lock, disk.output_errors(run.output_dir), \
                 run.outputs.attached(run.cfg, dist, run.output_dir, plan.restarted):
             return resume_and_train(run)
