@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,13 +16,12 @@ import imagenet.evaluation.eval_data as eval_data
 from imagenet.checkpoint import files
 from imagenet.checkpoint.weights import read_agreed
 from imagenet.checkpoint.writer import Writer
-from imagenet.data.folder import Data, build_data
-from imagenet.data.index import IndexFiles
-from imagenet.data.shards import build_shard_data
+from imagenet.data.folder import Data
 from imagenet.data.valcheck import ImageCheck, image_check
 from imagenet.errors import UsageError
 from imagenet.launching.collectives import DistInfo, from_rank0
 from imagenet.reporting.stages import slow_stage
+from imagenet.run.loading import data_root, load_data
 from imagenet.run.outputs import Outputs
 from imagenet.run.startup import EarlyBatches, StartClock, start_early
 from imagenet.settings.flags import Config
@@ -36,8 +34,6 @@ from imagenet.training.finetune import prepare_model
 from imagenet.training.models import build_model, wrap
 from imagenet.training.optim import build_ema
 from imagenet.training.position import EpochStart, images_trained
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -112,43 +108,6 @@ def seed_process(seed: int | None) -> None:
     torch.manual_seed(seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = False
-
-
-def data_root(cfg: Config, output_dir: Path) -> str:
-    """The data argument: DIR (a folder, URL or shard pattern), or the built-in demo data
-    generated under OUTPUT_DIR."""
-    if not cfg.demo:
-        return cfg.data
-    from imagenet.tools.demo import make_demo_dataset
-
-    return str(make_demo_dataset(output_dir / "demo-data"))
-
-
-def index_files(cfg: Config, dist: DistInfo) -> IndexFiles:
-    """Where the folder indexes are kept (--cache-dir); every process reads them. Rank 0 writes
-    the ones it builds; so does each other node's first process when --cache-dir names a folder
-    (node-local data copies then get one each): in the default OUTPUT_DIR/cache, the run folder
-    is rank 0's alone, and a node without it writes nothing there."""
-    writes = dist.is_main or (dist.local_rank == 0 and cfg.cache_dir is not None)
-    return IndexFiles(cfg.cache_path(), write=writes)
-
-
-def load_data(plan: Plan, dist: DistInfo, root: str, aug_seed: int) -> Data:
-    """This rank's data: an ImageFolder (or --dummy data) or tar shards, as the plan says."""
-    cfg = plan.cfg
-    pin_memory = dist.device.type == "cuda"
-    indexes = index_files(cfg, dist)
-    if plan.data_format != "shards" and cfg.evaluate and cfg.val_data:  # -e: DIR is not read
-        return eval_data.build_eval_data(plan, dist.rank, aug_seed, pin_memory, indexes)
-    if dist.is_main and plan.decode.on_device:
-        log.info("=> JPEGs decoded and cropped on %s (--decode-on-device %s); loader workers "
-                 "read files", dist.device, plan.decode.why)
-    elif dist.is_main and plan.data_format == "folder" and dist.device.type == "cuda":
-        log.info("=> JPEGs decoded and cropped by the loader workers (--decode-on-device %s)",
-                 plan.decode.why)
-    if plan.data_format == "shards":
-        return build_shard_data(plan, root, dist.rank, aug_seed, pin_memory=pin_memory)
-    return build_data(plan, root, dist.rank, aug_seed, pin_memory=pin_memory, files=indexes)
 
 
 def build_run(plan: Plan, dist: DistInfo, clock: StartClock | None = None) -> Run:

@@ -1,0 +1,55 @@
+"""This rank's data, as the plan says: the data argument (or the demo's data), where the folder
+indexes are kept, and the data set with its loaders (an ImageFolder, --dummy data, tar shards, or
+-e --val-data's own)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import imagenet.evaluation.eval_data as eval_data
+from imagenet.data.folder import Data, build_data
+from imagenet.data.index import IndexFiles
+from imagenet.data.shards import build_shard_data
+from imagenet.launching.collectives import DistInfo
+from imagenet.settings.flags import Config
+from imagenet.settings.plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+def data_root(cfg: Config, output_dir: Path) -> str:
+    """The data argument: DIR (a folder, URL or shard pattern), or the built-in demo data
+    generated under OUTPUT_DIR."""
+    if not cfg.demo:
+        return cfg.data
+    from imagenet.tools.demo import make_demo_dataset
+
+    return str(make_demo_dataset(output_dir / "demo-data"))
+
+
+def index_files(cfg: Config, dist: DistInfo) -> IndexFiles:
+    """Where the folder indexes are kept (--cache-dir); every process reads them. Rank 0 writes
+    the ones it builds; so does each other node's first process when --cache-dir names a folder
+    (node-local data copies then get one each): in the default OUTPUT_DIR/cache, the run folder
+    is rank 0's alone, and a node without it writes nothing there."""
+    writes = dist.is_main or (dist.local_rank == 0 and cfg.cache_dir is not None)
+    return IndexFiles(cfg.cache_path(), write=writes)
+
+
+def load_data(plan: Plan, dist: DistInfo, root: str, aug_seed: int) -> Data:
+    """This rank's data: an ImageFolder (or --dummy data) or tar shards, as the plan says."""
+    cfg = plan.cfg
+    pin_memory = dist.device.type == "cuda"
+    indexes = index_files(cfg, dist)
+    if plan.data_format != "shards" and cfg.evaluate and cfg.val_data:  # -e: DIR is not read
+        return eval_data.build_eval_data(plan, dist.rank, aug_seed, pin_memory, indexes)
+    if dist.is_main and plan.decode.on_device:
+        log.info("=> JPEGs decoded and cropped on %s (--decode-on-device %s); loader workers "
+                 "read files", dist.device, plan.decode.why)
+    elif dist.is_main and plan.data_format == "folder" and dist.device.type == "cuda":
+        log.info("=> JPEGs decoded and cropped by the loader workers (--decode-on-device %s)",
+                 plan.decode.why)
+    if plan.data_format == "shards":
+        return build_shard_data(plan, root, dist.rank, aug_seed, pin_memory=pin_memory)
+    return build_data(plan, root, dist.rank, aug_seed, pin_memory=pin_memory, files=indexes)
