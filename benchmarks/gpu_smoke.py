@@ -97,6 +97,7 @@ class Node:
     scale: Scale
     folders: dict[str, Path] = field(default_factory=dict)
     cpu: bool = False  # --cpu-dry-run: the same runs on the CPU (to check this script)
+    workers: int | None = None  # --workers: -j for the JPEG runs (and no --dummy run)
 
     def main_py(self, *args: str) -> list[str]:
         """python main.py ARGS (on the CPU: with --no-accel)."""
@@ -361,7 +362,8 @@ def auto_choice(node: Node) -> str:
     from imagenet.settings.flags import parse_config
     from imagenet.settings.plan import make_plan
 
-    cfg = parse_config([str(node.folders["large"]), *FAST])
+    jobs = [] if node.workers is None else ["-j", str(node.workers)]
+    cfg = parse_config([str(node.folders["large"]), *FAST, *jobs])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
     plan = make_plan(cfg, env, 0 if node.cpu else torch.cuda.device_count())
     return ("on" if plan.decode.on_device else "off") + f" ({plan.decode.why})"
@@ -375,9 +377,12 @@ def throughput(node: Node) -> list[Result]:
     dummy = ["--dummy", "--dummy-size", str(per_gpu * node.gpus), "--dummy-classes", "10",
              "--dummy-val-size", str(max(per_gpu // 20, 256) * node.gpus)]
     large = str(node.folders["large"])
+    jobs = [] if node.workers is None else ["-j", str(node.workers)]
     runs = {"--dummy": dummy, "JPEGs, --decode-on-device off": [large, "--decode-on-device",
-                                                               "off"],
-            "JPEGs, --decode-on-device on": [large, "--decode-on-device", "on"]}
+                                                               "off", *jobs],
+            "JPEGs, --decode-on-device on": [large, "--decode-on-device", "on", *jobs]}
+    if node.workers is not None:  # auto's rule at another worker count: the two paths only
+        del runs["--dummy"]
     speeds: dict[str, Speed] = {}
     results = []
     for name, args in runs.items():
@@ -421,10 +426,12 @@ def speed_verdict(name: str, speed: Speed, speeds: dict[str, Speed], node: Node
         return (of_steady >= TARGET_STEADY and speed.images_per_sec >= TARGET_DUMMY
                 if targeted else None), numbers
     dummy = speeds.get("--dummy")
-    ratio = speed.images_per_sec / max(dummy.images_per_sec if dummy else 0.0, 1e-9)
     cores = len(os.sched_getaffinity(0)) / max(node.gpus, 1)
-    numbers += f", {100 * ratio:.0f}% of --dummy with {cores:.0f} cores per GPU " \
-               f"(target {100 * TARGET_REAL:.0f}% under auto, data-wait < {100 * TARGET_WAIT:.0f}%)"
+    if dummy is not None:  # --workers runs none
+        ratio = speed.images_per_sec / max(dummy.images_per_sec, 1e-9)
+        numbers += f", {100 * ratio:.0f}% of --dummy"
+    numbers += f" with {cores:.0f} cores per GPU (target {100 * TARGET_REAL:.0f}% of --dummy " \
+               f"under auto, data-wait < {100 * TARGET_WAIT:.0f}%)"
     return None, numbers  # judged for the path auto picks: the "--decode-on-device auto" line
 
 
@@ -487,18 +494,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cpu-dry-run", type=int, metavar="N",
                         help="run the checks on the CPU with N processes, at a small scale "
                              "(checks this script, not the GPUs)")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="throughput: the two JPEG runs with -j N, no --dummy run (checks "
+                             "auto's rule at another worker count)")
     args = parser.parse_args(argv)
     names = args.only or (list(QUICK_CHECKS) if args.quick else list(CHECKS))
     if args.cpu_dry_run:
         work = args.out or Path(tempfile.mkdtemp(prefix="gpu_smoke-"))
-        return report(run_checks(Node(args.cpu_dry_run, work, SMALL, cpu=True), names))
+        return report(run_checks(Node(args.cpu_dry_run, work, SMALL, cpu=True,
+                                      workers=args.workers), names))
     if not torch.cuda.is_available():
         print("gpu_smoke: no CUDA device here (torch.cuda.is_available() is False); nothing "
               "to check")
         return 0
     work = args.out or Path(tempfile.mkdtemp(prefix="gpu_smoke-"))
     node = Node(1 if args.quick else torch.cuda.device_count(), work,
-                QUICK if args.quick else Scale())
+                QUICK if args.quick else Scale(), workers=args.workers)
     env_gpus = {} if not args.quick else {"CUDA_VISIBLE_DEVICES": os.environ.get(
         "CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
     os.environ.update(env_gpus)  # --quick: one GPU, whatever the node has
