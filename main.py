@@ -14,4 +14,4 @@ signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 from imagenet.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(own_process=True))

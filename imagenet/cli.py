@@ -8,11 +8,17 @@ import signal
 import sys
 from collections.abc import Sequence
 from multiprocessing import resource_tracker
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
-from imagenet.errors import INTERRUPTED_EXIT_CODE, TrainerError, report, show_crash_stacks
+from imagenet.errors import (
+    INTERRUPTED_EXIT_CODE,
+    TrainerError,
+    report,
+    show_crash_stacks,
+)
 from imagenet.launching.failures import stop_together
 from imagenet.launching.preemption import (
     PREEMPT_EXIT_CODE,
@@ -20,6 +26,7 @@ from imagenet.launching.preemption import (
     stop_when_orphaned,
 )
 from imagenet.launching.rendezvous import cleanup, init_distributed
+from imagenet.launching.teardown import LOOK, StoppedChildren, exit_within
 from imagenet.reporting.logger import preload_writers, setup_logging, startup_notes
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import rendezvous
@@ -49,11 +56,12 @@ def take_interrupts() -> None:
 
 
 def _worker(local_index: int, plan: Plan, master: dict[str, str],
-            start: SpawnStart | None = None) -> None:
-    """One training process: join the others, then train (the body of every mp.spawn child)."""
+            start: SpawnStart | None = None, own_process: bool = True) -> None:
+    """One training process: join the others, then train (the body of every mp.spawn child).
+    ``own_process``: the process ends with the run (not an in-process caller of ``main``)."""
     show_crash_stacks()
     try:
-        _train_here(local_index, plan, master, start)
+        _train_here(local_index, plan, master, start, own_process)
     except KeyboardInterrupt:
         if plan.launch.mode != "spawn":
             raise
@@ -91,7 +99,7 @@ class SpawnStart:
 
 
 def _train_here(local_index: int, plan: Plan, master: dict[str, str],
-                start: SpawnStart | None) -> None:
+                start: SpawnStart | None, own_process: bool) -> None:
     os.environ.update(master)  # the parent's rendezvous choice (spawn mode only)
     cfg, ranks = plan.cfg, plan.ranks(local_index)
     if plan.launch.mode == "spawn":
@@ -120,8 +128,12 @@ def _train_here(local_index: int, plan: Plan, master: dict[str, str],
             if info.device.type == "cpu" and info.rank == 0 and not cfg.no_accel:
                 log.info("=> no CUDA device: %s on the CPU",
                          "evaluating" if cfg.evaluate else "training")
-            with stop_together(plan, info):  # a failure on any rank ends every rank
-                run_training(plan, info)
+            try:
+                with stop_together(plan, info):  # a failure on any rank ends every rank
+                    run_training(plan, info)
+            finally:
+                if own_process:  # the watch has closed: the teardown gets --hang-timeout
+                    exit_within(plan.hang_timeout, info.rank)
         except BaseException:
             cleanup(failed=True)  # NCCL: abort, not wait for peers that may be gone
             raise
@@ -168,6 +180,7 @@ def _spawn(plan: Plan, announce: str) -> int:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     handlers[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
     code = 0
+    stopped = StoppedChildren(plan.hang_timeout, plan.ranks, Path(plan.cfg.output_dir))
     try:
         log.info("%s", announce)
         try:
@@ -180,13 +193,18 @@ def _spawn(plan: Plan, announce: str) -> int:
         children.extend(ctx.processes)
         for signum in pending:
             forward(signum, None)
-        while not ctx.join():
-            pass
+        while not ctx.join(timeout=LOOK):
+            stopped.look(ctx.processes)
+        if stopped.ended is not None:
+            code = PREEMPT_EXIT_CODE  # the stopped child finished once continued
     except mp.ProcessExitedException as exc:
         # join() has stopped the other children; say which one ended the job (its own message,
         # if any, came before; a signal death such as the OOM killer's has none).
         code, message = child_exit(exc.error_index, exc.exit_code, exc.signal_name)
-        print(message, file=sys.stderr, flush=True)
+        if stopped.ended is not None:  # a child stopped with SIGSTOP: its line came already
+            code = PREEMPT_EXIT_CODE
+        else:
+            print(message, file=sys.stderr, flush=True)
     except mp.ProcessRaisedException as exc:
         print(f"error: training process {exc.error_index} of this node failed:\n{exc}",
               file=sys.stderr, flush=True)
@@ -225,16 +243,18 @@ def child_exit(index: int, exit_code: int | None, signal_name: str | None) -> tu
     return code, f"training process {index} of this node {how}; stopped the others"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The command line entry point: returns the process exit code."""
+def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int:
+    """The command line entry point: returns the process exit code. ``own_process`` (main.py):
+    the process ends when this returns, so a teardown that never ends is ended
+    (``watchdog.exit_within``); an in-process caller's process is never."""
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # main.py's already
     try:
-        return _main(argv)
+        return _main(argv, own_process)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)  # an in-process caller's as it was
 
 
-def _main(argv: Sequence[str] | None) -> int:
+def _main(argv: Sequence[str] | None, own_process: bool) -> int:
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     show_crash_stacks()  # each process: main.py's, torchrun's workers (mp.spawn's in _worker)
     try:
@@ -251,7 +271,7 @@ def _main(argv: Sequence[str] | None) -> int:
             log.warning("%s", note)
         check_crop_sizes(cfg.arch, plan.crop_flags)  # before any data is read or process started
         if plan.launch.mode != "spawn":
-            _worker(0, plan, {})
+            _worker(0, plan, {}, own_process=own_process)
             return 0
         take_interrupts()  # _spawn holds them again while it starts the children
         launch, layout = plan.launch, plan.layout

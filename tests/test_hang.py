@@ -256,3 +256,57 @@ def test_a_rank_asked_for_its_stacks_while_watching_does_not_crash(tmp_path):
         for rank in ranks:
             rank.kill()
             rank.wait()
+
+
+@pytest.mark.slow
+def test_a_rank_stopped_after_the_run_ended_does_not_hold_the_job(data, tmp_path):
+    """Chaos seed 29008, scenario 3: rank 0 stopped (SIGSTOP) after the run's last output, when
+    its hang watch had closed; rank 1 exited 0 and mp.spawn's parent waited forever. The parent
+    now ends a child stopped for longer than --hang-timeout (and a margin for the ranks' own
+    watches): one line names it, every process is gone, the exit code is the requeue's, and the
+    requeue finds the finished run."""
+    out = tmp_path / "out"
+    command = main(str(data), "-b", "4", "-j", "1", "--epochs", "1", "--output-dir", str(out),
+                   "--nproc-per-node", "2")
+    live = Live(command, timeout=LIMIT + 120)
+    live.wait_for("outputs in")
+    rank0 = rank_pid(live.token, 0)
+    os.kill(rank0, signal.SIGSTOP)
+    stopped = time.monotonic()
+    code = live.finish()
+    assert time.monotonic() - stopped < LIMIT, live.output[-3000:]
+    assert gone(live.token), "a process of the run is left"
+    assert code == 143, live.output[-3000:]
+    line = next(x for x in live.output.splitlines() if x.startswith("error: hang:"))
+    assert "training process 0" in line and "rank 0" in line and f"pid {rank0}" in line, line
+    assert str(out / "hang") in line, line
+    report = json.loads((out / "hang" / "report.json").read_text())
+    assert report["rank"] == 0 and report["pid"] == rank0
+    assert "Traceback" not in live.output
+    again = Live(main(str(data), "-b", "4", "-j", "1", "--epochs", "1", "--output-dir", str(out),
+                      "--nproc-per-node", "2", "--resume", "auto"), timeout=300)
+    assert again.finish() == 0, again.output[-3000:]
+    assert load_checkpoint(out / "checkpoint.pth.tar")["epoch"] == 1
+
+
+def test_a_rank_stuck_after_its_run_exits_with_its_stacks(tmp_path):
+    """After the watch closes (the run ended), a rank that has not exited within --hang-timeout
+    (stuck in its teardown: a process group's destroy, a thread that never ends) writes its
+    stacks, names itself in one line and exits with the requeue code."""
+    script = f"""
+import sys, threading, time
+from pathlib import Path
+from imagenet.launching import teardown
+teardown.exit_within(1.0, 3, Path({str(tmp_path)!r}))
+threading.Event().wait(60)  # the teardown that never ends
+"""
+    started = time.monotonic()
+    ran = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert ran.returncode == 143, ran.stderr
+    assert time.monotonic() - started < 30
+    lines = [x for x in ran.stderr.splitlines() if "hang:" in x]
+    assert len(lines) == 1 and "rank 3" in lines[0] and str(tmp_path / "hang") in lines[0], \
+        ran.stderr
+    stacks = (tmp_path / "hang" / "rank3-exit.txt").read_text()
+    assert "Thread" in stacks and "wait" in stacks, stacks

@@ -6,4 +6,6 @@
   failures     one rank's failure stops every rank within seconds, with its message.
   preemption   SIGTERM/SIGUSR1/SIGINT and a dead launcher: finish the step, agree, stop.
   timelimit    --time-limit: rank 0's clock asks for that stop in time to save.
+  watchdog     --hang-timeout: a rank that makes no progress is named, its stacks written, ended.
+  teardown     after the run: a process stuck or stopped in its teardown is ended the same way.
 """

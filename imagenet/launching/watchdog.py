@@ -60,11 +60,13 @@ SILENT = 10.0  # seconds without a heartbeat after which a rank no longer answer
 # half of --hang-timeout)
 STORE_TIMEOUT = 10.0  # seconds for one store request of the thread
 DUMP_WAIT = 3.0  # seconds for the other ranks to write their stacks before this rank exits
+END_WAIT = 10.0  # seconds a continued (SIGCONT) stopped rank has to end itself before SIGKILL
 HANG_DIR = "hang"
 STALE_AFTER = 60.0  # seconds: a younger stack folder is never taken for a left-over one
 STACKS_PREFIX = "imagenet-stacks-"  # TMPDIR/imagenet-stacks-RANK-XXXX: a rank's stack files
 _dog: Watchdog | None = None
 _stacks_dir: str | None = None  # where loader workers write their stacks (set before they start)
+_reports: Path | None = None  # the run folder the last watch reported to (``exit_within``)
 
 
 def beat(what: str) -> None:
@@ -199,8 +201,8 @@ class Watchdog:
         self.thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
-        global _dog, _stacks_dir
-        _dog, _stacks_dir = self, str(self.stacks)
+        global _dog, _stacks_dir, _reports
+        _dog, _stacks_dir, _reports = self, str(self.stacks), self.output_dir
         self.thread.start()
         return self
 
@@ -344,7 +346,7 @@ class Watchdog:
                 with _store_errors():
                     self._ask(self.store.set, self._key("hang"), json.dumps(stopped))
             with _keep_going():
-                _write_report(report, {**stopped, "found_by": self.rank,
+                write_report(report, {**stopped, "found_by": self.rank,
                                        "hang_timeout": self.timeout, "message": line,
                                        "at": datetime.datetime.now().isoformat(
                                            timespec="seconds")}, self.rank, self.started)
@@ -380,7 +382,7 @@ class Watchdog:
                 os.kill(child.pid, STACKS_SIGNAL)
 
 
-def _write_report(folder: Path, report: dict, rank: int, since: float) -> None:
+def write_report(folder: Path, report: dict, rank: int, since: float) -> None:
     """report.json, unless another rank of this run (written after ``since``) wrote it first (a
     lost link: each side finds the other silent): then report-rank{R}.json beside it."""
     path = folder / "report.json"
@@ -400,7 +402,7 @@ class _store_errors:
         return kind is not None and issubclass(kind, Exception)
 
 
-def _end_if_here(stopped: dict, host: str, within: float = 10.0) -> None:
+def _end_if_here(stopped: dict, host: str, within: float = END_WAIT) -> None:
     """The rank that stopped, when it runs on this host: continued for its stacks
     (``Watchdog._ask_stacks``), its own watch ends it with the requeue code; killed if it has
     not within ``within`` seconds (nothing else would: a stopped process ignores SIGTERM)."""
@@ -441,9 +443,16 @@ def describe(stopped: dict, timeout: float, now: float, report: Path) -> str:
             "requeue resumes from the last checkpoint")
 
 
+def reports() -> Path | None:
+    """The run folder the last watch reported to (an object-storage run's staging folder)."""
+    return _reports
+
+
 def report_to(output_dir: Path) -> None:
     """Write a hang's report into ``output_dir``/hang (the run's folder, once it is known: an
     object-storage --output-dir's local staging folder)."""
+    global _reports
+    _reports = output_dir
     if _dog is not None:
         _dog.output_dir = output_dir
 
@@ -458,3 +467,4 @@ def start(timeout: float, rank: int, world: int, output_dir: Path,
         store = store.clone() if hasattr(store, "clone") else store
         store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT))
     return Watchdog(timeout, rank, world, output_dir, store, prefix, host).start()
+
