@@ -297,6 +297,7 @@ def test_a_rank_stuck_after_its_run_exits_with_its_stacks(tmp_path):
 import sys, threading, time
 from pathlib import Path
 from imagenet.launching import teardown
+teardown.EXIT_AT_LEAST = 0.5  # not a slow teardown's 30 s here
 teardown.exit_within(1.0, 3, Path({str(tmp_path)!r}))
 threading.Event().wait(60)  # the teardown that never ends
 """
@@ -306,7 +307,8 @@ threading.Event().wait(60)  # the teardown that never ends
     assert ran.returncode == 143, ran.stderr
     assert time.monotonic() - started < 30
     lines = [x for x in ran.stderr.splitlines() if "hang:" in x]
-    assert len(lines) == 1 and "rank 3" in lines[0] and str(tmp_path / "hang") in lines[0], \
-        ran.stderr
+    assert len(lines) == 1, ran.stderr
+    assert "rank 3" in lines[0] and "had not exited 1 s" in lines[0], lines
+    assert str(tmp_path / "hang") in lines[0], lines
     stacks = (tmp_path / "hang" / "rank3-exit.txt").read_text()
     assert "Thread" in stacks and "wait" in stacks, stacks

@@ -29,17 +29,22 @@ from imagenet.settings.sources import is_url
 
 __all__ = ["LOOK", "StoppedChildren", "exit_within", "is_stopped"]
 
+EXIT_AT_LEAST = 30.0  # seconds: a short --hang-timeout (or --dist-timeout) must not end a
+# teardown that is only slow (loader workers, the process group) on a loaded machine
+
 
 def exit_within(timeout: float, rank: int, output_dir: Path | None = None) -> None:
     """After the watch closed (the run ended, however): a process of its own that is still
-    alive ``timeout`` seconds later is stuck in its teardown (a process group's destroy, a
-    thread that never ends, the interpreter's exit). Its Python stacks go to
-    OUTPUT_DIR/hang/rank{R}-exit.txt, one line names it, and it exits with the requeue code:
-    the run's files were complete when the watch closed, so a requeue's ``--resume auto``
-    finds the finished run. A daemon timer: a process that exits in time never sees it. Only for
-    processes that end with the run (never ``imagenet.train``'s caller)."""
+    alive ``timeout`` seconds (at least ``EXIT_AT_LEAST``) later is stuck in its teardown (a
+    process group's destroy, a thread that never ends, the interpreter's exit). Its Python
+    stacks go to OUTPUT_DIR/hang/rank{R}-exit.txt, one line names it, and it exits with the
+    requeue code: the run's files were complete when the watch closed, so a requeue's
+    ``--resume auto`` finds the finished run. A daemon timer: a process that exits in time
+    never sees it. Only for processes that end with the run (never ``imagenet.train``'s
+    caller)."""
     if timeout <= 0:
         return
+    timeout = max(timeout, EXIT_AT_LEAST)
     folder = (output_dir or watchdog.reports() or Path(".")) / HANG_DIR
 
     def end() -> None:
