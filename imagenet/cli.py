@@ -13,12 +13,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from imagenet.errors import (
-    INTERRUPTED_EXIT_CODE,
-    TrainerError,
-    report,
-    show_crash_stacks,
-)
+from imagenet.errors import INTERRUPTED_EXIT_CODE, TrainerError, report, show_crash_stacks
 from imagenet.launching.failures import stop_together
 from imagenet.launching.preemption import (
     PREEMPT_EXIT_CODE,
@@ -246,7 +241,7 @@ def child_exit(index: int, exit_code: int | None, signal_name: str | None) -> tu
 def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int:
     """The command line entry point: returns the process exit code. ``own_process`` (main.py):
     the process ends when this returns, so a teardown that never ends is ended
-    (``watchdog.exit_within``); an in-process caller's process is never."""
+    (``teardown.exit_within``); an in-process caller's process is never."""
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # main.py's already
     try:
         return _main(argv, own_process)

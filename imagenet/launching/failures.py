@@ -85,20 +85,6 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def process_exited(pid: int) -> bool:
-    """True once ``pid`` has exited (a zombie waiting for its parent counts as exited)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
-
-
 class SharedFate:
     """This rank's side of the protocol: its mailbox watcher, publishing, finishing."""
 
@@ -195,7 +181,7 @@ def follow(failure: Failure) -> None:
     if failure.host != host_id():
         return
     deadline = time.monotonic() + WAIT_FOR_EXIT
-    while not process_exited(failure.pid) and time.monotonic() < deadline:
+    while not watchdog.process_exited(failure.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(GRACE)
 

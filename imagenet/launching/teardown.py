@@ -66,10 +66,7 @@ def exit_within(timeout: float, rank: int, output_dir: Path | None = None) -> No
 
 def is_stopped(pid: int) -> bool:
     """True while ``pid`` is stopped (SIGSTOP, a terminal's stop) on Linux; False elsewhere."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "Tt"
-    except (OSError, IndexError):
-        return False
+    return watchdog.process_state(pid) in ("T", "t")
 
 
 class StoppedChildren:

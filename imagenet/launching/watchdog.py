@@ -410,24 +410,30 @@ def _end_if_here(stopped: dict, host: str, within: float = END_WAIT) -> None:
     if not pid or stopped.get("host") != host:
         return
     deadline = time.monotonic() + within
-    while time.monotonic() < deadline and not _exited(pid):
+    while time.monotonic() < deadline and not process_exited(pid):
         time.sleep(0.1)
     with _keep_going():
         os.kill(pid, signal.SIGKILL)
 
 
-def _exited(pid: int) -> bool:
-    """True once ``pid`` has exited (a zombie counts)."""
+def process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in /proc (R, S, T for stopped, Z for a zombie, ...); None
+    where it cannot be read (exited and reaped, no /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def process_exited(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie waiting for its parent counts as exited)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except OSError:
         return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
+    return process_state(pid) == "Z"
 
 
 def describe(stopped: dict, timeout: float, now: float, report: Path) -> str:
