@@ -25,6 +25,7 @@ from imagenet.data import objectstore
 from imagenet.data.shards.streams import ShardMissing, open_shard
 from imagenet.errors import RunError, UsageError
 from imagenet.settings.flags import parse_config
+from imagenet.settings.staging import staging_dir
 
 # A small model: every save is uploaded, and a 3 MB checkpoint keeps that quick.
 FLAGS = ["-a", "shufflenet_v2_x0_5", "--train-crop-size", "32", "--val-resize-size", "36",
@@ -123,7 +124,7 @@ def test_fresh_run_moves_the_urls_record_aside_and_push_uploads_in_order(s3, tmp
              "runs/old/tb/events.out.tfevents.1": b"ev"})
     cfg, remote = storage.stage(parse_config(["data", "--output-dir", "s3://runs/old/"]))
     staging = Path(cfg.output_dir)
-    assert remote.output_url == "s3://runs/old" and staging == storage.staging_dir(
+    assert remote.output_url == "s3://runs/old" and staging == staging_dir(
         "s3://runs/old")
     staging.mkdir(parents=True, exist_ok=True)
     remote.attach(continuing=False, training=True)
@@ -316,3 +317,37 @@ def test_evaluate_uploads_its_reports_and_predictions_to_urls(s3, folder_data, t
     assert json.loads(fs.cat_file("runs/ev0/per_class.json"))["images"] == 9
     assert fs.cat_file("runs/ev0/checkpoint.pth.tar") == checkpoint  # read, not rewritten
     assert len(fs.cat_file("data/elsewhere/p.csv").decode().splitlines()) == 10
+
+
+def test_the_plan_resolves_the_urls_once_every_stage_reads_the_local_folder(tmp_path,
+                                                                            monkeypatch):
+    """The plan stands a URL --output-dir / --resume / --predictions for local paths before any
+    process starts: the mp.spawn parent's hang report, the hang watch and the run all use the
+    staging folder (a report under Path('s3://...') made an 's3:' folder in the current one)."""
+    monkeypatch.chdir(tmp_path)
+    from imagenet.launching.teardown import StoppedChildren
+    from imagenet.settings.plan import make_plan
+
+    cfg = parse_config(["d", "--output-dir", "s3://runs/x/", "--resume",
+                        "s3://runs/x/checkpoint.pth.tar", "--predictions", "s3://out/p.csv"])
+    plan = make_plan(cfg, {}, 0)
+    staging = staging_dir("s3://runs/x")
+    assert Path(plan.cfg.output_dir) == staging
+    assert Path(plan.cfg.resume) == staging / "checkpoint.pth.tar"
+    assert Path(plan.cfg.predictions) == staging_dir("s3://out/p.csv") / "p.csv"
+    assert plan.staged.output_url == "s3://runs/x"
+    remote = storage.Remote.of(plan.staged)
+    assert remote.uploads == {"s3://out/p.csv": Path(plan.cfg.predictions)}
+    assert storage.Remote.of(make_plan(parse_config(["d"]), {}, 0).staged) is None
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+    class Stopped:  # the spawned child, as StoppedChildren sees it (it ends at the join)
+        pid = child.pid
+        join = staticmethod(lambda _timeout: (child.kill(), child.wait()))
+        is_alive = staticmethod(lambda: child.poll() is None)
+        kill = staticmethod(child.kill)
+
+    StoppedChildren(1.0, plan.ranks, Path(plan.cfg.output_dir)).end(0, Stopped(), 40.0)
+    assert (staging / "hang" / "report.json").is_file()
+    assert not any(tmp_path.iterdir())  # nothing under the current folder

@@ -35,16 +35,13 @@ refused. A warning says so; the lock on the staging folder covers this host only
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import socket
-import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +51,9 @@ from imagenet.checkpoint import files
 from imagenet.errors import RunError, UsageError
 from imagenet.reporting.logger import METRICS
 from imagenet.reporting.trackers import RUN_IDS
+from imagenet.settings import staging
 from imagenet.settings.flags import CACHE, Config
-from imagenet.settings.sources import is_url
+from imagenet.settings.staging import Staging
 
 log = logging.getLogger(__name__)
 
@@ -68,54 +66,10 @@ DEMO = "demo-data"  # --demo builds its data set in OUTPUT_DIR
 NOT_UPLOADED = {rundir.PREVIOUS, DEMO, CACHE}
 
 
-def staging_dir(url: str, evaluate: bool = False) -> Path:
-    """The local folder that stands for ``url`` on this node (the same on every rank);
-    ``evaluate``: -e's own, apart from a training run's."""
-    digest = hashlib.sha1(url.encode()).hexdigest()[:12]
-    tail = re.sub(r"[^A-Za-z0-9._-]+", "_", url.rstrip("/").rsplit("/", 1)[-1])[:40]
-    return Path(tempfile.gettempdir()) / "imagenet-trainer" / \
-        f"{tail}-{digest}{'-eval' if evaluate else ''}"
-
-
 def stage(cfg: Config) -> tuple[Config, Remote | None]:
-    """``cfg`` with a URL --output-dir / --resume / --predictions replaced by local paths, and
-    what to sync.
-
-    Pure (no I/O): every rank computes the same paths.
-    """
-    output_url = cfg.output_dir.rstrip("/") if is_url(cfg.output_dir) else None
-    resume_url = cfg.resume if is_url(cfg.resume) else None
-    predictions_url = cfg.predictions if is_url(cfg.predictions) else None
-    if output_url is None and resume_url is None and predictions_url is None:
-        return cfg, None
-    if output_url and cfg.sharded_checkpoint:
-        raise UsageError(f"--sharded-checkpoint: every rank writes its shards into "
-                         f"--output-dir, which {output_url} cannot collect; give a shared "
-                         "filesystem path, or drop --sharded-checkpoint")
-    staging = staging_dir(output_url, cfg.evaluate) if output_url else None
-    changes: dict[str, str] = {}
-    if staging is not None:
-        changes["output_dir"] = str(staging)
-    resume_local = None
-    if resume_url:
-        resume_local = local_path(resume_url, output_url, staging, cfg.evaluate)
-        changes["resume"] = str(resume_local)
-    uploads = {}
-    if predictions_url:
-        local = local_path(predictions_url, output_url, staging, cfg.evaluate)
-        changes["predictions"] = str(local)
-        if staging is None or not local.is_relative_to(staging):
-            uploads[predictions_url] = local  # not part of OUTPUT_DIR's folder: on its own
-    return replace(cfg, **changes), Remote(output_url, staging, resume_url, resume_local,
-                                           uploads)
-
-
-def local_path(url: str, output_url: str | None, staging: Path | None, evaluate: bool) -> Path:
-    """Where the file at ``url`` is on this node: in the staging folder when it is inside the
-    --output-dir URL, else in a folder of its own."""
-    if staging is not None and output_url is not None and url.startswith(output_url + "/"):
-        return staging / url[len(output_url) + 1:]
-    return staging_dir(url, evaluate) / url.rstrip("/").rsplit("/", 1)[-1]
+    """``cfg`` with its URLs replaced by local paths (``settings.staging``), and what to sync."""
+    cfg, staged = staging.stage(cfg)
+    return cfg, Remote.of(staged)
 
 
 @dataclass
@@ -130,6 +84,14 @@ class Remote:
     # What the URLs hold: path inside the staging folder (or an upload's URL) -> signature()
     # when sent or downloaded.
     sent: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, staged: Staging | None) -> Remote | None:
+        """What to sync for the plan's ``staged`` URLs (None: none)."""
+        if staged is None:
+            return None
+        return cls(staged.output_url, staged.staging, staged.resume_url, staged.resume_local,
+                   dict(staged.uploads))
 
     def attach(self, continuing: bool, training: bool) -> None:
         """Rank 0, before the resume: check the URLs, fill the staging folder (``continuing``:

@@ -25,7 +25,6 @@ from imagenet.errors import say_error
 from imagenet.launching import watchdog
 from imagenet.launching.watchdog import END_WAIT, HANG_DIR, LOOK, REQUEUE, write_report
 from imagenet.settings.launch import Ranks
-from imagenet.settings.sources import is_url
 
 __all__ = ["LOOK", "StoppedChildren", "exit_within", "is_stopped"]
 
@@ -85,8 +84,8 @@ class StoppedChildren:
 
     def __init__(self, hang_timeout: float, ranks: Callable[[int], Ranks], output_dir: Path
                  ) -> None:
-        """``output_dir``: the local run folder the report goes to (the children's staging
-        folder of an object-storage --output-dir is theirs: then the line alone)."""
+        """``output_dir``: the run's local folder, where the report goes (an object-storage
+        --output-dir's staging folder: the plan's)."""
         self.hang_timeout, self.ranks, self.output_dir = hang_timeout, ranks, output_dir
         self.since: dict[int, float] = {}  # child index -> when it was first seen stopped
         self.ended: int | None = None  # the child this ended
@@ -115,12 +114,11 @@ class StoppedChildren:
                 f"then ended it; exit {REQUEUE} so that a requeue resumes from the "
                 "last checkpoint (or finds the finished run)")
         with contextlib.suppress(OSError):
-            if not is_url(str(self.output_dir)):
-                folder.mkdir(parents=True, exist_ok=True)
-                write_report(folder, {"rank": rank, "pid": process.pid, "silent": True,
-                                      "what": "stopped (SIGSTOP)", "found_by": "spawn",
-                                      "hang_timeout": self.hang_timeout, "message": line},
-                             rank, time.time() - quiet)
+            folder.mkdir(parents=True, exist_ok=True)
+            write_report(folder, {"rank": rank, "pid": process.pid, "silent": True,
+                                  "what": "stopped (SIGSTOP)", "found_by": "spawn",
+                                  "hang_timeout": self.hang_timeout, "message": line},
+                         rank, time.time() - quiet)
         say_error(line)
         with contextlib.suppress(OSError):
             os.kill(process.pid, signal.SIGCONT)

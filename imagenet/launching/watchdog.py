@@ -454,15 +454,6 @@ def reports() -> Path | None:
     return _reports
 
 
-def report_to(output_dir: Path) -> None:
-    """Write a hang's report into ``output_dir``/hang (the run's folder, once it is known: an
-    object-storage --output-dir's local staging folder)."""
-    global _reports
-    _reports = output_dir
-    if _dog is not None:
-        _dog.output_dir = output_dir
-
-
 def start(timeout: float, rank: int, world: int, output_dir: Path,
           store: dist.Store | None = None, prefix: str = "imagenet/hang",
           host: str = "") -> Watchdog | None:

@@ -23,7 +23,7 @@ import imagenet.launching.timelimit as timelimit
 import imagenet.launching.watchdog as watchdog
 import imagenet.settings.recipe as recipe
 from imagenet.checkpoint.guard import last_good
-from imagenet.checkpoint.storage import stage
+from imagenet.checkpoint.storage import Remote
 from imagenet.data.folder import shutdown_workers
 from imagenet.data.prefetch import device_batches
 from imagenet.errors import NonFiniteLossError, Preempted, on_every_rank
@@ -67,13 +67,12 @@ def run_training(plan: Plan, dist: DistInfo, outputs: Outputs | None = None
 
     ``outputs``: imagenet.train's caller's hooks (``imagenet.run.outputs``).
     """
-    cfg, remote = stage(plan.cfg)  # an object-storage --output-dir: a local folder, mirrored
-    plan = replace(plan, cfg=cfg)
+    cfg = plan.cfg
+    remote = Remote.of(plan.staged)  # an object-storage --output-dir: a local folder, mirrored
     finished = nothing_left(cfg, dist, plan.restarted)
     if finished:  # a chained job after the last epoch: leave at once
         log.info("%s", finished)
         return {}
-    watchdog.report_to(Path(cfg.output_dir))  # a hang's stacks: the run's (staging) folder
     clock = StartClock.begin(plan.started)
     run = build_run(plan, dist, clock)
     run.outputs = replace(outputs or Outputs(), remote=remote, written=run.writer.wait)

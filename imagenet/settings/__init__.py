@@ -7,6 +7,7 @@
             per-process batch and loader workers (``Layout``); ``slurm`` reads SLURM's variables.
   crops     the training crop of every epoch (progressive resizing).
   sources   what the data argument names: an ImageFolder or tar shards.
+  staging   the local paths that stand for an object-storage --output-dir, --resume, --predictions.
   plan      ``make_plan``: all of the above into one ``Plan``, before any process, model or
             loader is built. Every later stage reads the plan, never the raw flags or the
             launchers' variables again.

@@ -25,6 +25,7 @@ from imagenet.settings.duration import end_time
 from imagenet.settings.flags import Config
 from imagenet.settings.launch import Launch, Layout, Ranks, plan_job
 from imagenet.settings.sources import data_format
+from imagenet.settings.staging import Staging, stage
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class Plan:
     # (mp.spawn's parent, torchrun's agent): killed, it cannot stop them; they stop on their own
     notes: tuple[str, ...] = field(default=())  # warnings about the launch, said once
     lr_rule: str | None = None  # how --lr-base became cfg.lr (None: --lr as given)
+    # The object-storage URLs that cfg's output_dir, resume and predictions stand for locally
+    staged: Staging | None = None
 
     def ranks(self, local_index: int = 0) -> Ranks:
         """The ranks of this node's process ``local_index`` (0 outside mp.spawn)."""
@@ -210,6 +213,7 @@ def make_plan(cfg: Config, env: Mapping[str, str], cuda_count: int,
     may use, cores of the machine), None reads them; ``started``: when --time-limit starts
     counting (unix time; None: when this process started, as main.py's).
     """
+    cfg, staged = stage(cfg)  # URLs: local paths from here on
     job = plan_job(cfg, env, cuda_count, launch, group, cpus)
     cfg, lr_rule = with_learning_rate(cfg, job.layout.global_batch)
     fmt = source_format(cfg)
@@ -220,15 +224,16 @@ def make_plan(cfg: Config, env: Mapping[str, str], cuda_count: int,
     return Plan(cfg, job.launch, job.layout, crop_schedule(cfg), fmt, device_type,
                 decode_path(cfg, fmt, device_type, job.layout.workers), job.restarts,
                 job.agent_store, started, limit, env.get("SLURM_JOB_ID"),
-                hang_timeout(cfg), job.process, job.launcher, job.notes, lr_rule)
+                hang_timeout(cfg), job.process, job.launcher, job.notes, lr_rule, staged)
 
 
 def fixed_plan(cfg: Config, layout: Layout, device_type: str = "cpu") -> Plan:
     """The plan of a process whose layout is given (benchmarks and tests that build a run's
     parts directly): one launch of its own, nothing read from the environment."""
+    cfg, staged = stage(cfg)
     fmt = source_format(cfg)
     cfg, lr_rule = with_learning_rate(cfg, layout.global_batch)
     return Plan(cfg, Launch("single", reason="given layout"), layout, crop_schedule(cfg), fmt,
                 device_type, decode_path(cfg, fmt, device_type, layout.workers), 0, False,
                 time.time(), None, None, hang_timeout(cfg), Ranks(0, 0, layout.world_size, 1),
-                lr_rule=lr_rule)
+                lr_rule=lr_rule, staged=staged)
