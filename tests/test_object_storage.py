@@ -336,6 +336,7 @@ def test_the_plan_resolves_the_urls_once_every_stage_reads_the_local_folder(tmp_
     assert Path(plan.cfg.resume) == staging / "checkpoint.pth.tar"
     assert Path(plan.cfg.predictions) == staging_dir("s3://out/p.csv") / "p.csv"
     assert plan.staged.output_url == "s3://runs/x"
+    assert plan.cache_dir == staging / "cache"  # the folder index and graphs: kept on this node
     remote = storage.Remote.of(plan.staged)
     assert remote.uploads == {"s3://out/p.csv": Path(plan.cfg.predictions)}
     assert storage.Remote.of(make_plan(parse_config(["d"]), {}, 0).staged) is None

@@ -161,7 +161,7 @@ def build_run(plan: Plan, dist: DistInfo, clock: StartClock | None = None) -> Ru
     ema = build_ema(raw, cfg, layout)  # a copy of the whole model: before --fsdp shards it
     compiled = None
     if clock is not None and cfg.compile:  # before anything compiles
-        compiled = open_cache(cfg.cache_path(), graph_signature(cfg, layout, data.num_classes,
+        compiled = open_cache(plan.cache_dir, graph_signature(cfg, layout, data.num_classes,
                                                                 dist.device), dist.is_main)
     model = wrap(raw, cfg, dist, ema, sizes=plan.train_sizes)
     if cfg.seed is not None:  # per-rank stream for dropout / MixUp in the training step

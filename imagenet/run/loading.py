@@ -28,20 +28,20 @@ def data_root(cfg: Config, output_dir: Path) -> str:
     return str(make_demo_dataset(output_dir / "demo-data"))
 
 
-def index_files(cfg: Config, dist: DistInfo) -> IndexFiles:
+def index_files(plan: Plan, dist: DistInfo) -> IndexFiles:
     """Where the folder indexes are kept (--cache-dir); every process reads them. Rank 0 writes
     the ones it builds; so does each other node's first process when --cache-dir names a folder
     (node-local data copies then get one each): in the default OUTPUT_DIR/cache, the run folder
     is rank 0's alone, and a node without it writes nothing there."""
-    writes = dist.is_main or (dist.local_rank == 0 and cfg.cache_dir is not None)
-    return IndexFiles(cfg.cache_path(), write=writes)
+    writes = dist.is_main or (dist.local_rank == 0 and plan.cfg.cache_dir is not None)
+    return IndexFiles(plan.cache_dir, write=writes)
 
 
 def load_data(plan: Plan, dist: DistInfo, root: str, aug_seed: int) -> Data:
     """This rank's data: an ImageFolder (or --dummy data) or tar shards, as the plan says."""
     cfg = plan.cfg
     pin_memory = dist.device.type == "cuda"
-    indexes = index_files(cfg, dist)
+    indexes = index_files(plan, dist)
     if plan.data_format != "shards" and cfg.evaluate and cfg.val_data:  # -e: DIR is not read
         return eval_data.build_eval_data(plan, dist.rank, aug_seed, pin_memory, indexes)
     if dist.is_main and plan.decode.on_device:

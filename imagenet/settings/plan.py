@@ -60,6 +60,7 @@ class Plan:
     lr_rule: str | None = None  # how --lr-base became cfg.lr (None: --lr as given)
     # The object-storage URLs that cfg's output_dir, resume and predictions stand for locally
     staged: Staging | None = None
+    cache_dir: Path | None = None  # the folder index and compiled graphs (--cache-dir; None: off)
 
     def ranks(self, local_index: int = 0) -> Ranks:
         """The ranks of this node's process ``local_index`` (0 outside mp.spawn)."""
@@ -224,7 +225,8 @@ def make_plan(cfg: Config, env: Mapping[str, str], cuda_count: int,
     return Plan(cfg, job.launch, job.layout, crop_schedule(cfg), fmt, device_type,
                 decode_path(cfg, fmt, device_type, job.layout.workers), job.restarts,
                 job.agent_store, started, limit, env.get("SLURM_JOB_ID"),
-                hang_timeout(cfg), job.process, job.launcher, job.notes, lr_rule, staged)
+                hang_timeout(cfg), job.process, job.launcher, job.notes, lr_rule, staged,
+                cfg.cache_path())
 
 
 def fixed_plan(cfg: Config, layout: Layout, device_type: str = "cpu") -> Plan:
@@ -236,4 +238,4 @@ def fixed_plan(cfg: Config, layout: Layout, device_type: str = "cpu") -> Plan:
     return Plan(cfg, Launch("single", reason="given layout"), layout, crop_schedule(cfg), fmt,
                 device_type, decode_path(cfg, fmt, device_type, layout.workers), 0, False,
                 time.time(), None, None, hang_timeout(cfg), Ranks(0, 0, layout.world_size, 1),
-                lr_rule=lr_rule, staged=staged)
+                lr_rule=lr_rule, staged=staged, cache_dir=cfg.cache_path())
