@@ -319,6 +319,31 @@ def test_evaluate_uploads_its_reports_and_predictions_to_urls(s3, folder_data, t
     assert len(fs.cat_file("data/elsewhere/p.csv").decode().splitlines()) == 10
 
 
+@pytest.mark.slow
+def test_what_reads_the_checkpoint_before_the_resume_finds_the_buckets(s3, folder_data,
+                                                                        tmp_path):
+    """The checkpoint of a URL --output-dir / --resume is downloaded before anything reads it:
+    -e --val-data labels its folder with the bucket checkpoint's classes (it found no file on
+    a node with nothing staged), and a chained job whose bucket run has trained every epoch
+    ends at once, on another node, without building the data or the model."""
+    env = child_env(**s3, **on_node(tmp_path, "a"))
+    train = run_main(str(folder_data), *FLAGS, "--epochs", "1", "--output-dir", "s3://runs/vd",
+                     env=env, cwd=tmp_path)
+    assert train.returncode == 0, train.stderr
+    node_b = child_env(**s3, **on_node(tmp_path, "b"))  # nothing staged there
+    proc = run_main(*FLAGS, "-e", "--resume", "s3://runs/vd/checkpoint.pth.tar", "--val-data",
+                    str(folder_data / "val"), "--output-dir", str(tmp_path / "ev"),
+                    "--log-to", "none", env=node_b, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "ev" / "per_class.json").read_text())["images"] == 9
+    chained = run_main(str(folder_data), *FLAGS, "--epochs", "1", "--output-dir",
+                       "s3://runs/vd", "--resume", "auto",
+                       env=child_env(**s3, **on_node(tmp_path, "c")), cwd=tmp_path)
+    assert chained.returncode == 0, chained.stderr
+    assert "=> nothing left to train" in chained.stdout, chained.stdout
+    assert "on cpu: global batch" not in chained.stdout  # nothing was built
+
+
 def test_the_plan_resolves_the_urls_once_every_stage_reads_the_local_folder(tmp_path,
                                                                             monkeypatch):
     """The plan stands a URL --output-dir / --resume / --predictions for local paths before any

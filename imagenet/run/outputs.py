@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import imagenet.checkpoint.rundir as rundir
 from imagenet.checkpoint import files
 from imagenet.checkpoint.storage import Remote
 from imagenet.launching.collectives import DistInfo, on_rank0
@@ -72,14 +73,22 @@ class Outputs:
         if saved is not None and self.on_checkpoint is not None:
             self.on_checkpoint(saved)
 
-    @contextlib.contextmanager
-    def attached(self, cfg: Config, dist: DistInfo, output_dir: Path, restarted: bool
-                 ) -> Iterator[None]:
-        """Around the resume and the training: rank 0 prepares OUTPUT_DIR first (every rank
-        raises its error), and uploads what is there at the end, however the run ends.
-        ``restarted``: torchrun restarted the job (it continues OUTPUT_DIR's checkpoint)."""
-        if self.remote is not None or self.resume_from is not None:  # the same on every rank
+    @property
+    def fills_output_dir(self) -> bool:
+        """OUTPUT_DIR is filled before the run reads it (``fill``): the same on every rank."""
+        return self.remote is not None or self.resume_from is not None
+
+    def fill(self, cfg: Config, dist: DistInfo, output_dir: Path, restarted: bool) -> None:
+        """Before anything reads OUTPUT_DIR: rank 0 fills the staging folder from the URL and
+        adopts ``resume_from`` (every rank raises its error). ``restarted``: torchrun
+        restarted the job (it continues OUTPUT_DIR's checkpoint). Collective."""
+        if self.fills_output_dir:
             on_rank0(dist, lambda: self.prepare(cfg, output_dir, restarted))
+
+    @contextlib.contextmanager
+    def uploading(self, dist: DistInfo) -> Iterator[None]:
+        """Around the resume and the training: rank 0 uploads what is in the staging folder at
+        the end, however the run ends."""
         uploads = self.remote is not None and dist.is_main
         try:
             yield
@@ -94,6 +103,7 @@ class Outputs:
     def prepare(self, cfg: Config, output_dir: Path, restarted: bool) -> None:
         """Rank 0: fill the staging folder from the URL, and adopt ``resume_from``."""
         if self.remote is not None:
+            rundir.prepare_folder(output_dir)  # -e's (a training run's folder is claimed)
             own = str(output_dir / files.CHECKPOINT)
             continuing = cfg.resume in ("auto", own) or restarted
             self.remote.attach(continuing, training=not cfg.evaluate)

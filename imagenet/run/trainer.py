@@ -67,30 +67,43 @@ def run_training(plan: Plan, dist: DistInfo, outputs: Outputs | None = None
 
     ``outputs``: imagenet.train's caller's hooks (``imagenet.run.outputs``).
     """
-    cfg = plan.cfg
-    remote = Remote.of(plan.staged)  # an object-storage --output-dir: a local folder, mirrored
-    finished = nothing_left(cfg, dist, plan.restarted)
-    if finished:  # a chained job after the last epoch: leave at once
-        log.info("%s", finished)
-        return {}
-    clock = StartClock.begin(plan.started)
-    run = build_run(plan, dist, clock)
-    run.outputs = replace(outputs or Outputs(), remote=remote, written=run.writer.wait)
-    try:
-        # Rank 0 of a training run holds OUTPUT_DIR's lock until the run ends; -e only reads.
-        lock = contextlib.nullcontext() if cfg.evaluate else \
-            rundir.claim_folder(Path(cfg.output_dir), dist, plan.slurm_job)
-        with lock, disk.output_errors(run.output_dir), \
-                run.outputs.attached(run.cfg, dist, run.output_dir, plan.restarted):
-            return resume_and_train(run)
-    finally:
-        # Loader workers ignore SIGTERM (preemption.ignore_stop_signals): stop them here, or
-        # multiprocessing's exit handler would terminate them in vain and wait forever.
-        shutdown_workers(run.data.train_loader, run.data.val_loader)
-        if run.compile_cache is not None:
-            run.compile_cache.close()
-        if run.val_check is not None:
-            run.val_check.cancel()
+    cfg, output_dir = plan.cfg, Path(plan.cfg.output_dir)
+    outs = replace(outputs or Outputs(), remote=Remote.of(plan.staged))
+    with contextlib.ExitStack() as held:
+        locked = False
+        if outs.fills_output_dir:
+            # An object-storage --output-dir's staging folder (or the caller's checkpoint of
+            # this run) is filled before anything reads OUTPUT_DIR: the check for a finished
+            # run, the early start, -e --val-data's classes and the resume all see what the
+            # run continues. A training run holds the folder's lock from here.
+            if not cfg.evaluate:
+                held.enter_context(rundir.claim_folder(output_dir, dist, plan.slurm_job))
+                locked = True
+            with disk.output_errors(output_dir):
+                outs.fill(cfg, dist, output_dir, plan.restarted)
+        finished = nothing_left(cfg, dist, plan.restarted)
+        if finished:  # a chained job after the last epoch: leave at once
+            log.info("%s", finished)
+            return {}
+        clock = StartClock.begin(plan.started)
+        run = build_run(plan, dist, clock)
+        run.outputs = replace(outs, written=run.writer.wait)
+        try:
+            # Rank 0 of a training run holds OUTPUT_DIR's lock until the run ends (claimed once
+            # the data and the model are built: a mistyped data folder leaves no trace); -e
+            # only reads.
+            if not (cfg.evaluate or locked):
+                held.enter_context(rundir.claim_folder(output_dir, dist, plan.slurm_job))
+            with disk.output_errors(run.output_dir), run.outputs.uploading(dist):
+                return resume_and_train(run)
+        finally:
+            # Loader workers ignore SIGTERM (preemption.ignore_stop_signals): stop them here, or
+            # multiprocessing's exit handler would terminate them in vain and wait forever.
+            shutdown_workers(run.data.train_loader, run.data.val_loader)
+            if run.compile_cache is not None:
+                run.compile_cache.close()
+            if run.val_check is not None:
+                run.val_check.cancel()
 
 
 def resume_and_train(run: Run) -> dict[str, float]:
