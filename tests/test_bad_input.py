@@ -85,6 +85,8 @@ def test_resume_file_missing_is_an_error_not_a_fresh_start(capsys, image_folder,
                     "--output-dir", str(out))
     assert rc == 2 and "--resume: no checkpoint at" in _one_error_line(err)
     assert (out / "checkpoint.pth.tar").read_bytes() == b"precious"
+    # Decided once, before anything is built: the data set was not even listed.
+    assert not (out / "cache").exists()
 
 
 def _resume_error(capsys, data: Path, tmp_path: Path, ckpt: Path, *extra: str) -> str:

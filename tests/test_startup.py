@@ -49,7 +49,7 @@ def reference(data: Path, out: Path, epoch: int, images: int, count: int) -> lis
 def test_batches_started_early_are_the_ones_the_start_asks_for(data, tmp_path):
     plan, built = loaders(data, tmp_path / "out", "--start-epoch", "1", "--epochs", "3")
     try:
-        early = start_early(plan, built, tmp_path / "out")
+        early = start_early(plan, built, None)
         assert early is not None and early.key == (0, 5, 1, 0)
         assert built.train_loader._iterator is not None  # the worker is up, fetching
         got = early.take((0, 5, 1, 0))
@@ -63,7 +63,7 @@ def test_batches_started_early_are_the_ones_the_start_asks_for(data, tmp_path):
 def test_a_wrong_guess_is_thrown_away(data, tmp_path):
     plan, built = loaders(data, tmp_path / "out")
     try:
-        early = start_early(plan, built, tmp_path / "out")
+        early = start_early(plan, built, None)
         assert early is not None
         # The resume continues elsewhere (another rank's checkpoint, another seed): the workers
         # that hold the guessed seeds are stopped, and the loader starts on the real position.
@@ -88,7 +88,7 @@ def test_no_early_start_without_workers(data, tmp_path):
     cfg = parse_config([str(data), *TINY, "--output-dir", str(tmp_path / "out")])
     plan = fixed_plan(cfg, Layout(1, 8, 1, 0))
     built = build_data(plan, data, 0, aug_seed=5, pin_memory=False)
-    assert start_early(plan, built, tmp_path / "out") is None
+    assert start_early(plan, built, None) is None
 
 
 def test_the_clock_names_every_stage(monkeypatch):

@@ -11,6 +11,7 @@ rank 0's everywhere.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,38 @@ log = logging.getLogger(__name__)
 Found = tuple[Path, dict[str, Any]]
 
 
-def resolve_and_load(resume: str | None, output_dir: Path, sharded: bool,
-                     restarted: bool = False, repair: bool = False) -> Found | None:
-    """This process's choice: the checkpoint --resume (or a torchrun restart, ``restarted``)
-    names, loaded (a --sharded-checkpoint directory: its trainer state; the shards are read
-    later). ``repair``: a damaged checkpoint of OUTPUT_DIR that --resume auto fell back from
-    is replaced by a copy of the intact one (training runs; -e only reads)."""
-    path = files.resolve_resume(resume, output_dir, restarted, sharded)
+@dataclass(frozen=True)
+class Decided:
+    """The checkpoint a run resumes, decided once (``decide``); ``path`` None: a fresh start."""
+
+    path: Path | None
+
+
+def decide(resume: str | None, output_dir: Path, info: DistInfo, sharded: bool = False,
+           restarted: bool = False) -> Path | None:
+    """The checkpoint this run continues (None: a fresh start), decided once, by rank 0
+    (``files.resolve_resume``), and the same on every rank: every later stage (the check for a
+    finished run, the early start, -e --val-data's classes, the resume) reads this. Rank 0's
+    error (a --resume path that does not exist) is raised on every rank. Collective."""
+    if not info.distributed:
+        return files.resolve_resume(resume, output_dir, restarted, sharded)
+    decision: dict[str, Any] | None = None
+    if info.is_main:
+        try:
+            path = files.resolve_resume(resume, output_dir, restarted, sharded)
+            decision = {"path": None if path is None else str(path)}
+        except TrainerError as exc:
+            decision = {"error": type(exc).__name__, "message": str(exc)}
+    decision = _agreed(decision)
+    return None if decision["path"] is None else Path(decision["path"])
+
+
+def load_decided(path: Path | None, resume: str | None, output_dir: Path,
+                 restarted: bool = False, repair: bool = False) -> Found | None:
+    """The decided checkpoint ``path`` loaded (a --sharded-checkpoint directory: its trainer
+    state; the shards are read later). A damaged checkpoint of OUTPUT_DIR that --resume auto
+    (or a torchrun restart, ``restarted``) chose falls back to the newest intact one;
+    ``repair``: the damaged file is replaced by a copy of it (training runs; -e only reads)."""
     if path is None:
         return None
     try:
@@ -101,26 +127,22 @@ def identity(ckpt: dict[str, Any]) -> list[Any]:
     return [ckpt.get("epoch"), ckpt.get("step_in_epoch"), ckpt.get("global_step"), weights]
 
 
-def agreed_checkpoint(resume: str | None, output_dir: Path, info: DistInfo,
-                      sharded: bool = False, restarted: bool = False,
-                      repair: bool = False) -> Found | None:
-    """The checkpoint every rank resumes from (None: all start fresh); ``restarted``: torchrun
-    restarted the job (its checkpoint is resumed without --resume); ``repair``: see
-    ``resolve_and_load``. Collective."""
+def agreed_checkpoint(path: Path | None, resume: str | None, output_dir: Path, info: DistInfo,
+                      restarted: bool = False, repair: bool = False) -> Found | None:
+    """The decided checkpoint ``path`` (``decide``) loaded on every rank (None: all start
+    fresh); ``restarted``: torchrun restarted the job (its checkpoint is resumed without
+    --resume); ``repair``: see ``load_decided``. Collective."""
     if not info.distributed:
-        return resolve_and_load(resume, output_dir, sharded, restarted, repair)
+        return load_decided(path, resume, output_dir, restarted, repair)
     found, decision = None, None
     if info.is_main:
         try:
-            found = resolve_and_load(resume, output_dir, sharded, restarted, repair)
+            found = load_decided(path, resume, output_dir, restarted, repair)
             decision = {"path": str(found[0]) if found else None,
                         "identity": identity(found[1]) if found else None}
         except TrainerError as exc:
             decision = {"error": type(exc).__name__, "message": str(exc)}
-    decision = _broadcast(decision)
-    if "error" in decision:
-        error = getattr(errors, decision["error"], errors.RunError)
-        raise errors.on_every_rank(error(decision["message"]))
+    decision = _agreed(decision)
     if decision["path"] is None:
         if resume == "auto" or restarted:
             _note_ignored_checkpoint(output_dir, info)
@@ -134,6 +156,15 @@ def agreed_checkpoint(resume: str | None, output_dir: Path, info: DistInfo,
         received = _broadcast(found[1] if found else None)
         found = found or (path, received)
     return found
+
+
+def _agreed(decision: dict[str, Any] | None) -> dict[str, Any]:
+    """Rank 0's ``decision`` on every rank; its error raised on every rank."""
+    decision = _broadcast(decision)
+    if "error" in decision:
+        error = getattr(errors, decision["error"], errors.RunError)
+        raise errors.on_every_rank(error(decision["message"]))
+    return decision
 
 
 def _broadcast(obj: Any) -> Any:

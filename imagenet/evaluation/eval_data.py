@@ -51,10 +51,9 @@ def check_predictions_path(path: Path) -> None:
         raise UsageError(f"--predictions {path}: its folder is not writable")
 
 
-def checkpoint_classes(cfg: Config) -> tuple[Path, list[str] | None, list[int] | None]:
-    """The --resume checkpoint of -e, its class names and training images per class (either
-    None when it does not record them)."""
-    path = files.resolve_resume(cfg.resume, Path(cfg.output_dir), False, cfg.sharded_checkpoint)
+def checkpoint_classes(path: Path | None) -> tuple[Path, list[str] | None, list[int] | None]:
+    """-e's checkpoint (``path``, decided once), its class names and training images per class
+    (either None when it does not record them)."""
     if path is None:
         raise UsageError("-e --val-data FOLDER evaluates a checkpoint and labels the folder's "
                          "images with its class names: give --resume PATH")
@@ -69,12 +68,13 @@ def checkpoint_classes(cfg: Config) -> tuple[Path, list[str] | None, list[int] |
 
 
 def build_eval_data(plan: Plan, rank: int, aug_seed: int, pin_memory: bool,
-                    indexes: IndexFiles | None = None) -> Data:
+                    indexes: IndexFiles | None = None, continues: Path | None = None) -> Data:
     """-e --val-data FOLDER: that folder's images labelled with the checkpoint's classes; DIR
     is not read (nothing trains: the images stand in as the training set, which no step
-    reads); ``indexes``: where its folder index is kept."""
+    reads); ``indexes``: where its folder index is kept; ``continues``: the checkpoint -e
+    evaluates (decided once)."""
     cfg = plan.cfg
-    path, classes, counts = checkpoint_classes(cfg)
+    path, classes, counts = checkpoint_classes(continues)
     folder = Path(cfg.val_data)  # type: ignore[arg-type]
     if classes is None:
         classes = sorted(p.name for p in folder.iterdir() if p.is_dir()) \

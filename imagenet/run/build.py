@@ -14,6 +14,7 @@ from torch import nn
 import imagenet.data.shm as shm
 import imagenet.evaluation.eval_data as eval_data
 from imagenet.checkpoint import files
+from imagenet.checkpoint.source import Decided, decide
 from imagenet.checkpoint.weights import read_agreed
 from imagenet.checkpoint.writer import Writer
 from imagenet.data.folder import Data
@@ -67,6 +68,7 @@ class Run:
     best: Best
     best_ema: Best | None  # --model-ema: the EMA weights' best top-1
     aug_seed: int  # augmentation randomness is a function of (aug_seed, epoch, sample)
+    continues: Path | None = None  # the checkpoint the run resumes, decided once (None: fresh)
     epoch_start: EpochStart = field(default_factory=EpochStart)  # a resume inside an epoch
     outputs: Outputs = field(default_factory=Outputs)  # object storage, imagenet.train's caller
     # What the epoch's metrics.jsonl record needs, checkpointed: its training so far, and (once
@@ -110,15 +112,21 @@ def seed_process(seed: int | None) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def build_run(plan: Plan, dist: DistInfo, clock: StartClock | None = None) -> Run:
+def build_run(plan: Plan, dist: DistInfo, clock: StartClock | None = None,
+              continues: Decided | None = None) -> Run:
     """Data, model and engine for this process (no resume yet).
 
     ``clock``: a run's start (``run.trainer``), timed by it: the training loader also starts
     at once, before the model is built (``start_early``), and --compile reuses the compiled
-    graphs a previous start kept (``training.compile_cache``).
+    graphs a previous start kept (``training.compile_cache``). ``continues``: the checkpoint
+    the run resumes, as the caller decided it (``checkpoint.source.decide``); None: decided
+    here. Collective.
     """
     cfg, layout = plan.cfg, plan.layout
     output_dir = Path(cfg.output_dir)  # made, checked and locked by checkpoint.rundir.claim_folder
+    if continues is None:
+        continues = Decided(decide(cfg.resume, output_dir, dist, cfg.sharded_checkpoint,
+                                   plan.restarted))
     # Model init uses the same seed on every rank; augmentation gets its own per-sample seeds.
     seed_process(cfg.seed)
     eval_data.check_outputs(cfg, dist)  # -e's report folder, --predictions
@@ -130,7 +138,7 @@ def build_run(plan: Plan, dist: DistInfo, clock: StartClock | None = None) -> Ru
                           random.SystemRandom().randrange(2**31))
     root = data_root(cfg, output_dir)
     with slow_stage(f"reading the data set {root} (listing every image)") as stage:
-        data = load_data(plan, dist, root, aug_seed)
+        data = load_data(plan, dist, root, aug_seed, continues.path)
         stage.done = (f"found {data.num_classes} classes, {data.train.images} training images "
                       f"per epoch and {data.val_size} validation images")
     if cfg.fsdp and data.val_size < dist.world_size:  # every rank joins every sharded forward
@@ -144,7 +152,7 @@ def build_run(plan: Plan, dist: DistInfo, clock: StartClock | None = None) -> Ru
     early, val_check = None, None
     if clock is not None:
         clock.mark("data", data.listed)
-        early = start_early(plan, data, output_dir)
+        early = start_early(plan, data, continues.path)
         if not cfg.evaluate:  # checked before training (preflight), meanwhile in the background
             val_check = image_check(data.val_loader.dataset, dist.rank, dist.world_size,
                                     cfg.image_backend)
@@ -172,7 +180,7 @@ def build_run(plan: Plan, dist: DistInfo, clock: StartClock | None = None) -> Ru
     name = files.dcp_name if cfg.sharded_checkpoint else str  # best: a file or a directory
     best_ema = Best(output_dir / name(files.BEST_EMA)) if cfg.model_ema else None
     run = Run(plan, dist, output_dir, data, raw, engine, Step(epoch=cfg.start_epoch),
-              Best(output_dir / name(files.BEST)), best_ema, aug_seed, clock=clock,
+              Best(output_dir / name(files.BEST)), best_ema, aug_seed, continues.path, clock=clock,
               early=early, compile_cache=compiled, val_check=val_check)
     if clock is not None:
         clock.mark("model", "compiled graphs from the cache" if compiled and compiled.reused

@@ -258,9 +258,8 @@ def resume(run: Run) -> Path | None:
     checkpoint's path (None: a fresh start).
     """
     check_ranks_agree(run.cfg, run.dist.world_size)
-    found = agreed_checkpoint(run.cfg.resume, run.output_dir, run.dist,
-                              run.cfg.sharded_checkpoint, run.plan.restarted,
-                              repair=not run.cfg.evaluate)
+    found = agreed_checkpoint(run.continues, run.cfg.resume, run.output_dir, run.dist,
+                              run.plan.restarted, repair=not run.cfg.evaluate)
     if found is None:
         if run.cfg.evaluate and run.cfg.resume == "auto":
             remote = run.outputs.remote

@@ -37,13 +37,17 @@ def index_files(plan: Plan, dist: DistInfo) -> IndexFiles:
     return IndexFiles(plan.cache_dir, write=writes)
 
 
-def load_data(plan: Plan, dist: DistInfo, root: str, aug_seed: int) -> Data:
-    """This rank's data: an ImageFolder (or --dummy data) or tar shards, as the plan says."""
+def load_data(plan: Plan, dist: DistInfo, root: str, aug_seed: int,
+              continues: Path | None = None) -> Data:
+    """This rank's data: an ImageFolder (or --dummy data) or tar shards, as the plan says;
+    ``continues``: the checkpoint of the run (-e --val-data labels its folder with its
+    classes)."""
     cfg = plan.cfg
     pin_memory = dist.device.type == "cuda"
     indexes = index_files(plan, dist)
     if plan.data_format != "shards" and cfg.evaluate and cfg.val_data:  # -e: DIR is not read
-        return eval_data.build_eval_data(plan, dist.rank, aug_seed, pin_memory, indexes)
+        return eval_data.build_eval_data(plan, dist.rank, aug_seed, pin_memory, indexes,
+                                         continues)
     if dist.is_main and plan.decode.on_device:
         log.info("=> JPEGs decoded and cropped on %s (--decode-on-device %s); loader workers "
                  "read files", dist.device, plan.decode.why)

@@ -135,13 +135,13 @@ def first_bad_val_image(run: Run) -> DataError | None:
                      "fix or remove the file")
 
 
-def nothing_left(cfg: Config, info: DistInfo, restarted: bool) -> str | None:
-    """The line that ends a job whose checkpoint to resume, one of OUTPUT_DIR (a chain's), has
-    trained every epoch (None: there is training to do, or the resume decides). Rank 0 reads the
-    checkpoint's position only. Collective."""
-    if cfg.evaluate or (cfg.resume is None and not restarted):
+def nothing_left(cfg: Config, info: DistInfo, continues: Path | None) -> str | None:
+    """The line that ends a job whose checkpoint to resume (``continues``, decided once), one
+    of OUTPUT_DIR (a chain's), has trained every epoch (None: there is training to do, or the
+    resume decides). Rank 0 reads the checkpoint's position only. Collective."""
+    if cfg.evaluate or continues is None:  # the same on every rank
         return None
-    line = _finished(cfg, restarted) if info.is_main else None
+    line = _finished(cfg, continues) if info.is_main else None
     if info.distributed:
         holder = [line]
         dist.broadcast_object_list(holder, src=0)
@@ -149,12 +149,10 @@ def nothing_left(cfg: Config, info: DistInfo, restarted: bool) -> str | None:
     return line
 
 
-def _finished(cfg: Config, restarted: bool) -> str | None:
+def _finished(cfg: Config, path: Path) -> str | None:
     """``nothing_left``'s answer on rank 0: never an error (the resume reports those)."""
     try:
-        folder = Path(cfg.output_dir)
-        path = files.resolve_resume(cfg.resume, folder, restarted, cfg.sharded_checkpoint)
-        if path is None or path.resolve().parent != folder.resolve():
+        if path.resolve().parent != Path(cfg.output_dir).resolve():
             return None  # a checkpoint from elsewhere: the resume checks it as usual
         meta = path / files.SHARDED_META if path.is_dir() else path
         ckpt = torch.load(meta, map_location="cpu", weights_only=True, mmap=True)

@@ -115,15 +115,16 @@ class EarlyBatches:
         return None
 
 
-def start_early(plan: Plan, data: Data, output_dir: Path) -> EarlyBatches | None:
-    """Start the training loader's workers on the batches the resume is expected to continue
-    with (``expected_start``); None without loader workers, or when it cannot
-    tell. The data's seeds are left as they were: the resume sets them."""
+def start_early(plan: Plan, data: Data, continues: Path | None) -> EarlyBatches | None:
+    """Start the training loader's workers on the batches the resume of ``continues`` (the
+    checkpoint decided once; None: a fresh start) is expected to continue with
+    (``expected_start``); None without loader workers, or when it cannot tell. The data's
+    seeds are left as they were: the resume sets them."""
     train = data.train
     if plan.layout.workers == 0 or not isinstance(train, FolderTrain):
         return None
     try:
-        key = expected_start(plan, train, output_dir)
+        key = expected_start(plan, train, continues)
     except Exception as exc:  # the resume itself reports what is wrong with the checkpoint
         log.debug("no early start of the training loader: %s", exc)
         return None
@@ -138,16 +139,15 @@ def start_early(plan: Plan, data: Data, output_dir: Path) -> EarlyBatches | None
     return EarlyBatches(train.loader, key, batches)
 
 
-def expected_start(plan: Plan, train: FolderTrain, output_dir: Path) -> Key | None:
+def expected_start(plan: Plan, train: FolderTrain, path: Path | None) -> Key | None:
     """Where ``resume`` will put the training data - (order seed, augmentation seed, epoch,
-    images already trained) - read from the checkpoint this process would resume (only its
-    small entries: the tensors are memory-mapped, not read), before the model exists; None
+    images already trained) - read from the checkpoint it resumes, ``path`` (only its small
+    entries: the tensors are memory-mapped, not read), before the model exists; None
     when there is nothing to train first or it cannot tell. A guess to start the loader early
     (``run.startup``): the trainer uses those batches only if the resume agrees."""
     cfg, layout = plan.cfg, plan.layout
     if cfg.evaluate:
         return None
-    path = files.resolve_resume(cfg.resume, output_dir, plan.restarted, cfg.sharded_checkpoint)
     if path is None:
         return train.order_seed, train.aug_seed, cfg.start_epoch, 0
     meta = path / files.SHARDED_META if path.is_dir() else path

@@ -23,6 +23,7 @@ import imagenet.launching.timelimit as timelimit
 import imagenet.launching.watchdog as watchdog
 import imagenet.settings.recipe as recipe
 from imagenet.checkpoint.guard import last_good
+from imagenet.checkpoint.source import Decided, decide
 from imagenet.checkpoint.storage import Remote
 from imagenet.data.folder import shutdown_workers
 from imagenet.data.prefetch import device_batches
@@ -81,12 +82,16 @@ def run_training(plan: Plan, dist: DistInfo, outputs: Outputs | None = None
                 locked = True
             with disk.output_errors(output_dir):
                 outs.fill(cfg, dist, output_dir, plan.restarted)
-        finished = nothing_left(cfg, dist, plan.restarted)
+        # The checkpoint the run continues, decided once (a --resume that does not exist: an
+        # error now, before anything is built).
+        continues = Decided(decide(cfg.resume, output_dir, dist, cfg.sharded_checkpoint,
+                                   plan.restarted))
+        finished = nothing_left(cfg, dist, continues.path)
         if finished:  # a chained job after the last epoch: leave at once
             log.info("%s", finished)
             return {}
         clock = StartClock.begin(plan.started)
-        run = build_run(plan, dist, clock)
+        run = build_run(plan, dist, clock, continues)
         run.outputs = replace(outs, written=run.writer.wait)
         try:
             # Rank 0 of a training run holds OUTPUT_DIR's lock until the run ends (claimed once
