@@ -129,7 +129,9 @@ def claim_folder(folder: Path, info: DistInfo, slurm_job: str | None = None) -> 
     """Rank 0 makes ``folder`` (OUTPUT_DIR), checks it can write there and takes its lock for the
     run; then (and only then) removes temp files a killed writer left. Collective.
 
-    Called once the data and the model are built: a mistyped data folder leaves no trace.
+    Called once the data and the model are built: a mistyped data folder leaves no trace. Where
+    OUTPUT_DIR is filled before the run reads it (an object-storage --output-dir's staging
+    folder, a caller's checkpoint: ``run.outputs``), before that.
     """
 
     def claim() -> FolderLock:
