@@ -204,6 +204,7 @@ def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
 
 def ema_after_an_epoch(info, data: Path, out: Path) -> dict:
     """One epoch through the trainer with an EMA that follows the model closely."""
+    from imagenet.checkpoint.source import Decided
     from imagenet.reporting.logger import RunLogger
     from imagenet.run.build import build_run
     from imagenet.run.checkpointing import resume
@@ -214,7 +215,7 @@ def ema_after_an_epoch(info, data: Path, out: Path) -> dict:
     cfg = parse_config([str(data), *TINY, "-b", "4", "--epochs", "1", "--seed", "0",
                         "--model-ema", "--model-ema-steps", "1", "--model-ema-decay", "0.5",
                         "--output-dir", str(out)])
-    run = build_run(fixed_plan(cfg, Layout(info.world_size, 4, 1, 0)), info)
+    run = build_run(fixed_plan(cfg, Layout(info.world_size, 4, 1, 0)), info, Decided(None))
     resume(run)
     logger = RunLogger(out, info.is_main)
     record = train(run, logger)

@@ -14,6 +14,7 @@ import torch
 from helpers import TINY, write_image_folder
 
 import imagenet.run.trainer as trainer
+from imagenet.checkpoint.source import Decided
 from imagenet.data.prefetch import DeviceBatches, device_batches
 from imagenet.errors import DataError
 from imagenet.launching.collectives import DistInfo
@@ -108,7 +109,7 @@ def trained_weights(folder: Path, out: Path, monkeypatch, prefetch: bool) -> dic
     cfg = parse_config([str(folder), *TINY, "-b", "4", "--epochs", "2", "--seed", "0", "-j",
                         "2", "--output-dir", str(out)])
     out.mkdir(parents=True)
-    run = build_run(fixed_plan(cfg, Layout(1, 4, 1, 2)), DistInfo())
+    run = build_run(fixed_plan(cfg, Layout(1, 4, 1, 2)), DistInfo(), Decided(None))
     seen = []
     validate = trainer.validate_epoch
 

@@ -22,6 +22,7 @@ from helpers import (
 from torch import nn
 from torchvision.transforms import v2
 
+from imagenet.checkpoint.source import Decided
 from imagenet.data import transforms as T
 from imagenet.errors import UsageError
 from imagenet.launching.collectives import DistInfo
@@ -230,7 +231,8 @@ def test_clip_grad_norm_limits_the_update():
 def _built(image_folder: Path, tmp_path: Path, *flags: str, batch_size: int = 8) -> Run:
     """The run main.py would build for ``flags`` on the tiny ImageFolder (one CPU process)."""
     cfg = parse_config([str(image_folder), *TINY, "--output-dir", str(tmp_path / "out"), *flags])
-    return build_run(fixed_plan(cfg, Layout(1, batch_size, cfg.grad_accum_steps, 0)), DistInfo())
+    return build_run(fixed_plan(cfg, Layout(1, batch_size, cfg.grad_accum_steps, 0)), DistInfo(),
+                     Decided(None))  # a fresh run
 
 
 def _train_steps(run: Run) -> list:

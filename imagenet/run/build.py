@@ -14,7 +14,7 @@ from torch import nn
 import imagenet.data.shm as shm
 import imagenet.evaluation.eval_data as eval_data
 from imagenet.checkpoint import files
-from imagenet.checkpoint.source import Decided, decide
+from imagenet.checkpoint.source import Decided
 from imagenet.checkpoint.weights import read_agreed
 from imagenet.checkpoint.writer import Writer
 from imagenet.data.folder import Data
@@ -112,21 +112,18 @@ def seed_process(seed: int | None) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def build_run(plan: Plan, dist: DistInfo, clock: StartClock | None = None,
-              continues: Decided | None = None) -> Run:
+def build_run(plan: Plan, dist: DistInfo, continues: Decided,
+              clock: StartClock | None = None) -> Run:
     """Data, model and engine for this process (no resume yet).
 
     ``clock``: a run's start (``run.trainer``), timed by it: the training loader also starts
     at once, before the model is built (``start_early``), and --compile reuses the compiled
     graphs a previous start kept (``training.compile_cache``). ``continues``: the checkpoint
-    the run resumes, as the caller decided it (``checkpoint.source.decide``); None: decided
-    here. Collective.
+    the run resumes, decided once (``checkpoint.source.decide``; ``Decided(None)``: a fresh
+    run).
     """
     cfg, layout = plan.cfg, plan.layout
     output_dir = Path(cfg.output_dir)  # made, checked and locked by checkpoint.rundir.claim_folder
-    if continues is None:
-        continues = Decided(decide(cfg.resume, output_dir, dist, cfg.sharded_checkpoint,
-                                   plan.restarted))
     # Model init uses the same seed on every rank; augmentation gets its own per-sample seeds.
     seed_process(cfg.seed)
     eval_data.check_outputs(cfg, dist)  # -e's report folder, --predictions

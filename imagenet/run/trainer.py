@@ -91,7 +91,7 @@ def run_training(plan: Plan, dist: DistInfo, outputs: Outputs | None = None
             log.info("%s", finished)
             return {}
         clock = StartClock.begin(plan.started)
-        run = build_run(plan, dist, clock, continues)
+        run = build_run(plan, dist, continues, clock)
         run.outputs = replace(outs, written=run.writer.wait)
         try:
             # Rank 0 of a training run holds OUTPUT_DIR's lock until the run ends (claimed once
