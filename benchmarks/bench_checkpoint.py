@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from imagenet.checkpoint import files  # noqa: E402
+from imagenet.checkpoint.source import Decided  # noqa: E402
 from imagenet.launching.collectives import DistInfo  # noqa: E402
 from imagenet.launching.preemption import StopFlag  # noqa: E402
 from imagenet.run import (
@@ -42,7 +43,7 @@ def build(arch: str, batch: int, size: int, steps: int, output_dir: Path) -> Run
                         "--train-crop-size", str(size), "--val-crop-size", str(size),
                         "--val-resize-size", str(size), "--output-dir", str(output_dir),
                         "-p", "1000000"])
-    return build_run(fixed_plan(cfg, Layout(1, batch, 1, 0)), DistInfo())
+    return build_run(fixed_plan(cfg, Layout(1, batch, 1, 0)), DistInfo(), Decided(None))
 
 
 def epoch_time(run: Run, save_every: int) -> float:
@@ -58,11 +59,14 @@ def epoch_time(run: Run, save_every: int) -> float:
 
 
 def write_time(run: Run, reps: int) -> tuple[float, int]:
-    """Median seconds of one checkpointing.save (model, optimizer, scheduler, RNG) and its bytes."""
+    """Median seconds of one checkpointing.save (model, optimizer, scheduler, RNG) until the file
+    is on disk (saves are written in the background: ``bench_async_save`` times what a step
+    waits), and its bytes."""
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         checkpointing.save(run, is_best=False)
+        run.writer.wait()
         times.append(time.perf_counter() - start)
     path = run.output_dir / files.CHECKPOINT
     return sorted(times)[len(times) // 2], path.stat().st_size
