@@ -39,6 +39,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -119,7 +120,7 @@ def _on_stacks_signal(handler: Any) -> tuple[bool, Any]:
 
 def die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when the thread that started it exits (prctl
-    PR_SET_PDEATHSIG); nothing elsewhere."""
+    PR_SET_PDEATHSIG; nothing elsewhere), and keep quiet about a connection lost as it dies."""
     try:
         import ctypes
 
@@ -127,6 +128,31 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    _report_lost_connections_if_parent_lives(os.getppid())
+
+
+LOST_CONNECTION_WAIT = 2.0  # s a lost connection's report waits for the parent's end
+
+
+def _report_lost_connections_if_parent_lives(parent: int) -> None:
+    """A loader worker's fd-sharing thread (multiprocessing.resource_sharer) reports a socket
+    its parent closed through ``sys.excepthook``. When the parent is SIGKILLed (the OOM killer,
+    a scheduler) the kernel closes its sockets before it sends this process its death signal,
+    and the worker printed half a traceback in between (chaos ci:6). Such a report now waits
+    until the parent is gone (then it says nothing: the worker is being killed or orphaned)
+    or ``LOST_CONNECTION_WAIT`` has passed (then it is printed as before)."""
+    report = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if issubclass(kind, (ConnectionError, EOFError)):
+            deadline = time.monotonic() + LOST_CONNECTION_WAIT
+            while os.getppid() == parent and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if os.getppid() != parent:
+                return
+        report(kind, value, tb)
+
+    sys.excepthook = hook
 
 
 def remove_stale_stacks(tmp: str | None = None) -> list[str]:
