@@ -41,7 +41,10 @@ def decide(resume: str | None, output_dir: Path, info: DistInfo, sharded: bool =
     """The checkpoint this run continues (None: a fresh start), decided once, by rank 0
     (``files.resolve_resume``), and the same on every rank: every later stage (the check for a
     finished run, the early start, -e --val-data's classes, the resume) reads this. Rank 0's
-    error (a --resume path that does not exist) is raised on every rank. Collective."""
+    error (a --resume path that does not exist) is raised on every rank. Collective, but for
+    a fresh start (no --resume, no torchrun restart: the same on every rank)."""
+    if resume is None and not restarted:
+        return None
     if not info.distributed:
         return files.resolve_resume(resume, output_dir, restarted, sharded)
     decision: dict[str, Any] | None = None

@@ -70,18 +70,18 @@ def run_training(plan: Plan, dist: DistInfo, outputs: Outputs | None = None
     """
     cfg, output_dir = plan.cfg, Path(plan.cfg.output_dir)
     outs = replace(outputs or Outputs(), remote=Remote.of(plan.staged))
+    # Rank 0 of a training run holds OUTPUT_DIR's lock until the run ends (-e only reads). It
+    # claims it once the data and the model are built (a mistyped data folder leaves no trace),
+    # or first of all where OUTPUT_DIR is filled from elsewhere: an object-storage
+    # --output-dir's staging folder, or the caller's checkpoint of this run.
+    claims_first = outs.fills_output_dir and not cfg.evaluate
     with contextlib.ExitStack() as held:
-        locked = False
-        if outs.fills_output_dir:
-            # An object-storage --output-dir's staging folder (or the caller's checkpoint of
-            # this run) is filled before anything reads OUTPUT_DIR: the check for a finished
-            # run, the early start, -e --val-data's classes and the resume all see what the
-            # run continues. A training run holds the folder's lock from here.
-            if not cfg.evaluate:
-                held.enter_context(rundir.claim_folder(output_dir, dist, plan.slurm_job))
-                locked = True
-            with disk.output_errors(output_dir):
-                outs.fill(cfg, dist, output_dir, plan.restarted)
+        if claims_first:
+            held.enter_context(rundir.claim_folder(output_dir, dist, plan.slurm_job))
+        # Filled before anything reads OUTPUT_DIR: the check for a finished run, the early
+        # start, -e --val-data's classes and the resume all see what the run continues.
+        with disk.output_errors(output_dir):
+            outs.fill(cfg, dist, output_dir, plan.restarted)
         # The checkpoint the run continues, decided once (a --resume that does not exist: an
         # error now, before anything is built).
         continues = Decided(decide(cfg.resume, output_dir, dist, cfg.sharded_checkpoint,
@@ -94,10 +94,7 @@ def run_training(plan: Plan, dist: DistInfo, outputs: Outputs | None = None
         run = build_run(plan, dist, continues, clock)
         run.outputs = replace(outs, written=run.writer.wait)
         try:
-            # Rank 0 of a training run holds OUTPUT_DIR's lock until the run ends (claimed once
-            # the data and the model are built: a mistyped data folder leaves no trace); -e
-            # only reads.
-            if not (cfg.evaluate or locked):
+            if not (cfg.evaluate or claims_first):
                 held.enter_context(rundir.claim_folder(output_dir, dist, plan.slurm_job))
             with disk.output_errors(run.output_dir), run.outputs.uploading(dist):
                 return resume_and_train(run)
