@@ -1,15 +1,22 @@
 """Start-up stages that take a while (listing a data set, starting loader workers, the first
-batch) say what they are doing once they have lasted a few seconds, and how long they took."""
+batch) say what they are doing once they have lasted a few seconds, and how long they took.
+
+``StartClock`` times each stage of this process's start, from the moment the process started to
+the end of its first optimizer step; the trainer prints them in one line at that step and
+config.json keeps every start's (``starts``)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import logging
 import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -100,3 +107,58 @@ class _FirstWaited:
             batch = next(self.batches)  # StopIteration: an empty loader
             stage.done = f"first {self.name} batch ready"
         return batch
+
+
+# The stages, in order, and how the start-up line names them.
+STAGES = {"start": "Python, imports and joining the ranks", "data": "data set",
+          "model": "model", "resume": "checkpoint", "checks": "checks and logs",
+          "first_step": "first step"}
+
+
+@dataclass
+class StartClock:
+    """The seconds each stage of this start took (see ``STAGES``)."""
+
+    started: float  # unix time the process started (the plan's)
+    seconds: dict[str, float] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)  # a word on a stage: "folder index"
+    last: float = field(default_factory=time.perf_counter)
+    done: bool = False
+
+    @classmethod
+    def begin(cls, started: float) -> StartClock:
+        """The clock of a start whose process started at ``started`` (unix time)."""
+        clock = cls(started)
+        clock.seconds["start"] = max(time.time() - started, 0.0)
+        return clock
+
+    def mark(self, stage: str, note: str = "") -> None:
+        """``stage`` ends now (it began when the previous one ended)."""
+        now = time.perf_counter()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self.last
+        self.last = now
+        if note:
+            self.notes[stage] = note
+
+    def first_step(self) -> dict[str, Any] | None:
+        """Call after each step: at the first, the start's record (else None)."""
+        if self.done:
+            return None
+        self.done = True
+        self.mark("first_step")
+        return {"started": datetime.datetime.fromtimestamp(self.started).isoformat(
+                    timespec="seconds"),
+                "time_to_first_step_s": round(time.time() - self.started, 3),
+                "stages_s": {k: round(v, 3) for k, v in self.seconds.items()},
+                "notes": dict(self.notes)}
+
+    @staticmethod
+    def line(record: dict[str, Any]) -> str:
+        """The start-up line of a start's record."""
+        parts = []
+        for stage, seconds in record["stages_s"].items():
+            note = record["notes"].get(stage)
+            parts.append(f"{STAGES.get(stage, stage)} {seconds:.1f} s"
+                         + (f" ({note})" if note else ""))
+        return (f"=> first step {record['time_to_first_step_s']:.1f} s after the process "
+                f"started: {', '.join(parts)}")

@@ -21,10 +21,10 @@ from imagenet.data.folder import Data
 from imagenet.data.valcheck import ImageCheck, image_check
 from imagenet.errors import UsageError
 from imagenet.launching.collectives import DistInfo, from_rank0
-from imagenet.reporting.stages import slow_stage
+from imagenet.reporting.stages import StartClock, slow_stage
 from imagenet.run.loading import data_root, load_data
 from imagenet.run.outputs import Outputs
-from imagenet.run.startup import EarlyBatches, StartClock, start_early
+from imagenet.run.startup import EarlyBatches, start_early
 from imagenet.settings.flags import Config
 from imagenet.settings.launch import Layout
 from imagenet.settings.plan import Plan

@@ -1,8 +1,5 @@
-"""What a start costs, stage by stage, and the training batches that load while the model is built.
-
-``StartClock`` times each stage of this process's start, from the moment the process started to
-the end of its first optimizer step; the trainer prints them in one line at that step and
-config.json keeps every start's (``starts``).
+"""The training batches that load while the model is built (what each start-up stage costs is
+timed by ``reporting.stages.StartClock``).
 
 ``EarlyBatches``: once the data set is listed, the training loader's workers start and fetch the
 first batches of the position the resume will continue (read from the checkpoint's small
@@ -15,13 +12,9 @@ what is trained.
 
 from __future__ import annotations
 
-import datetime
 import logging
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -35,61 +28,7 @@ from imagenet.training.position import resume_point
 
 log = logging.getLogger(__name__)
 
-# The stages, in order, and how the start-up line names them.
-STAGES = {"start": "Python, imports and joining the ranks", "data": "data set",
-          "model": "model", "resume": "checkpoint", "checks": "checks and logs",
-          "first_step": "first step"}
-
 Key = tuple[int, int, int, int]  # order seed, augmentation seed, epoch, images already trained
-
-
-@dataclass
-class StartClock:
-    """The seconds each stage of this start took (see ``STAGES``)."""
-
-    started: float  # unix time the process started (the plan's)
-    seconds: dict[str, float] = field(default_factory=dict)
-    notes: dict[str, str] = field(default_factory=dict)  # a word on a stage: "folder index"
-    last: float = field(default_factory=time.perf_counter)
-    done: bool = False
-
-    @classmethod
-    def begin(cls, started: float) -> StartClock:
-        """The clock of a start whose process started at ``started`` (unix time)."""
-        clock = cls(started)
-        clock.seconds["start"] = max(time.time() - started, 0.0)
-        return clock
-
-    def mark(self, stage: str, note: str = "") -> None:
-        """``stage`` ends now (it began when the previous one ended)."""
-        now = time.perf_counter()
-        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self.last
-        self.last = now
-        if note:
-            self.notes[stage] = note
-
-    def first_step(self) -> dict[str, Any] | None:
-        """Call after each step: at the first, the start's record (else None)."""
-        if self.done:
-            return None
-        self.done = True
-        self.mark("first_step")
-        return {"started": datetime.datetime.fromtimestamp(self.started).isoformat(
-                    timespec="seconds"),
-                "time_to_first_step_s": round(time.time() - self.started, 3),
-                "stages_s": {k: round(v, 3) for k, v in self.seconds.items()},
-                "notes": dict(self.notes)}
-
-    @staticmethod
-    def line(record: dict[str, Any]) -> str:
-        """The start-up line of a start's record."""
-        parts = []
-        for stage, seconds in record["stages_s"].items():
-            note = record["notes"].get(stage)
-            parts.append(f"{STAGES.get(stage, stage)} {seconds:.1f} s"
-                         + (f" ({note})" if note else ""))
-        return (f"=> first step {record['time_to_first_step_s']:.1f} s after the process "
-                f"started: {', '.join(parts)}")
 
 
 class EarlyBatches:

@@ -32,7 +32,7 @@ from imagenet.evaluation.report import Report, for_validation
 from imagenet.launching.collectives import DistInfo
 from imagenet.launching.preemption import StopBetweenBatches, StopFlag, StopRequested
 from imagenet.reporting.logger import RunLogger, print_val_progress
-from imagenet.reporting.stages import FirstBatch, slow_stage
+from imagenet.reporting.stages import FirstBatch, StartClock, slow_stage
 from imagenet.run.announce import describe, describe_evaluation, finished
 from imagenet.run.build import Run, build_run
 from imagenet.run.checkpointing import finish_saves, resume, save
@@ -42,7 +42,6 @@ from imagenet.run.preflight import (
     checkpoint_bytes,
     nothing_left,
 )
-from imagenet.run.startup import StartClock
 from imagenet.settings.flags import get_args_parser
 from imagenet.settings.plan import Plan
 from imagenet.training.compile_cache import graph_cache_counts
