@@ -28,7 +28,7 @@ from imagenet.cli import main
 from imagenet.data.folder import IndexedFolder, build_data
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import Layout
-from imagenet.settings.plan import fixed_plan
+from imagenet.settings.plan import cache_dir, fixed_plan
 
 
 @pytest.fixture
@@ -260,7 +260,7 @@ def test_errors_are_torchvisions(tmp_path, settled):
 def test_the_trainers_data_follows_a_data_set_changed_between_starts(tmp_path, settled):
     data = write_image_folder(tmp_path / "data")
     cfg = parse_config([str(data), *TINY, "--output-dir", str(tmp_path / "out")])
-    files = index.IndexFiles(cfg.cache_path())
+    files = index.IndexFiles(cache_dir(cfg))
     assert files.folder == tmp_path / "out" / "cache"
 
     def images() -> tuple[int, int]:
@@ -277,9 +277,9 @@ def test_the_trainers_data_follows_a_data_set_changed_between_starts(tmp_path, s
 def test_cache_dir_none_keeps_nothing(tmp_path):
     data = write_image_folder(tmp_path / "data")
     cfg = parse_config([str(data), "--cache-dir", "none", "--output-dir", str(tmp_path / "o")])
-    assert cfg.cache_path() is None
+    assert cache_dir(cfg) is None
     build_data(fixed_plan(cfg, Layout(1, 8, 1, 0)), data, 0, 0, False,
-               index.IndexFiles(cfg.cache_path()))
+               index.IndexFiles(cache_dir(cfg)))
     assert not (tmp_path / "o").exists()
 
 

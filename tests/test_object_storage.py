@@ -25,7 +25,14 @@ from imagenet.data import objectstore
 from imagenet.data.shards.streams import ShardMissing, open_shard
 from imagenet.errors import RunError, UsageError
 from imagenet.settings.flags import parse_config
-from imagenet.settings.staging import staging_dir
+from imagenet.settings.staging import stage, staging_dir
+
+
+def staged(cfg):
+    """``cfg`` with its URLs replaced by local paths, and what to sync (as a run does)."""
+    cfg, staging = stage(cfg)
+    return cfg, storage.Remote.of(staging)
+
 
 # A small model: every save is uploaded, and a 3 MB checkpoint keeps that quick.
 FLAGS = ["-a", "shufflenet_v2_x0_5", "--train-crop-size", "32", "--val-resize-size", "36",
@@ -122,7 +129,7 @@ def test_fresh_run_moves_the_urls_record_aside_and_push_uploads_in_order(s3, tmp
     fs.pipe({"runs/old/checkpoint.pth.tar": b"old", "runs/old/metrics.jsonl": b"{}\n",
              "runs/old/config.json": json.dumps({"started": "2026-01-02T03:04:05"}).encode(),
              "runs/old/tb/events.out.tfevents.1": b"ev"})
-    cfg, remote = storage.stage(parse_config(["data", "--output-dir", "s3://runs/old/"]))
+    cfg, remote = staged(parse_config(["data", "--output-dir", "s3://runs/old/"]))
     staging = Path(cfg.output_dir)
     assert remote.output_url == "s3://runs/old" and staging == staging_dir(
         "s3://runs/old")
@@ -168,19 +175,19 @@ def test_fresh_run_moves_the_urls_record_aside_and_push_uploads_in_order(s3, tmp
 
 def test_urls_that_cannot_work_are_one_clear_error(s3, shards_in_bucket, tmp_path):
     with pytest.raises(UsageError, match="--sharded-checkpoint"):
-        storage.stage(parse_config(["d", "--fsdp", "--sharded-checkpoint", "--output-dir",
+        staged(parse_config(["d", "--fsdp", "--sharded-checkpoint", "--output-dir",
                                     "s3://runs/x"]))
-    _, remote = storage.stage(parse_config(["d", "--output-dir", "s3://no-such-bucket/r"]))
+    _, remote = staged(parse_config(["d", "--output-dir", "s3://no-such-bucket/r"]))
     with pytest.raises(UsageError, match="s3://no-such-bucket/r: cannot write there"):
         remote.attach(continuing=False, training=True)
-    _, remote = storage.stage(parse_config(["d", "--output-dir", "nosuchfs://b/r"]))
+    _, remote = staged(parse_config(["d", "--output-dir", "nosuchfs://b/r"]))
     with pytest.raises(UsageError, match="nosuchfs://b/r"):
         remote.attach(continuing=False, training=True)
     # gcsfs is not installed here (no GCS server in CI): the line names it and the extra.
-    _, remote = storage.stage(parse_config(["d", "--output-dir", "gs://b/r"]))
+    _, remote = staged(parse_config(["d", "--output-dir", "gs://b/r"]))
     with pytest.raises(UsageError, match=r"gs://b/r: Please install gcsfs .*\[cloud\]"):
         remote.attach(continuing=False, training=True)
-    _, remote = storage.stage(parse_config(["d", "--resume", "s3://runs/none/checkpoint.pth.tar",
+    _, remote = staged(parse_config(["d", "--resume", "s3://runs/none/checkpoint.pth.tar",
                                             "-e"]))
     with pytest.raises(UsageError, match="--resume: no checkpoint at s3://runs/none"):
         remote.attach(continuing=False, training=False)

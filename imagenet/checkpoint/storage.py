@@ -51,8 +51,7 @@ from imagenet.checkpoint import files
 from imagenet.errors import RunError, UsageError
 from imagenet.reporting.logger import METRICS
 from imagenet.reporting.trackers import RUN_IDS
-from imagenet.settings import staging
-from imagenet.settings.flags import CACHE, Config
+from imagenet.settings.flags import CACHE
 from imagenet.settings.staging import Staging
 
 log = logging.getLogger(__name__)
@@ -64,12 +63,6 @@ DEMO = "demo-data"  # --demo builds its data set in OUTPUT_DIR
 # Top-level names that stay local. The default --cache-dir (folder index, compiled graphs)
 # is rebuilt where it is missing: it stays on this node, kept between runs.
 NOT_UPLOADED = {rundir.PREVIOUS, DEMO, CACHE}
-
-
-def stage(cfg: Config) -> tuple[Config, Remote | None]:
-    """``cfg`` with its URLs replaced by local paths (``settings.staging``), and what to sync."""
-    cfg, staged = staging.stage(cfg)
-    return cfg, Remote.of(staged)
 
 
 @dataclass

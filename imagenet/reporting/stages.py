@@ -8,7 +8,6 @@ config.json keeps every start's (``starts``)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import logging
 import os
@@ -35,7 +34,7 @@ def notice_after() -> float:
         return NOTICE_AFTER_DEFAULT
 
 
-@dataclasses.dataclass
+@dataclass
 class Stage:
     """A start-up stage: ``done`` is printed at its end if its start was (the slow case)."""
 

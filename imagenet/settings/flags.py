@@ -492,12 +492,6 @@ class Config:
     env_check: bool = _flag("--env-check", group="logging", default=False, action=Switch,
                             help="check the installation and local devices, then exit")
 
-    def cache_path(self) -> Path | None:
-        """Where restarts find the folder index and compiled graphs (--cache-dir); None: off."""
-        if self.cache_dir is None:
-            return Path(self.output_dir) / CACHE
-        return None if self.cache_dir.lower() == "none" else Path(self.cache_dir)
-
     def to_dict(self) -> dict[str, Any]:
         """Plain, checkpoint-safe dict (loads with weights_only=True)."""
         return {k: list(v) if isinstance(v, tuple) else v

@@ -22,7 +22,7 @@ from pathlib import Path
 from imagenet.errors import UsageError
 from imagenet.settings.crops import CropSchedule, crop_schedule
 from imagenet.settings.duration import end_time
-from imagenet.settings.flags import Config
+from imagenet.settings.flags import CACHE, Config
 from imagenet.settings.launch import Launch, Layout, Ranks, plan_job
 from imagenet.settings.sources import data_format
 from imagenet.settings.staging import Staging, stage
@@ -204,6 +204,13 @@ def with_learning_rate(cfg: Config, global_batch: int) -> tuple[Config, str | No
     return (cfg if rule is None else replace(cfg, lr=lr)), rule
 
 
+def cache_dir(cfg: Config) -> Path | None:
+    """Where restarts find the folder index and compiled graphs (--cache-dir); None: off."""
+    if cfg.cache_dir is None:
+        return Path(cfg.output_dir) / CACHE
+    return None if cfg.cache_dir.lower() == "none" else Path(cfg.cache_dir)
+
+
 def make_plan(cfg: Config, env: Mapping[str, str], cuda_count: int,
               launch: Launch | None = None, group: tuple[int, int] | None = None,
               cpus: tuple[int, int] | None = None, started: float | None = None) -> Plan:
@@ -226,7 +233,7 @@ def make_plan(cfg: Config, env: Mapping[str, str], cuda_count: int,
                 decode_path(cfg, fmt, device_type, job.layout.workers), job.restarts,
                 job.agent_store, started, limit, env.get("SLURM_JOB_ID"),
                 hang_timeout(cfg), job.process, job.launcher, job.notes, lr_rule, staged,
-                cfg.cache_path())
+                cache_dir(cfg))
 
 
 def fixed_plan(cfg: Config, layout: Layout, device_type: str = "cpu") -> Plan:
@@ -238,4 +245,4 @@ def fixed_plan(cfg: Config, layout: Layout, device_type: str = "cpu") -> Plan:
     return Plan(cfg, Launch("single", reason="given layout"), layout, crop_schedule(cfg), fmt,
                 device_type, decode_path(cfg, fmt, device_type, layout.workers), 0, False,
                 time.time(), None, None, hang_timeout(cfg), Ranks(0, 0, layout.world_size, 1),
-                lr_rule=lr_rule, staged=staged, cache_dir=cfg.cache_path())
+                lr_rule=lr_rule, staged=staged, cache_dir=cache_dir(cfg))
