@@ -34,10 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from imagenet.data.folder import DummyDataset  # noqa: E402
 from imagenet.data.samplers import ResumableDistributedSampler, SeededDataset  # noqa: E402
 from imagenet.settings.flags import parse_config  # noqa: E402
-from imagenet.settings.launch import (
-    Layout,  # noqa: E402
-    free_port,  # noqa: E402
-)
+from imagenet.settings.launch import Layout  # noqa: E402
+from imagenet.settings.rendezvous import free_port  # noqa: E402
 from imagenet.training.assembly import build_engine  # noqa: E402
 from imagenet.training.engine import Step, train_one_epoch  # noqa: E402
 

@@ -96,7 +96,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def launch(args: argparse.Namespace, mode: str, world: int) -> list[dict]:
     """Start ``world`` processes of configuration ``mode``; their RESULT lines."""
-    from imagenet.settings.launch import free_port
+    from imagenet.settings.rendezvous import free_port
 
     def cap() -> None:
         if args.cap_gb:

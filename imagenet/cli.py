@@ -24,7 +24,6 @@ from imagenet.launching.rendezvous import cleanup, init_distributed
 from imagenet.launching.teardown import LOOK, StoppedChildren, exit_within
 from imagenet.reporting.logger import preload_writers, setup_logging, startup_notes
 from imagenet.settings.flags import parse_config
-from imagenet.settings.launch import rendezvous
 from imagenet.settings.plan import Plan, make_plan
 from imagenet.training.inputsize import check_crop_sizes
 
@@ -147,10 +146,8 @@ def _spawn(plan: Plan, announce: str) -> int:
     ``announce`` is logged once SIGTERM/SIGUSR1 are forwarded: from then on a signal reaches
     every child, even one sent while the children are being started.
     """
-    # Decided once here (not in each child) so that every child uses the same MASTER_ADDR/PORT.
-    env = dict(os.environ)
-    rendezvous(plan.cfg, plan.launch, env)
-    master = {k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT") if k in env}
+    # Decided once, by the plan (not in each child): every child uses the same MASTER_ADDR/PORT.
+    master = plan.meet.variables()
     children: list = []
     pending: list[int] = []  # signals that came before the children existed
 

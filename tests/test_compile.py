@@ -18,7 +18,7 @@ from torch import nn
 
 from imagenet.launching.collectives import DistInfo
 from imagenet.settings.flags import parse_config
-from imagenet.settings.launch import free_port
+from imagenet.settings.rendezvous import free_port
 from imagenet.training.engine import Step, evaluate, train_one_epoch
 from imagenet.training.models import for_evaluation, unwrap, wrap
 

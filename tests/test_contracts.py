@@ -18,7 +18,8 @@ from helpers import TINY, load_checkpoint, write_image_folder
 import imagenet
 from imagenet.errors import UsageError
 from imagenet.settings.flags import parse_config
-from imagenet.settings.launch import free_port, plan_launch, plan_layout, resolve_ranks
+from imagenet.settings.launch import plan_launch, plan_layout, resolve_ranks
+from imagenet.settings.rendezvous import free_port
 
 RUN = [*TINY, "-j", "0"]
 

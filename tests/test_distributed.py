@@ -25,13 +25,12 @@ from imagenet.settings.launch import (
     check_sync_bn,
     choose_backend,
     choose_device,
-    free_port,
     per_process_batch,
     per_process_workers,
     plan_launch,
-    rendezvous,
     resolve_ranks,
 )
+from imagenet.settings.rendezvous import Rendezvous, free_port, rendezvous
 from imagenet.settings.slurm import first_slurm_host
 
 
@@ -184,24 +183,33 @@ def test_per_process_batch_and_workers():
 def test_rendezvous_slurm_derives_master_from_nodelist_and_job_id():
     env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[03-04]",
            "SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "0"}
-    assert rendezvous(cfg_of(), Launch("env"), env) == "env://"
-    assert env["MASTER_ADDR"] == "gpu03"
-    assert env["MASTER_PORT"] == str(15000 + 123456 % 20000)
+    assert rendezvous(cfg_of(), Launch("env"), env) == Rendezvous("env://", "gpu03",
+                                                                  15000 + 123456 % 20000)
     given = {**env, "MASTER_ADDR": "x", "MASTER_PORT": "7"}
-    rendezvous(cfg_of(), Launch("env"), given)
-    assert (given["MASTER_ADDR"], given["MASTER_PORT"]) == ("x", "7")
+    assert rendezvous(cfg_of(), Launch("env"), given) == Rendezvous("env://", "x", 7)
+    assert "MASTER_ADDR" not in env  # the environment is read, never written
 
 
 def test_rendezvous_other_modes():
     env: dict[str, str] = {}
-    assert rendezvous(cfg_of("--dist-url", "tcp://h:5"), Launch("manual"), env) == "tcp://h:5"
-    assert env == {}
-    rendezvous(cfg_of(), Launch("spawn", 2), env)  # one node: a free loopback port
-    assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+    assert rendezvous(cfg_of("--dist-url", "tcp://h:5"), Launch("manual"), env) == \
+        Rendezvous("tcp://h:5", "h", 5)
+    assert rendezvous(cfg_of("--dist-url", "file:///shared/f"), Launch("manual"), env) == \
+        Rendezvous("file:///shared/f", "", None)
+    meet = rendezvous(cfg_of(), Launch("spawn", 2), env)  # one node: a free loopback port
+    assert meet.host == "127.0.0.1" and meet.port > 0 and env == {}
+    assert meet.variables() == {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(meet.port)}
     with pytest.raises(UsageError, match="needs MASTER_ADDR and MASTER_PORT"):
         rendezvous(cfg_of(), Launch("spawn", 2, nnodes=2), {})
     with pytest.raises(UsageError, match="needs MASTER_ADDR and MASTER_PORT"):
         rendezvous(cfg_of(), Launch("manual"), {})
+    with pytest.raises(UsageError, match="MASTER_PORT=29x is not a port"):
+        rendezvous(cfg_of(), Launch("env"), {"MASTER_ADDR": "h", "MASTER_PORT": "29x"})
+    # No group created here (one process, the caller's group): what the launcher said, if anything
+    assert rendezvous(cfg_of(), Launch("single"), {}, creates_group=False) == \
+        Rendezvous("env://", "", None)
+    assert rendezvous(cfg_of(), Launch("env"), {"MASTER_ADDR": "h", "MASTER_PORT": "29x"},
+                      creates_group=False) == Rendezvous("env://", "h", None)
 
 
 def test_socket_interface_left_alone_for_loopback_and_when_given():

@@ -337,6 +337,23 @@ def test_a_master_port_that_listens_but_never_answers_ends_after_the_timeout(dat
     assert "accepts connections but did not answer" in line and "--dist-timeout 3s" in line
 
 
+@pytest.mark.parametrize("variables, words", [
+    ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29x"},
+     "MASTER_PORT=29x is not a port: give a number from 1 to 65535"),
+    ({"MASTER_ADDR": "127.0.0.1"}, "--dist-url env:// needs MASTER_ADDR and MASTER_PORT"),
+])
+def test_a_launchers_unusable_master_is_one_line_before_any_data_is_read(data, tmp_path,
+                                                                          variables, words):
+    # A manual env:// launch (RANK/WORLD_SIZE given): the plan reads where the ranks meet once,
+    # before the data, the model or the process group; nothing is written to OUTPUT_DIR.
+    env = {**child_env(), "RANK": "1", "WORLD_SIZE": "2", **variables}
+    result = run_main(str(data), *TINY, "--output-dir", str(tmp_path / "out"), env=env,
+                      timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert words in one_error_line(result.stderr)  # the plan's error: before any rank joins
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------- case 9: bad validation images
 
 @pytest.mark.slow

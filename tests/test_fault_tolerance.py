@@ -27,7 +27,7 @@ from helpers import MAIN, child_env, hold_until_saved, load_checkpoint, main_cmd
 
 from imagenet.cli import child_exit
 from imagenet.launching.preemption import PREEMPT_EXIT_CODE
-from imagenet.settings.launch import free_port
+from imagenet.settings.rendezvous import free_port
 
 STEPS = 6  # optimizer steps per epoch in every layout below (48 images)
 FLAGS = ["-a", "resnet18", "--train-crop-size", "32", "--val-resize-size", "36",

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from imagenet.errors import UsageError
 from imagenet.settings.flags import parse_config
-from imagenet.settings.launch import free_port
+from imagenet.settings.rendezvous import free_port
 from imagenet.training.fsdp import by_index, by_name, repeated_blocks
 
 # 32 px: at 16 px ResNet's last stage sees 1x1 maps, where torch 2.14's CPU bf16 convolution

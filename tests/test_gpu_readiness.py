@@ -21,15 +21,9 @@ from imagenet.data import shm
 from imagenet.errors import DistributedError
 from imagenet.launching import rendezvous as distributed
 from imagenet.settings.flags import parse_config
-from imagenet.settings.launch import (
-    Launch,
-    free_port,
-    plan_launch,
-    plan_layout,
-    rendezvous,
-    resolve_ranks,
-)
+from imagenet.settings.launch import Launch, plan_launch, plan_layout, resolve_ranks
 from imagenet.settings.plan import make_plan
+from imagenet.settings.rendezvous import free_port, rendezvous
 
 NODE = 96  # cores of the simulated 8-GPU node
 
@@ -95,11 +89,9 @@ def test_given_workers_are_per_process_except_with_spawn():
 def test_master_is_the_first_node_of_the_step():
     # An srun step on nodes 7-8 of a 6-node allocation: rank 0 runs on gpu07, not gpu03.
     env = srun_env(SLURM_JOB_NODELIST="gpu[03-08]", SLURM_STEP_NODELIST="gpu[07-08]")
-    rendezvous(parse_config(["data"]), Launch("env"), env)
-    assert env["MASTER_ADDR"] == "gpu07"
+    assert rendezvous(parse_config(["data"]), Launch("env"), env).host == "gpu07"
     env = srun_env(SLURM_JOB_NODELIST="gpu[03-08]")  # older SLURM: the job's list
-    rendezvous(parse_config(["data"]), Launch("env"), env)
-    assert env["MASTER_ADDR"] == "gpu03"
+    assert rendezvous(parse_config(["data"]), Launch("env"), env).host == "gpu03"
 
 
 def test_only_gloo_is_pointed_at_the_masters_interface():

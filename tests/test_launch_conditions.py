@@ -14,7 +14,8 @@ from helpers import TINY, child_env, load_checkpoint, main_cmd, run_main, run_pa
 from imagenet.checkpoint.rng import cuda_state_to_restore
 from imagenet.errors import UsageError
 from imagenet.settings.flags import parse_config
-from imagenet.settings.launch import free_port, plan_launch, resolve_ranks
+from imagenet.settings.launch import plan_launch, resolve_ranks
+from imagenet.settings.rendezvous import free_port
 from imagenet.settings.slurm import unlaunched_slurm_tasks
 from imagenet.training.cpu_features import cpu_flags, native_bf16, slow_bf16_warning
 

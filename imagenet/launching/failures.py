@@ -41,7 +41,6 @@ from imagenet.errors import (
     say_error,
 )
 from imagenet.launching.collectives import DistInfo, from_rank0
-from imagenet.launching.rendezvous import master_address
 from imagenet.settings.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -210,7 +209,7 @@ def start(plan: Plan, info: DistInfo) -> SharedFate | None:
     """This rank's mailbox on the rendezvous store; None without a process group or TCP store."""
     if not info.distributed:
         return None
-    host, port = master_address(plan.cfg.dist_url, os.environ)
+    host, port = plan.meet.host, plan.meet.port
     if not host or port is None:
         return None
     prefix = f"imagenet/failures/attempt_{plan.restarts}"

@@ -1,7 +1,7 @@
 """The process group: joining it, with errors that say what to check.
 
-Who joins - ranks, device, backend - is the plan's (``settings.plan``); the rendezvous address
-is read here, from --dist-url or MASTER_ADDR/PORT, as torch reads it.
+Who joins - ranks, device, backend - and where they meet (--dist-url or MASTER_ADDR/PORT) are
+the plan's (``settings.plan``); this module only acts on them.
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ import signal
 import socket
 import struct
 import time
-from collections.abc import Mapping
 from dataclasses import astuple
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -26,21 +24,12 @@ import torch.distributed as dist
 from imagenet.errors import DistributedError
 from imagenet.launching.collectives import DistInfo
 from imagenet.reporting.stages import notice_after
-from imagenet.settings.launch import choose_backend, choose_device, rendezvous
+from imagenet.settings.launch import choose_backend, choose_device
 from imagenet.settings.plan import Plan
-from imagenet.settings.slurm import env_int
 
 log = logging.getLogger(__name__)
 
 PROBE_GRACE = 5.0  # seconds past --dist-timeout before a silent master store counts as hung
-
-
-def master_address(init_method: str, env: Mapping[str, str]) -> tuple[str, int | None]:
-    """(host, port) of rank 0's store."""
-    if init_method.startswith("tcp://"):
-        url = urlparse(init_method)
-        return url.hostname or "", url.port
-    return env.get("MASTER_ADDR", ""), env_int(env, "MASTER_PORT")
 
 
 def interface_to(host: str) -> str | None:
@@ -98,7 +87,6 @@ def init_distributed(plan: Plan, local_index: int = 0) -> DistInfo:
     cfg, launch = plan.cfg, plan.launch
     if dist.is_available() and dist.is_initialized():
         return join_existing_group(plan)
-    env = os.environ
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     rank, local_rank, world, local_world = astuple(plan.ranks(local_index))
     device = choose_device(cfg, launch, local_rank, cuda_count)
@@ -106,9 +94,8 @@ def init_distributed(plan: Plan, local_index: int = 0) -> DistInfo:
         set_device(device)
         return DistInfo(device=device)
     backend = choose_backend(cfg.dist_backend, device.type)
-    init_method = rendezvous(cfg, launch, env)  # type: ignore[arg-type]
-    host, port = master_address(init_method, env)
-    ifname = set_socket_interface(host, env)  # type: ignore[arg-type]
+    init_method, host, port = plan.meet.init_method, plan.meet.host, plan.meet.port
+    ifname = set_socket_interface(host, os.environ)
     if ifname and rank == 0:
         log.info("=> master %s is not on loopback: gloo uses interface %s (set "
                  "GLOO_SOCKET_IFNAME to choose another)", host, ifname)

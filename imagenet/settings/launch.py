@@ -2,14 +2,12 @@
 
 The only reader of RANK / LOCAL_RANK / WORLD_SIZE / MASTER_* / SLURM_* / TORCHELASTIC_* and
 Kubeflow's PET_*. Every function here is pure (flags, environment and GPU count in, a decision
-out) except ``rendezvous``, which fills MASTER_ADDR/PORT where the launcher did not;
-``distributed`` acts on the decisions.
+out); ``launching`` acts on the decisions.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -20,7 +18,6 @@ from imagenet.errors import UsageError
 from imagenet.settings.flags import Config
 from imagenet.settings.slurm import (
     env_int,
-    first_slurm_host,
     is_slurm_job_step,
     slurm_tasks,
     slurm_tasks_per_node,
@@ -279,35 +276,6 @@ def choose_device(cfg: Config, launch: Launch, local_rank: int, cuda_count: int)
         raise UsageError(f"local rank {local_rank} has no GPU: only {cuda_count} visible; "
                          "start at most one process per GPU on each node")
     return torch.device("cuda", local_rank)
-
-
-def free_port() -> int:
-    """A TCP port on loopback that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rendezvous(cfg: Config, launch: Launch, env: dict[str, str]) -> str:
-    """The init_method URL; fills MASTER_ADDR/PORT in ``env`` where the launcher did not."""
-    if cfg.dist_url != "env://":
-        return cfg.dist_url
-    if launch.mode in ("env", "spawn") and is_slurm_job_step(env) and "RANK" not in env:
-        # The step's nodes: an srun inside a larger allocation may not start on its first node.
-        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
-        env.setdefault("MASTER_ADDR", first_slurm_host(nodes))
-        # Every task must agree on the port without talking: derive it from the job id.
-        env.setdefault("MASTER_PORT", str(15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
-        if launch.mode == "spawn" and launch.nnodes == 1:
-            # Single-node fallback: rank 0 is this machine; pick a free loopback port.
-            env.setdefault("MASTER_ADDR", "127.0.0.1")
-            env.setdefault("MASTER_PORT", str(free_port()))
-        else:
-            raise UsageError("--dist-url env:// needs MASTER_ADDR and MASTER_PORT for a "
-                             "multi-node or manual run; give --dist-url tcp://HOST:PORT of "
-                             "rank 0 or export both variables")
-    return "env://"
 
 
 def launcher_pid(launch: Launch, env: Mapping[str, str], parent: int) -> int | None:

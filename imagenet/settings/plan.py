@@ -6,8 +6,7 @@ the machine, resolved once into every setting the later stages read.
 a launcher started, and in ``imagenet.train``. Every stage after it reads ``Plan`` fields: none
 reads the launchers' variables (RANK, SLURM_*, TORCHELASTIC_*), and none derives a setting from
 the flags again (the per-process batch and workers, the crop of each epoch, where JPEGs are
-decoded, whether this is a restart). The rendezvous alone still reads MASTER_ADDR/PORT, as torch
-does.
+decoded, whether this is a restart, where the processes meet).
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from imagenet.settings.crops import CropSchedule, crop_schedule
 from imagenet.settings.duration import end_time
 from imagenet.settings.flags import CACHE, Config
 from imagenet.settings.launch import Launch, Layout, Ranks, plan_job
+from imagenet.settings.rendezvous import Rendezvous, rendezvous
 from imagenet.settings.sources import data_format
 from imagenet.settings.staging import Staging, stage
 
@@ -61,6 +61,8 @@ class Plan:
     # The object-storage URLs that cfg's output_dir, resume and predictions stand for locally
     staged: Staging | None = None
     cache_dir: Path | None = None  # the folder index and compiled graphs (--cache-dir; None: off)
+    # Where the processes meet (--dist-url, MASTER_ADDR/PORT); none: no group of its own
+    meet: Rendezvous = field(default_factory=lambda: Rendezvous("env://"))
 
     def ranks(self, local_index: int = 0) -> Ranks:
         """The ranks of this node's process ``local_index`` (0 outside mp.spawn)."""
@@ -233,7 +235,8 @@ def make_plan(cfg: Config, env: Mapping[str, str], cuda_count: int,
                 decode_path(cfg, fmt, device_type, job.layout.workers), job.restarts,
                 job.agent_store, started, limit, env.get("SLURM_JOB_ID"),
                 hang_timeout(cfg), job.process, job.launcher, job.notes, lr_rule, staged,
-                cache_dir(cfg))
+                cache_dir(cfg), rendezvous(cfg, job.launch, env, creates_group=group is None
+                                           and job.launch.mode != "single"))
 
 
 def fixed_plan(cfg: Config, layout: Layout, device_type: str = "cpu") -> Plan:

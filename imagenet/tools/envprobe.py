@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from imagenet.settings.launch import free_port
+from imagenet.settings.rendezvous import free_port
 
 FB_BATCH, FB_PIXELS = 8, 64  # forward/backward probe: small, so the check takes seconds
 FB_SECONDS = 0.5  # measure forward/backward steps for about this long (at least 2)
