@@ -1,8 +1,8 @@
 """Deciding how this invocation runs: launch mode, ranks, device, backend, per-process layout.
 
-The only reader of RANK / LOCAL_RANK / WORLD_SIZE / MASTER_* / SLURM_* / TORCHELASTIC_* and
-Kubeflow's PET_*. Every function here is pure (flags, environment and GPU count in, a decision
-out); ``launching`` acts on the decisions.
+The only reader of RANK / LOCAL_RANK / WORLD_SIZE / SLURM_* / TORCHELASTIC_* and Kubeflow's
+PET_* (MASTER_ADDR/PORT: ``settings.rendezvous``). Every function here is pure (flags,
+environment and GPU count in, a decision out); ``launching`` acts on the decisions.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ the machine, resolved once into every setting the later stages read.
 ``make_plan`` runs before any process, model or loader is built: in main.py's process (under
 --multiprocessing-distributed the parent, which hands the plan to its children), in each process
 a launcher started, and in ``imagenet.train``. Every stage after it reads ``Plan`` fields: none
-reads the launchers' variables (RANK, SLURM_*, TORCHELASTIC_*), and none derives a setting from
-the flags again (the per-process batch and workers, the crop of each epoch, where JPEGs are
-decoded, whether this is a restart, where the processes meet).
+reads the launchers' variables (RANK, MASTER_*, SLURM_*, TORCHELASTIC_*), and none derives a
+setting from the flags again (the per-process batch and workers, the crop of each epoch, where
+JPEGs are decoded, whether this is a restart, where the processes meet).
 """
 
 from __future__ import annotations
