@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
@@ -291,12 +292,14 @@ def test_the_checksum_covers_every_value_not_only_the_tensors(tmp_path):
 @pytest.mark.slow
 def test_resume_auto_falls_back_to_the_newest_intact_checkpoint(image_folder, tmp_path):
     """A bit flipped in checkpoint.pth.tar: --resume auto names it, says which checkpoint it
-    uses instead (the history's), and the run ends as an uninterrupted one does."""
+    uses instead (the history's), and the run ends as an uninterrupted one does, and as the
+    same run: config.json's run id, which its checkpoints carry (a later fall-back checks it)."""
     flags = [str(image_folder), *TINY, "--seed", "0", "-j", "0", "--keep-checkpoints", "3"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     assert run_main(*flags, "--epochs", "3", "--output-dir", str(whole)).returncode == 0
     assert run_main(*flags, "--epochs", "2", "--output-dir", str(cut)).returncode == 0
     flip_a_bit_in_the_weights(cut / files.CHECKPOINT)
+    run_id = json.loads((cut / "config.json").read_text())["run_id"]
     proc = run_main(*flags, "--epochs", "3", "--output-dir", str(cut), "--resume", "auto")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
@@ -311,6 +314,7 @@ def test_resume_auto_falls_back_to_the_newest_intact_checkpoint(image_folder, tm
     b = torch.load(cut / files.CHECKPOINT, map_location="cpu", weights_only=True)
     for key, value in a["state_dict"].items():
         assert torch.equal(value, b["state_dict"][key]), key
+    assert b["run_id"] == json.loads((cut / "config.json").read_text())["run_id"] == run_id
     # Asked for by name, the damaged file is an error: one line, no fall-back.
     damaged = tmp_path / "damaged.pth.tar"
     damaged.write_bytes((whole / files.CHECKPOINT).read_bytes())
@@ -381,3 +385,4 @@ def test_a_damaged_checkpoint_is_replaced_by_the_intact_one_the_resume_used(imag
     said = again.stdout + again.stderr
     assert again.returncode == 0 and "has finished 2 of --epochs 2" in said, said[-3000:]
     assert "is truncated or damaged" not in said and "instead" not in said, said[-3000:]
+
