@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
@@ -17,7 +18,7 @@ import torch
 import torchvision
 from helpers import TINY, run_main
 
-from imagenet.checkpoint import files
+from imagenet.checkpoint import files, source
 from imagenet.checkpoint.states import resumed_best
 from imagenet.errors import CheckpointError, UsageError
 
@@ -291,12 +292,14 @@ def test_the_checksum_covers_every_value_not_only_the_tensors(tmp_path):
 @pytest.mark.slow
 def test_resume_auto_falls_back_to_the_newest_intact_checkpoint(image_folder, tmp_path):
     """A bit flipped in checkpoint.pth.tar: --resume auto names it, says which checkpoint it
-    uses instead (the history's), and the run ends as an uninterrupted one does."""
+    uses instead (the history's), and the run ends as an uninterrupted one does, and as the
+    same run: config.json's run id, which its checkpoints carry (a later fall-back checks it)."""
     flags = [str(image_folder), *TINY, "--seed", "0", "-j", "0", "--keep-checkpoints", "3"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     assert run_main(*flags, "--epochs", "3", "--output-dir", str(whole)).returncode == 0
     assert run_main(*flags, "--epochs", "2", "--output-dir", str(cut)).returncode == 0
     flip_a_bit_in_the_weights(cut / files.CHECKPOINT)
+    run_id = json.loads((cut / "config.json").read_text())["run_id"]
     proc = run_main(*flags, "--epochs", "3", "--output-dir", str(cut), "--resume", "auto")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
@@ -311,6 +314,7 @@ def test_resume_auto_falls_back_to_the_newest_intact_checkpoint(image_folder, tm
     b = torch.load(cut / files.CHECKPOINT, map_location="cpu", weights_only=True)
     for key, value in a["state_dict"].items():
         assert torch.equal(value, b["state_dict"][key]), key
+    assert b["run_id"] == json.loads((cut / "config.json").read_text())["run_id"] == run_id
     # Asked for by name, the damaged file is an error: one line, no fall-back.
     damaged = tmp_path / "damaged.pth.tar"
     damaged.write_bytes((whole / files.CHECKPOINT).read_bytes())
@@ -381,3 +385,59 @@ def test_a_damaged_checkpoint_is_replaced_by_the_intact_one_the_resume_used(imag
     said = again.stdout + again.stderr
     assert again.returncode == 0 and "has finished 2 of --epochs 2" in said, said[-3000:]
     assert "is truncated or damaged" not in said and "instead" not in said, said[-3000:]
+
+
+def _record(folder: Path) -> dict[str, bytes]:
+    """Every file of a run folder and its bytes (the lock's holder line and the index cache
+    aside: each start rewrites them)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != ".run.lock" and "cache" not in p.parts}
+
+
+@pytest.mark.slow
+def test_resume_auto_never_continues_an_earlier_runs_checkpoint(image_folder, tmp_path):
+    """Run A finished in OUTPUT_DIR; run B started fresh there (A went to previous/) and its
+    checkpoint.pth.tar got a flipped bit - with model_best.pth.tar, the same file under a second
+    name (a hard link). B has no intact checkpoint of its own (as after a mid-epoch save, before
+    any epoch end), so the requeue stops: one line names the file and what to do, and the
+    folder is left as it was. It used to resume A's checkpoint from previous/, copy it over B's,
+    move B's record aside as an earlier run's and train on A's weights with A's epoch."""
+    out = tmp_path / "out"
+    flags = [str(image_folder), *TINY, "--seed", "0", "--output-dir", str(out)]
+    for _ in ("A", "B"):
+        assert run_main(*flags, "--epochs", "1").returncode == 0
+    assert (out / files.CHECKPOINT).samefile(out / files.BEST)
+    flip_a_bit_in_the_weights(out / files.CHECKPOINT)
+    before = _record(out)
+    proc = run_main(*flags, "--epochs", "2", "--resume", "auto")
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 1, said[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, said[-3000:]
+    assert errors[0].startswith(f"error: {out / files.CHECKPOINT} is damaged"), errors
+    assert "--resume" in errors[0] and "previous" in errors[0], errors
+    assert "resuming from" not in said and "Traceback" not in said, said[-3000:]
+    assert _record(out) == before  # nothing moved aside, nothing replaced
+
+
+def test_a_fallback_is_one_of_this_runs_own_checkpoints(tmp_path):
+    """--resume auto's fall-back takes a checkpoint of OUTPUT_DIR itself that belongs to the run
+    recorded there (config.json's run id): never previous/ (earlier runs), never a file in the
+    folder that says it is another run's (a copy put back by hand), however new."""
+    (tmp_path / "config.json").write_text(json.dumps({"run_id": "b"}))
+    weights = {"w": torch.arange(100_000, dtype=torch.float32)}
+    saved = [("checkpoint_epoch001.pth.tar", 1, "b"), (files.CHECKPOINT, 2, "b"),
+             (files.BEST, 5, "a"), (f"previous/x/{files.CHECKPOINT}", 5, "a")]
+    for age, (name, epoch, run) in enumerate(reversed(saved)):  # the earlier in the list, older
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        files.atomic_save({"epoch": epoch, "state_dict": weights, "run_id": run}, path)
+        os.utime(path, (time.time() - 60 * age,) * 2)
+    damaged = tmp_path / files.CHECKPOINT
+    flip_a_bit_in_the_weights(damaged)
+    used, ckpt = source.load_decided(damaged, "auto", tmp_path)
+    assert used == tmp_path / "checkpoint_epoch001.pth.tar" and ckpt["epoch"] == 1
+    (tmp_path / "checkpoint_epoch001.pth.tar").unlink()
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(damaged))} is damaged.*no "
+                                              "intact checkpoint to fall back to.*this run's"):
+        source.load_decided(damaged, "auto", tmp_path)

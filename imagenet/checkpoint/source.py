@@ -10,6 +10,7 @@ rank 0's everywhere.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from torch import nn
 
 import imagenet.errors as errors
 from imagenet.checkpoint import files
+from imagenet.checkpoint.rundir import CONFIG
 from imagenet.errors import TrainerError
 from imagenet.launching.collectives import DistInfo
 
@@ -62,7 +64,8 @@ def load_decided(path: Path | None, resume: str | None, output_dir: Path,
                  restarted: bool = False, repair: bool = False) -> Found | None:
     """The decided checkpoint ``path`` loaded (a --sharded-checkpoint directory: its trainer
     state; the shards are read later). A damaged checkpoint of OUTPUT_DIR that --resume auto
-    (or a torchrun restart, ``restarted``) chose falls back to the newest intact one;
+    (or a torchrun restart, ``restarted``) chose falls back to the newest intact one of the
+    same run (``newest_intact``), else is an error: another run's state is never continued;
     ``repair``: the damaged file is replaced by a copy of it (training runs; -e only reads)."""
     if path is None:
         return None
@@ -74,8 +77,10 @@ def load_decided(path: Path | None, resume: str | None, output_dir: Path,
             raise  # a file the user named: its error is the answer
         fallback = newest_intact(output_dir, path)
         if fallback is None:
-            raise errors.CheckpointError(f"{exc}; no intact checkpoint to fall back to in "
-                                         f"{output_dir} (its history or previous/)") from None
+            raise errors.CheckpointError(
+                f"{exc}; no intact checkpoint to fall back to in {output_dir} (this run's "
+                f"{files.BEST} and --keep-checkpoints history; an earlier run's, in previous/, "
+                "is continued only when named with --resume PATH)") from None
         older, ckpt = fallback
         log.warning("=> %s; resuming from %s instead, the newest intact checkpoint (epoch %s, "
                     "step %s)", exc, older, ckpt.get("epoch"), ckpt.get("global_step"))
@@ -95,31 +100,46 @@ def _replace_damaged(damaged: Path, intact: Path) -> None:
 
 
 def fallback_candidates(output_dir: Path) -> list[Path]:
-    """The checkpoints --resume auto may fall back to, newest first: the history
-    (--keep-checkpoints), the best file (a whole checkpoint of its epoch) and previous/ (this
-    folder's earlier runs)."""
-    names = [files.BEST, files.EPOCH_PATTERN]
-    found = {p for name in names for p in output_dir.glob(name)}
-    found |= {p for name in (files.CHECKPOINT, *names)
-              for p in output_dir.glob(f"previous/*/{name}")}
+    """The checkpoints --resume auto may fall back to, newest first: OUTPUT_DIR's own history
+    (--keep-checkpoints) and best file (a whole checkpoint of its epoch). Never previous/: a
+    fresh run moved those there, and continuing one would train on another run's weights."""
+    found = {p for name in (files.BEST, files.EPOCH_PATTERN) for p in output_dir.glob(name)}
     return sorted((p for p in found if p.is_file()), key=lambda p: p.stat().st_mtime,
                   reverse=True)
 
 
+def recorded_run(output_dir: Path) -> str | None:
+    """The id of the run OUTPUT_DIR records (config.json's ``run_id``); None when it names none
+    (written before run ids, or missing or unreadable)."""
+    try:
+        run_id = json.loads((output_dir / CONFIG).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(run_id) if run_id else None
+
+
 def newest_intact(output_dir: Path, damaged: Path) -> Found | None:
-    """The newest checkpoint of ``output_dir`` that loads and matches its checksum, other than
-    ``damaged`` (and its hard links); None when there is none."""
+    """The newest checkpoint of ``output_dir`` that loads, matches its checksum and belongs to
+    the run recorded there (one naming another run's id is skipped), other than ``damaged``
+    (and its hard links); None when there is none."""
     try:
         skip = damaged.stat().st_ino
     except OSError:
         skip = None
+    run_id = recorded_run(output_dir)
     for candidate in fallback_candidates(output_dir):
         if skip is not None and candidate.stat().st_ino == skip:
             continue  # the damaged file under another name (a hard link)
         try:
-            return candidate, files.load_checkpoint(candidate)
+            ckpt = files.load_checkpoint(candidate)
         except errors.CheckpointError as exc:
             log.warning("=> not falling back to %s: %s", candidate, exc)
+            continue
+        if run_id is not None and ckpt.get("run_id") not in (None, run_id):
+            log.warning("=> not falling back to %s: another run's checkpoint (run %s; %s "
+                        "records run %s)", candidate, ckpt["run_id"], CONFIG, run_id)
+            continue
+        return candidate, ckpt
     return None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,10 @@ class Run:
     best_ema: Best | None  # --model-ema: the EMA weights' best top-1
     aug_seed: int  # augmentation randomness is a function of (aug_seed, epoch, sample)
     continues: Path | None = None  # the checkpoint the run resumes, decided once (None: fresh)
+    # Which run OUTPUT_DIR's record and checkpoints are (config.json and every checkpoint say):
+    # new for a fresh run, the checkpoint's when the run continues one of OUTPUT_DIR
+    # (``checkpointing.resume``); rank 0's is the one written.
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     epoch_start: EpochStart = field(default_factory=EpochStart)  # a resume inside an epoch
     outputs: Outputs = field(default_factory=Outputs)  # object storage, imagenet.train's caller
     # What the epoch's metrics.jsonl record needs, checkpointed: its training so far, and (once

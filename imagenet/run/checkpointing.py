@@ -94,6 +94,7 @@ def checkpoint_state(run: Run, epoch_done: bool, weights: bool = True) -> dict[s
         "rng": states,  # python, numpy, torch CPU and CUDA states of every rank, by rank
         "comm_hook": comm_hooks.hook_state(parts.model),
         "config": run.cfg.to_dict(),
+        "run_id": run.run_id,  # a damaged checkpoint falls back to this run's files only
         # What the epoch's metrics.jsonl record needs: the training so far (every rank's sums
         # and seconds) and, once the epoch is done, the record itself (a kill before its line
         # is written loses nothing).
@@ -273,6 +274,8 @@ def resume(run: Run) -> Path | None:
         place_schedule(run, run.step.epoch, 0)  # --start-epoch N: epoch N's learning rate
         return None
     path, ckpt = found
+    if path.resolve().parent == run.output_dir.resolve() and ckpt.get("run_id"):
+        run.run_id = str(ckpt["run_id"])  # it continues the run OUTPUT_DIR records
     log.info("=> loading checkpoint '%s'", path)
     parts = run.engine.parts
     try:  # every rank holds the same checkpoint now: every rank stops here together

@@ -134,6 +134,7 @@ def resume_and_train(run: Run) -> dict[str, float]:
             log_epoch(logger, run.step, run.last_record)  # killed between its save and line
         started = datetime.datetime.now().isoformat(timespec="seconds")
         logger.write_config(run.cfg.to_dict(), {**derived, "started": started,
+                                                "run_id": run.run_id,
                                                 "torchvision_models": torchvision.__version__,
                                                 **recipe.record(run.cfg.config,
                                                                     get_args_parser())})
