@@ -248,6 +248,27 @@ def test_other_filesystems_get_a_temporary_name_then_a_rename(tmp_path):
     assert sorted(p.name for p in target.parent.iterdir()) == ["checkpoint.pth.tar"]
 
 
+def test_a_predictions_url_beside_the_output_url_is_never_taken_for_a_staged_file(
+        tmp_path, monkeypatch):
+    """A training run pushes after its last epoch's line (the CSV goes up) and again at its
+    end: that second push took the CSV's URL for a deleted staging file and failed the
+    finished run ("cannot delete memory://runs/p/memory://preds/p.csv")."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cfg, remote = staged(parse_config(["d", "--output-dir", "memory://t41/runs/p",
+                                       "--predictions", "memory://t41/preds/p.csv"]))
+    Path(cfg.output_dir).mkdir(parents=True)
+    remote.attach(continuing=False, training=True)
+    Path(cfg.predictions).parent.mkdir(parents=True)
+    Path(cfg.predictions).write_text("path,target,pred\n")
+    (Path(cfg.output_dir) / "metrics.jsonl").write_text("{}\n")
+    remote.push()  # after the last epoch's line
+    remote.push()  # the run's end
+    fs = fsspec.filesystem("memory")
+    assert fs.cat_file("/t41/preds/p.csv") == b"path,target,pred\n"
+    assert fs.cat_file("/t41/runs/p/metrics.jsonl") == b"{}\n"
+    fs.rm("/t41", recursive=True)
+
+
 def _jsonl_epochs(fs, key: str) -> list[int]:
     return [json.loads(ln)["epoch"] for ln in fs.cat_file(key).split(b"\n") if ln]
 

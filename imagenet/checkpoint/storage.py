@@ -74,9 +74,12 @@ class Remote:
     resume_url: str | None = None
     resume_local: Path | None = None
     uploads: dict[str, Path] = field(default_factory=dict)  # URL -> local file, outside staging
-    # What the URLs hold: path inside the staging folder (or an upload's URL) -> signature()
-    # when sent or downloaded.
+    # What the output URL holds: path inside the staging folder -> signature() when sent or
+    # downloaded. A path here that the staging folder no longer has is deleted from the URL.
     sent: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    # The files of ``uploads`` when sent: URL -> signature(). Kept apart from ``sent``, where
+    # such a URL was taken for a staging file the run had removed, and deleted.
+    uploaded: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, staged: Staging | None) -> Remote | None:
@@ -159,11 +162,11 @@ class Remote:
         the files of ``uploads``, once written."""
         self._push_staging()
         for url, local in self.uploads.items():
-            if local.is_file() and self.sent.get(url) != signature(local):
+            if local.is_file() and self.uploaded.get(url) != signature(local):
                 fs, key = objectstore.filesystem(url)
                 guarded(f"upload {local} to {url}",
                         lambda f=fs, p=local, k=key: objectstore.upload(f, p, k))
-                self.sent[url] = signature(local)
+                self.uploaded[url] = signature(local)
 
     def _push_staging(self) -> None:
         if self.output_url is None or self.staging is None or not self.staging.is_dir():
