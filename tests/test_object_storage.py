@@ -269,6 +269,25 @@ def test_a_predictions_url_beside_the_output_url_is_never_taken_for_a_staged_fil
     fs.rm("/t41", recursive=True)
 
 
+def test_a_resume_from_the_urls_previous_folder_leaves_that_checkpoint_there(tmp_path,
+                                                                           monkeypatch):
+    """The trainer points users to URL/previous/ for an earlier run: resuming from there read
+    the checkpoint, then the first push deleted it from the store."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    old = tmp_path / "store" / "run" / "previous" / "old" / files.CHECKPOINT
+    old.parent.mkdir(parents=True)
+    old.write_bytes(b"old")
+    out = f"local://{tmp_path}/store/run"
+    cfg, remote = staged(parse_config(["d", "--output-dir", out, "--resume", f"local://{old}"]))
+    Path(cfg.output_dir).mkdir(parents=True)
+    remote.attach(continuing=False, training=True)
+    assert Path(cfg.resume).read_bytes() == b"old"
+    (Path(cfg.output_dir) / files.CHECKPOINT).write_bytes(b"new")
+    remote.push()
+    assert old.read_bytes() == b"old"
+    assert (tmp_path / "store" / "run" / files.CHECKPOINT).read_bytes() == b"new"
+
+
 def _jsonl_epochs(fs, key: str) -> list[int]:
     return [json.loads(ln)["epoch"] for ln in fs.cat_file(key).split(b"\n") if ln]
 

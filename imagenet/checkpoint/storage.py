@@ -113,10 +113,18 @@ class Remote:
             local.unlink(missing_ok=True)  # an earlier run's on this node: not this run's
         if self.resume_url is not None and not self._pulled(self.resume_local):
             self._fetch_resume()
-            if self.staging is not None and self.resume_local is not None \
-                    and self.resume_local.is_relative_to(self.staging):  # not uploaded back
-                rel = self.resume_local.relative_to(self.staging).as_posix()
+            rel = self._resume_key()
+            if rel is not None and self.resume_local is not None:  # not uploaded back
                 self.sent[rel] = signature(self.resume_local)
+
+    def _resume_key(self) -> str | None:
+        """The --resume file's path inside the staging folder (None: not there). The URL's
+        copy is read, never deleted: previous/ (where the trainer points users to an earlier
+        run) is not uploaded, so its file was taken for one the run had removed."""
+        if self.staging is None or self.resume_local is None \
+                or not self.resume_local.is_relative_to(self.staging):
+            return None
+        return self.resume_local.relative_to(self.staging).as_posix()
 
     def _pulled(self, path: Path | None) -> bool:
         """True for a file of the staging folder that ``_pull`` downloaded."""
@@ -180,7 +188,8 @@ class Remote:
                         lambda r=rel: objectstore.upload(fs, present[r], f"{root}/{r}"))
                 self.sent[rel] = mark
         for rel in sorted(set(self.sent) - set(present)):
-            guarded(f"delete {self.output_url}/{rel}", lambda r=rel: fs.rm(f"{root}/{r}"))
+            if rel != self._resume_key():
+                guarded(f"delete {self.output_url}/{rel}", lambda r=rel: fs.rm(f"{root}/{r}"))
             del self.sent[rel]
 
     def move_previous_run(self) -> str | None:
