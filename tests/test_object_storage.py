@@ -20,7 +20,7 @@ from moto.server import ThreadedMotoServer
 from test_fault_tolerance import Live
 from test_shards import prepare_shards
 
-from imagenet.checkpoint import files, storage
+from imagenet.checkpoint import files, rundir, storage
 from imagenet.data import objectstore
 from imagenet.data.shards.streams import ShardMissing, open_shard
 from imagenet.errors import RunError, UsageError
@@ -286,6 +286,29 @@ def test_a_resume_from_the_urls_previous_folder_leaves_that_checkpoint_there(tmp
     remote.push()
     assert old.read_bytes() == b"old"
     assert (tmp_path / "store" / "run" / files.CHECKPOINT).read_bytes() == b"new"
+
+
+def test_a_url_on_a_filesystem_with_folders_gets_its_folders_made(tmp_path, monkeypatch):
+    """local://, sftp, hdfs have folders: a new --output-dir URL, its tb/, a --predictions
+    URL's folder and previous/<start>/ are made as a local path's are."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    out = tmp_path / "fs" / "runs" / "new"  # not there yet
+    cfg, remote = staged(parse_config(["d", "--output-dir", f"local://{out}", "--predictions",
+                                       f"local://{tmp_path}/fs/preds/p.csv"]))
+    staging = Path(cfg.output_dir)
+    staging.mkdir(parents=True)
+    remote.attach(continuing=False, training=True)
+    (staging / "tb").mkdir()
+    (staging / "tb" / "events.out.tfevents.1").write_bytes(b"e")
+    (staging / rundir.CONFIG).write_text(json.dumps({"started": "2026-01-02T03:04:05"}))
+    Path(cfg.predictions).parent.mkdir(parents=True)
+    Path(cfg.predictions).write_text("p\n")
+    remote.push()
+    assert (out / "tb" / "events.out.tfevents.1").read_bytes() == b"e"
+    assert (tmp_path / "fs" / "preds" / "p.csv").read_text() == "p\n"
+    moved = remote.move_previous_run()  # a fresh run in the used folder
+    assert moved == f"local://{out}/previous/2026-01-02_03-04-05"
+    assert (out / "previous" / "2026-01-02_03-04-05" / "tb" / "events.out.tfevents.1").is_file()
 
 
 def _jsonl_epochs(fs, key: str) -> list[int]:

@@ -219,13 +219,16 @@ def move(fs: Any, src: str, dst: str) -> None:
     """Move a file, or every file under a folder (object stores have no folders to move)."""
     objects = fs.find(src) if fs.isdir(src) else [src]
     for key in objects:
-        fs.mv(key, dst + key[len(src):])
+        target = dst + key[len(src):]
+        objectstore.make_folder(fs, target.rsplit("/", 1)[0])  # previous/<start>/ on sftp, ...
+        fs.mv(key, target)
 
 
 def check_writable(fs: Any, root: str, url: str, flag: str = "--output-dir") -> None:
     """Write and delete a small object under ``root``; UsageError saying what to check."""
     probe = f"{root}/.write-test-{socket.gethostname()}-{os.getpid()}"
     try:
+        objectstore.make_folder(fs, root)  # a new folder, as a local --output-dir is made
         fs.pipe_file(probe, b"")
         fs.rm(probe)
     except Exception as exc:  # the backends raise their own types (credentials, no bucket)
