@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -309,6 +310,31 @@ def test_a_url_on_a_filesystem_with_folders_gets_its_folders_made(tmp_path, monk
     moved = remote.move_previous_run()  # a fresh run in the used folder
     assert moved == f"local://{out}/previous/2026-01-02_03-04-05"
     assert (out / "previous" / "2026-01-02_03-04-05" / "tb" / "events.out.tfevents.1").is_file()
+
+
+def test_staging_is_private_to_the_user(tmp_path, monkeypatch):
+    """A fixed folder shared by every user: once one user had made it (755) every other
+    user's URL run failed, and one user ran on what another left in it (its cache/). Each
+    user stages in a folder of their own, 0700, refused when others could write into it."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / "imagenet-trainer" / "cache").mkdir(parents=True)  # someone else's
+    cfg, _ = staged(parse_config(["d", "--output-dir", "s3://runs/x"]))
+    mine = tmp_path / f"imagenet-trainer-{os.geteuid()}"
+    assert Path(cfg.output_dir).parent == mine
+    assert (stat.S_IMODE(mine.stat().st_mode), mine.stat().st_uid) == (0o700, os.geteuid())
+    mine.chmod(0o770)
+    with pytest.raises(UsageError, match=f"{mine} is writable by others"):
+        staged(parse_config(["d", "--output-dir", "s3://runs/x"]))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a folder to another user")
+def test_a_staging_folder_another_user_made_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    theirs = tmp_path / f"imagenet-trainer-{os.geteuid()}"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 12345, 12345)
+    with pytest.raises(UsageError, match=f"{theirs} belongs to user 12345"):
+        staged(parse_config(["d", "--predictions", "s3://out/p.csv"]))
 
 
 def _jsonl_epochs(fs, key: str) -> list[int]:
