@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -20,7 +21,7 @@ from moto.server import ThreadedMotoServer
 from test_fault_tolerance import Live
 from test_shards import prepare_shards
 
-from imagenet.checkpoint import files, storage
+from imagenet.checkpoint import files, rundir, storage
 from imagenet.data import objectstore
 from imagenet.data.shards.streams import ShardMissing, open_shard
 from imagenet.errors import RunError, UsageError
@@ -246,6 +247,94 @@ def test_other_filesystems_get_a_temporary_name_then_a_rename(tmp_path):
     objectstore.upload(fs, local, str(target))
     assert target.read_bytes() == b"new"
     assert sorted(p.name for p in target.parent.iterdir()) == ["checkpoint.pth.tar"]
+
+
+def test_a_predictions_url_beside_the_output_url_is_never_taken_for_a_staged_file(
+        tmp_path, monkeypatch):
+    """A training run pushes after its last epoch's line (the CSV goes up) and again at its
+    end: that second push took the CSV's URL for a deleted staging file and failed the
+    finished run ("cannot delete memory://runs/p/memory://preds/p.csv")."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cfg, remote = staged(parse_config(["d", "--output-dir", "memory://t41/runs/p",
+                                       "--predictions", "memory://t41/preds/p.csv"]))
+    Path(cfg.output_dir).mkdir(parents=True)
+    remote.attach(continuing=False, training=True)
+    Path(cfg.predictions).parent.mkdir(parents=True)
+    Path(cfg.predictions).write_text("path,target,pred\n")
+    (Path(cfg.output_dir) / "metrics.jsonl").write_text("{}\n")
+    remote.push()  # after the last epoch's line
+    remote.push()  # the run's end
+    fs = fsspec.filesystem("memory")
+    assert fs.cat_file("/t41/preds/p.csv") == b"path,target,pred\n"
+    assert fs.cat_file("/t41/runs/p/metrics.jsonl") == b"{}\n"
+    fs.rm("/t41", recursive=True)
+
+
+def test_a_resume_from_the_urls_previous_folder_leaves_that_checkpoint_there(tmp_path,
+                                                                           monkeypatch):
+    """The trainer points users to URL/previous/ for an earlier run: resuming from there read
+    the checkpoint, then the first push deleted it from the store."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    old = tmp_path / "store" / "run" / "previous" / "old" / files.CHECKPOINT
+    old.parent.mkdir(parents=True)
+    old.write_bytes(b"old")
+    out = f"local://{tmp_path}/store/run"
+    cfg, remote = staged(parse_config(["d", "--output-dir", out, "--resume", f"local://{old}"]))
+    Path(cfg.output_dir).mkdir(parents=True)
+    remote.attach(continuing=False, training=True)
+    assert Path(cfg.resume).read_bytes() == b"old"
+    (Path(cfg.output_dir) / files.CHECKPOINT).write_bytes(b"new")
+    remote.push()
+    assert old.read_bytes() == b"old"
+    assert (tmp_path / "store" / "run" / files.CHECKPOINT).read_bytes() == b"new"
+
+
+def test_a_url_on_a_filesystem_with_folders_gets_its_folders_made(tmp_path, monkeypatch):
+    """local://, sftp, hdfs have folders: a new --output-dir URL, its tb/, a --predictions
+    URL's folder and previous/<start>/ are made as a local path's are."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    out = tmp_path / "fs" / "runs" / "new"  # not there yet
+    cfg, remote = staged(parse_config(["d", "--output-dir", f"local://{out}", "--predictions",
+                                       f"local://{tmp_path}/fs/preds/p.csv"]))
+    staging = Path(cfg.output_dir)
+    staging.mkdir(parents=True)
+    remote.attach(continuing=False, training=True)
+    (staging / "tb").mkdir()
+    (staging / "tb" / "events.out.tfevents.1").write_bytes(b"e")
+    (staging / rundir.CONFIG).write_text(json.dumps({"started": "2026-01-02T03:04:05"}))
+    Path(cfg.predictions).parent.mkdir(parents=True)
+    Path(cfg.predictions).write_text("p\n")
+    remote.push()
+    assert (out / "tb" / "events.out.tfevents.1").read_bytes() == b"e"
+    assert (tmp_path / "fs" / "preds" / "p.csv").read_text() == "p\n"
+    moved = remote.move_previous_run()  # a fresh run in the used folder
+    assert moved == f"local://{out}/previous/2026-01-02_03-04-05"
+    assert (out / "previous" / "2026-01-02_03-04-05" / "tb" / "events.out.tfevents.1").is_file()
+
+
+def test_staging_is_private_to_the_user(tmp_path, monkeypatch):
+    """A fixed folder shared by every user: once one user had made it (755) every other
+    user's URL run failed, and one user ran on what another left in it (its cache/). Each
+    user stages in a folder of their own, 0700, refused when others could write into it."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / "imagenet-trainer" / "cache").mkdir(parents=True)  # someone else's
+    cfg, _ = staged(parse_config(["d", "--output-dir", "s3://runs/x"]))
+    mine = tmp_path / f"imagenet-trainer-{os.geteuid()}"
+    assert Path(cfg.output_dir).parent == mine
+    assert (stat.S_IMODE(mine.stat().st_mode), mine.stat().st_uid) == (0o700, os.geteuid())
+    mine.chmod(0o770)
+    with pytest.raises(UsageError, match=f"{mine} is writable by others"):
+        staged(parse_config(["d", "--output-dir", "s3://runs/x"]))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a folder to another user")
+def test_a_staging_folder_another_user_made_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    theirs = tmp_path / f"imagenet-trainer-{os.geteuid()}"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 12345, 12345)
+    with pytest.raises(UsageError, match=f"{theirs} belongs to user 12345"):
+        staged(parse_config(["d", "--predictions", "s3://out/p.csv"]))
 
 
 def _jsonl_epochs(fs, key: str) -> list[int]:

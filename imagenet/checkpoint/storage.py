@@ -74,9 +74,12 @@ class Remote:
     resume_url: str | None = None
     resume_local: Path | None = None
     uploads: dict[str, Path] = field(default_factory=dict)  # URL -> local file, outside staging
-    # What the URLs hold: path inside the staging folder (or an upload's URL) -> signature()
-    # when sent or downloaded.
+    # What the output URL holds: path inside the staging folder -> signature() when sent or
+    # downloaded. A path here that the staging folder no longer has is deleted from the URL.
     sent: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    # The files of ``uploads`` when sent: URL -> signature(). Kept apart from ``sent``, where
+    # such a URL was taken for a staging file the run had removed, and deleted.
+    uploaded: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, staged: Staging | None) -> Remote | None:
@@ -110,10 +113,18 @@ class Remote:
             local.unlink(missing_ok=True)  # an earlier run's on this node: not this run's
         if self.resume_url is not None and not self._pulled(self.resume_local):
             self._fetch_resume()
-            if self.staging is not None and self.resume_local is not None \
-                    and self.resume_local.is_relative_to(self.staging):  # not uploaded back
-                rel = self.resume_local.relative_to(self.staging).as_posix()
+            rel = self._resume_key()
+            if rel is not None and self.resume_local is not None:  # not uploaded back
                 self.sent[rel] = signature(self.resume_local)
+
+    def _resume_key(self) -> str | None:
+        """The --resume file's path inside the staging folder (None: not there). The URL's
+        copy is read, never deleted: previous/ (where the trainer points users to an earlier
+        run) is not uploaded, so its file was taken for one the run had removed."""
+        if self.staging is None or self.resume_local is None \
+                or not self.resume_local.is_relative_to(self.staging):
+            return None
+        return self.resume_local.relative_to(self.staging).as_posix()
 
     def _pulled(self, path: Path | None) -> bool:
         """True for a file of the staging folder that ``_pull`` downloaded."""
@@ -159,11 +170,11 @@ class Remote:
         the files of ``uploads``, once written."""
         self._push_staging()
         for url, local in self.uploads.items():
-            if local.is_file() and self.sent.get(url) != signature(local):
+            if local.is_file() and self.uploaded.get(url) != signature(local):
                 fs, key = objectstore.filesystem(url)
                 guarded(f"upload {local} to {url}",
                         lambda f=fs, p=local, k=key: objectstore.upload(f, p, k))
-                self.sent[url] = signature(local)
+                self.uploaded[url] = signature(local)
 
     def _push_staging(self) -> None:
         if self.output_url is None or self.staging is None or not self.staging.is_dir():
@@ -177,7 +188,8 @@ class Remote:
                         lambda r=rel: objectstore.upload(fs, present[r], f"{root}/{r}"))
                 self.sent[rel] = mark
         for rel in sorted(set(self.sent) - set(present)):
-            guarded(f"delete {self.output_url}/{rel}", lambda r=rel: fs.rm(f"{root}/{r}"))
+            if rel != self._resume_key():
+                guarded(f"delete {self.output_url}/{rel}", lambda r=rel: fs.rm(f"{root}/{r}"))
             del self.sent[rel]
 
     def move_previous_run(self) -> str | None:
@@ -207,13 +219,16 @@ def move(fs: Any, src: str, dst: str) -> None:
     """Move a file, or every file under a folder (object stores have no folders to move)."""
     objects = fs.find(src) if fs.isdir(src) else [src]
     for key in objects:
-        fs.mv(key, dst + key[len(src):])
+        target = dst + key[len(src):]
+        objectstore.make_folder(fs, target.rsplit("/", 1)[0])  # previous/<start>/ on sftp, ...
+        fs.mv(key, target)
 
 
 def check_writable(fs: Any, root: str, url: str, flag: str = "--output-dir") -> None:
     """Write and delete a small object under ``root``; UsageError saying what to check."""
     probe = f"{root}/.write-test-{socket.gethostname()}-{os.getpid()}"
     try:
+        objectstore.make_folder(fs, root)  # a new folder, as a local --output-dir is made
         fs.pipe_file(probe, b"")
         fs.rm(probe)
     except Exception as exc:  # the backends raise their own types (credentials, no bucket)

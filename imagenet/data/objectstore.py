@@ -10,8 +10,9 @@ or from ``FSSPEC_<PROTOCOL>_<OPTION>`` variables (fsspec's own).
 Uploads never leave a partial file where a reader looks: on object stores (S3, GCS, Azure) an
 object becomes visible only when its upload completes - a single PUT, or the completion of a
 multipart / resumable upload - so a finished local file is uploaded straight to its key and a
-reader sees the old object or the new one. Other filesystems (sftp, hdfs, a local ``file://``
-path, ...) get a temporary name first and a rename.
+reader sees the old object or the new one. Other filesystems (sftp, hdfs, ``local://``, ...)
+get a temporary name first and a rename; they have folders, made where a file goes, as for a
+local path (``make_folder``).
 """
 
 from __future__ import annotations
@@ -65,12 +66,20 @@ def whole_objects(fs: Any) -> bool:
     return any(name in WHOLE_OBJECT_PROTOCOLS for name in names)
 
 
+def make_folder(fs: Any, folder: str) -> None:
+    """Make ``folder`` and its parents where ``fs`` has folders (sftp, hdfs, ``local://``);
+    object stores have none (and s3fs's makedirs would create a bucket)."""
+    if folder and not whole_objects(fs):
+        fs.makedirs(folder, exist_ok=True)
+
+
 def upload(fs: Any, local: Path, key: str) -> None:
     """Put the finished file ``local`` at ``key`` so that a reader never sees part of it."""
     if whole_objects(fs):
         fs.put_file(str(local), key)
         return
     parent, name = key.rsplit("/", 1) if "/" in key else ("", key)
+    make_folder(fs, parent)
     tmp = f"{parent}/.{name}.tmp-{os.getpid()}" if parent else f".{name}.tmp-{os.getpid()}"
     fs.put_file(str(local), tmp)
     fs.mv(tmp, key)

@@ -2,13 +2,18 @@
 replaces each URL by a local path once (``stage``), and every later stage reads those paths;
 ``checkpoint.storage.Remote`` mirrors them to the URLs.
 
-Pure (no I/O): every process computes the same paths.
+Every process computes the same paths. They lie in a folder of this user's own,
+``$TMPDIR/imagenet-trainer-<uid>`` (0700): ``stage`` makes it, or refuses one that another user
+owns or could write into (a shared folder let one user's run fail every other user's and
+take files another user had left, its folder index included, for its own).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import stat
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,13 +34,44 @@ class Staging:
     uploads: dict[str, Path] = field(default_factory=dict)  # URL -> local file, outside staging
 
 
+def staging_root() -> Path:
+    """This user's folder of staging folders on this node."""
+    return Path(tempfile.gettempdir()) / f"imagenet-trainer-{os.geteuid()}"
+
+
 def staging_dir(url: str, evaluate: bool = False) -> Path:
     """The local folder that stands for ``url`` on this node (the same on every rank);
     ``evaluate``: -e's own, apart from a training run's."""
     digest = hashlib.sha1(url.encode()).hexdigest()[:12]
     tail = re.sub(r"[^A-Za-z0-9._-]+", "_", url.rstrip("/").rsplit("/", 1)[-1])[:40]
-    return Path(tempfile.gettempdir()) / "imagenet-trainer" / \
-        f"{tail}-{digest}{'-eval' if evaluate else ''}"
+    return staging_root() / f"{tail}-{digest}{'-eval' if evaluate else ''}"
+
+
+def make_private(root: Path, flag: str) -> None:
+    """Make ``root`` (0700), or check that the one there is this user's and that no one else can
+    write into it; UsageError naming ``flag`` (the URL that needs it) otherwise."""
+    try:
+        root.mkdir(mode=0o700)
+        root.chmod(0o700)  # whatever the umask
+        return
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise UsageError(f"{flag}: cannot create the staging folder {root} ({exc.strerror}); "
+                         "set TMPDIR to a folder you can write") from None
+    st = root.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        problem = "is not a folder (a link or a file)"
+    elif st.st_uid != os.geteuid():
+        problem = f"belongs to user {st.st_uid}"
+    elif st.st_mode & 0o022:
+        problem = "is writable by others"
+    else:
+        root.chmod(0o700)  # this user's own: readable by this user alone, too
+        return
+    raise UsageError(f"{flag}: the staging folder {root} {problem}, so files someone else put "
+                     f"there could be taken for this run's; set TMPDIR to a folder of your "
+                     f"own, or have {root} removed")
 
 
 def stage(cfg: Config) -> tuple[Config, Staging | None]:
@@ -50,6 +86,8 @@ def stage(cfg: Config) -> tuple[Config, Staging | None]:
         raise UsageError(f"--sharded-checkpoint: every rank writes its shards into "
                          f"--output-dir, which {output_url} cannot collect; give a shared "
                          "filesystem path, or drop --sharded-checkpoint")
+    make_private(staging_root(), f"--output-dir {output_url}" if output_url else
+                 f"--resume {resume_url}" if resume_url else f"--predictions {predictions_url}")
     staging = staging_dir(output_url, cfg.evaluate) if output_url else None
     changes: dict[str, str] = {}
     if staging is not None:
