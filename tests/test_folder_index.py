@@ -224,6 +224,45 @@ def test_a_damaged_index_is_never_used(tmp_path, settled, damage):
     assert listing.how == "index"
 
 
+def plant(path: Path, record: str, where: int, name: str) -> None:
+    """Add ``name`` to a folder record's sub-folders (``where`` 1) or image files (2)."""
+    with gzip.open(path, "rt") as f:
+        payload = json.load(f)
+    payload["folders"][record][where].append(name)
+    with gzip.open(path, "wt") as f:
+        json.dump(payload, f)
+
+
+@pytest.mark.parametrize("where, name", [
+    (2, "../../../outside.jpg"),  # an image outside the data folder
+    (2, "../class1/img0.jpg"),  # another class's image, mislabelled
+    (2, ""), (2, "img0.jpg\0.png"),
+    (1, "../../../elsewhere"),  # a folder outside it, listed as a new one
+    (1, ".."), (1, "."),  # the data folder or the class again: every image twice
+])
+def test_an_index_entry_that_is_no_name_in_its_folder_is_refused(tmp_path, settled, where,
+                                                                   name):
+    """No entry a folder lists holds a '/' or is '.', '..', empty or has a NUL: an index
+    (it sits in the cache folder, anyone may have written it) that says so is not used."""
+    folder = write_image_folder(tmp_path / "data", classes=2, train_per_class=2,
+                                val_per_class=1) / "train"
+    image = (folder / "class0" / "img0.jpg").read_bytes()
+    (tmp_path / "outside.jpg").write_bytes(image)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "outside.jpg").write_bytes(image)
+    read(folder, tmp_path / "cache")
+    plant(index_file(tmp_path / "cache"), "class0", where, name)
+    dataset, listing = read(folder, tmp_path / "cache")
+    inside = [p for p, _ in dataset.samples
+              if Path(os.path.realpath(p)).is_relative_to(folder.resolve())]
+    assert [p for p, _ in dataset.samples] == inside, "the index led outside the data folder"
+    same_as_torchvision(dataset, folder)
+    line = index.describe(listing)
+    assert line is not None and "damaged or foreign" in line and repr(name) in line, line
+    _, listing = read(folder, tmp_path / "cache")  # written again from the folder's listing
+    assert listing.how == "index"
+
+
 def test_folders_written_just_before_the_listing_are_listed_again(tmp_path):
     """A file system with one- or two-second times could hide a file added in the same
     second as the listing: such folders are not taken from the index (and no line says so)."""

@@ -1,19 +1,26 @@
 """--sharded-checkpoint directories on disk: a kill between the two renames of a save, a fresh
 run in a folder that such a kill left, damaged copies (a shard file missing, no .metadata, a
 truncated shard) on resume and in ``python -m imagenet.tools.unshard``. Real directories written
-by torch.distributed.checkpoint; the end-to-end resume at world size 2 runs main.py."""
+by torch.distributed.checkpoint; the end-to-end resume at world size 2 runs main.py. Hostile
+directories (a .metadata or a value that runs code when unpickled) are refused, not run."""
 
 from __future__ import annotations
 
 import json
+import os
+import pickle
+import shlex
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, child_env, main_cmd, run_parallel, write_image_folder
+from helpers import TINY, child_env, main_cmd, run_main, run_parallel, write_image_folder
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 
 from imagenet.checkpoint import files, rundir, sharded
+from imagenet.checkpoint.weights import read_weights
 from imagenet.errors import CheckpointError
 from imagenet.tools import unshard
 
@@ -46,6 +53,94 @@ def damaged(root: Path, how: str) -> Path:
 WHAT_IS_MISSING = {"no shard": f"its shard file {SHARD} is missing",
                    "no .metadata": "its .metadata is missing",
                    "truncated": f"its shard file {SHARD} is truncated (1000 of at least "}
+
+
+# ---------------------------------------------------------------- hostile directories
+
+
+class RunsCode:
+    """Unpickled, ``os.system`` creates ``marker``: proof that a load ran the folder's code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {shlex.quote(str(self.marker))}",)
+
+
+def hostile_metadata(path: Path, marker: Path) -> Path:
+    """A whole directory whose .metadata is DCP's own plus a call that creates ``marker``."""
+    tiny_dcp(path)
+    metadata = pickle.loads((path / ".metadata").read_bytes())  # written just now: ours
+    metadata.storage_meta.modules = [RunsCode(marker)]
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    return path
+
+
+def hostile_value(path: Path, marker: Path) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A directory the trainer's writer made, its optimizer's lr a call that creates
+    ``marker`` (DCP keeps non-tensor values as pickles); the model and optimizer it fits."""
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = sharded.sharded_state(model, optimizer, None)
+    state["optimizer"]["param_groups"][0]["lr"] = RunsCode(marker)
+    with sharded.single_process_is_meant():
+        sharded.write(state, {"state_dict": None, "epoch": 1, "arch": "linear"}, path, True)
+    return model, optimizer
+
+
+def refusal(read, path: Path) -> str:
+    """The CheckpointError that ``read(path)`` raises ("" when it raises none)."""
+    try:
+        read(path)
+    except CheckpointError as exc:
+        return str(exc)
+    return ""
+
+
+READS_METADATA = {  # how each entry point reads a directory's .metadata
+    "-e/--resume DIR": lambda path: files.resolve_resume(str(path), path.parent, False, True),
+    "--resume auto": lambda path: files.resolve_resume("auto", path.parent, False, False),
+    "--finetune DIR": read_weights,
+    "unshard (DCP's own reader)": lambda path: sharded.to_single_file(path, path.parent / "x"),
+}
+
+
+@pytest.mark.parametrize("entry", list(READS_METADATA))
+def test_a_metadata_that_runs_code_is_refused_not_run(tmp_path, entry):
+    marker = tmp_path / "ran"
+    path = hostile_metadata(tmp_path / "checkpoint.dcp", marker)
+    error = refusal(READS_METADATA[entry], path)
+    assert not marker.exists(), "the directory's .metadata ran code"
+    assert error.startswith(f"refusing {path}: its .metadata "), error
+    assert f"{os.system.__module__}.system" in error and "\n" not in error
+    FileSystemReader(path).read_metadata()  # the payload is live: torch's own reader runs it
+    assert marker.exists()
+
+
+def test_a_value_that_runs_code_is_refused_on_resume_and_in_unshard(tmp_path, capsys):
+    marker = tmp_path / "ran"
+    path = tmp_path / "checkpoint.dcp"
+    model, optimizer = hostile_value(path, marker)
+    assert files.incomplete(path) is None  # a whole directory: only its contents are wrong
+    error = refusal(lambda p: sharded.load(model, optimizer, None, p, "linear", []), path)
+    assert not marker.exists(), "the directory's optimizer state ran code on resume"
+    assert error.startswith(f"refusing {path}: its value optimizer.param_groups.0.lr "), error
+    assert unshard.main([str(path)]) == 1
+    assert not marker.exists(), "the directory's optimizer state ran code in unshard"
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: refusing {path}: its value optimizer.param_groups.0.lr ")
+
+
+def test_evaluating_a_directory_that_runs_code_is_one_line(tmp_path):
+    marker = tmp_path / "ran"
+    path = hostile_metadata(tmp_path / "checkpoint.dcp", marker)
+    proc = run_main("--dummy", *TINY, "-e", "--resume", str(path), "--output-dir",
+                    str(tmp_path / "out"), timeout=120)
+    assert not marker.exists(), "main.py -e ran the directory's code"
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: refusing {path}: its .metadata "), proc.stderr
 
 
 # ---------------------------------------------------------------- a kill between the renames

@@ -2,7 +2,8 @@
 
   files     atomic writes, safe loads, which file to resume; ``whole`` (nothing half-written).
   states    the state dicts of a model, optimizer and EMA (plain, DDP and FSDP alike).
-  sharded   --sharded-checkpoint directories (torch.distributed.checkpoint).
+  sharded   --sharded-checkpoint directories (torch.distributed.checkpoint); ``dcpread`` reads
+            them as weights_only reads a file: nothing in them runs code.
   weights   any file's model weights (--finetune, export).
   guard     only finite state is saved or resumed, with the same class names.
   source    the checkpoint every rank resumes: rank 0 decides.

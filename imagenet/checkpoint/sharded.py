@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel
 
 import imagenet.training.fsdp as fsdp
-from imagenet.checkpoint import files, guard
+from imagenet.checkpoint import dcpread, files, guard
 from imagenet.errors import CheckpointError, on_every_rank
 from imagenet.launching.collectives import barrier, raise_agreed
 
@@ -134,12 +134,14 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, ema: AveragedModel 
     raise_agreed(CheckpointError(f"{path} is incomplete: {problem}; {files.RESUME_FIX}")
                  if problem else None)
     saved = {key.split(".")[0] for key in  # model_best_ema.dcp holds the weights only
-             dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
+             dcpread.read_metadata(path).state_dict_metadata}
     state = {k: v for k, v in sharded_state(model, optimizer, ema).items()
              if k in saved and (with_optimizer or k != "optimizer")}
     with single_process_is_meant():
         try:
-            dcp.load(state, checkpoint_id=path)
+            dcpread.load(state, path)
+        except dcpread.Refused as exc:  # raised on every rank, as DCP's errors are
+            raise on_every_rank(exc) from None
         except CheckpointException as exc:  # raised on every rank: damage inside a shard
             raise on_every_rank(CheckpointError(
                 f"{path} is damaged ({first_failure(exc)}); {files.RESUME_FIX}")) from None
@@ -171,28 +173,21 @@ def to_single_file(src: Path, dst: Path) -> dict[str, Any]:
     """The classic checkpoint of directory ``src`` written to ``dst``: plain keys, optimizer
     state keyed by index, as ``--fsdp`` without --sharded-checkpoint would have saved it."""
     meta = load_meta(src)
-    tmp = dst.with_name(f".{dst.name}.dcp-tmp-{os.getpid()}")
     try:
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        try:
-            dcp_to_torch_save(src, tmp)
-        except (CheckpointException, RuntimeError, ValueError, EOFError) as exc:
-            reason = first_failure(exc) if isinstance(exc, CheckpointException) else \
-                str(exc).strip().splitlines()[0][:160]
-            raise CheckpointError(f"{src} is damaged ({reason}); give another checkpoint "
-                                  "directory") from None
-        tensors = torch.load(tmp, map_location="cpu", weights_only=True, mmap=True)
-        optimizer = tensors.get("optimizer")
-        if optimizer:
-            names = [n for group in optimizer["param_groups"] for n in group["params"]]
-            tensors["optimizer"] = fsdp.by_index(optimizer, names)
-        if "ema" in tensors:
-            tensors["ema"] = {"n_averaged": meta["ema"]["n_averaged"],
-                              **{f"module.{k}": v for k, v in tensors["ema"].items()}}
-        # Keep the classic key order: the metadata's (placeholders where the weights go).
-        single = {k: tensors.get(k, v) if k in SHARDED else v for k, v in meta.items()}
-        files.atomic_save(single, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
+        tensors = dcpread.load_everything(src)
+    except (CheckpointException, RuntimeError, ValueError, EOFError) as exc:
+        reason = first_failure(exc) if isinstance(exc, CheckpointException) else \
+            str(exc).strip().splitlines()[0][:160]
+        raise CheckpointError(f"{src} is damaged ({reason}); give another checkpoint "
+                              "directory") from None
+    optimizer = tensors.get("optimizer")
+    if optimizer:
+        names = [n for group in optimizer["param_groups"] for n in group["params"]]
+        tensors["optimizer"] = fsdp.by_index(optimizer, names)
+    if "ema" in tensors:
+        tensors["ema"] = {"n_averaged": meta["ema"]["n_averaged"],
+                          **{f"module.{k}": v for k, v in tensors["ema"].items()}}
+    # Keep the classic key order: the metadata's (placeholders where the weights go).
+    single = {k: tensors.get(k, v) if k in SHARDED else v for k, v in meta.items()}
+    files.atomic_save(single, dst)
     return single

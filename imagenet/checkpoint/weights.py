@@ -58,17 +58,17 @@ def _weights(state: dict, meta: dict, path: Path, flag: str) -> Weights:
 
 def _dcp_model_state(path: Path) -> dict[str, torch.Tensor]:
     """The model weights of a --sharded-checkpoint directory, read in this process alone."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from imagenet.checkpoint import dcpread
     from imagenet.checkpoint.sharded import single_process_is_meant
 
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = dcpread.read_metadata(path).state_dict_metadata
     state = {key.split(".", 1)[1]: torch.empty(m.size, dtype=m.properties.dtype)
              for key, m in saved.items()
              if key.startswith("state_dict.") and isinstance(m, TensorStorageMetadata)}
     with single_process_is_meant():
-        dcp.load({"state_dict": state}, checkpoint_id=path, no_dist=True)
+        dcpread.load({"state_dict": state}, path, no_dist=True)
     return state
 
 

@@ -3,14 +3,15 @@ and every shard file ``.metadata`` names, at least as long as it says.
 
 A save never leaves a directory half written (it is written under a temporary name and
 swapped in), but a copy that stopped, a full disk or a hand can. Found here, that is one line
-before anything is loaded instead of a CheckpointException from every rank.
+before anything is loaded instead of a CheckpointException from every rank. A ``.metadata``
+that could run code is refused (``dcpread``), not reported as a missing part.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from torch.distributed.checkpoint import FileSystemReader
+from imagenet.checkpoint import dcpread
 
 
 def missing_part(path: Path, meta_name: str) -> str | None:
@@ -23,9 +24,11 @@ def missing_part(path: Path, meta_name: str) -> str | None:
     if not (path / meta_name).is_file():
         return f"it has no {meta_name} (not written with --sharded-checkpoint?)"
     try:
-        metadata = FileSystemReader(path).read_metadata()
+        metadata = dcpread.read_metadata(path)
     except FileNotFoundError:
         return "its .metadata is missing"
+    except dcpread.Refused:
+        raise
     except Exception as exc:  # a damaged pickle raises many types (EOF, Unpickling, ...)
         reason = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else \
             type(exc).__name__

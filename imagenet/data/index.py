@@ -22,7 +22,9 @@ fake them): give ``--cache-dir none`` there.
 
 **Damage.** The file is gzip (its CRC covers every byte) holding JSON that is checked before
 use: a truncated, damaged or foreign file is never used; the folder is listed again and one line
-says so. Writes go to a temporary file renamed into place: readers never see half an index.
+says so. So is one with an entry that no folder can hold (a name with a '/' or a NUL, '.', '..'
+or empty): planted in the cache folder, it would lead the trainer to files outside the data
+folder. Writes go to a temporary file renamed into place: readers never see half an index.
 
 The index is named after the folder's absolute path and the root folder's inode: node-local
 copies of a data set (another inode on each node) get one index each.
@@ -236,6 +238,10 @@ def read_index(path: Path, root: str) -> dict[str, Record]:
     records = payload.get("folders")
     if not isinstance(records, dict) or not _well_formed(records):
         raise Damaged("its folder records are malformed")
+    stray = _stray_name(records)
+    if stray is not None:
+        raise Damaged(f"it lists {stray!r}, which no folder holds (a path, '.', '..', an empty "
+                      "name or a NUL)")
     return records
 
 
@@ -253,6 +259,24 @@ def _well_formed(records: dict[str, Any]) -> bool:
                                       and all(isinstance(v, int) for v in ident)):
             return False
     return "" in records
+
+
+def _is_entry(name: str) -> bool:
+    """Whether a folder can hold an entry called ``name`` (os.scandir never lists '.', '..')."""
+    return name not in ("", ".", "..") and "/" not in name and os.sep not in name \
+        and "\0" not in name
+
+
+def _stray_name(records: dict[str, Record]) -> str | None:
+    """The first folder path or entry in ``records`` that is not made of folder entries (it
+    would point outside the folder, or twice into it); None when there is none."""
+    for rel, record in records.items():
+        if rel and not all(_is_entry(part) for part in rel.split(os.sep)):
+            return rel
+        for name in (*record[1], *record[2]):
+            if not _is_entry(name):
+                return name
+    return None
 
 
 def write_index(path: Path, root: str, records: Mapping[str, Record]) -> None:
