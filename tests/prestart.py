@@ -1,0 +1,235 @@
+"""A pre-imported ``main.py`` for tests whose subject comes after start-up (tests/README.md).
+
+Importing torch and torchvision costs a process ~5 s of CPU before it does anything
+(torchvision 0.29 imports ``torch._dynamo`` eagerly), and the suite starts hundreds of
+``main.py`` processes. ``helpers.run_main`` therefore starts them through this file:
+
+- ``python prestart.py serve SOCKET`` (one per test process, started on first use) imports the
+  trainer once and waits on a Unix socket;
+- ``python prestart.py run SOCKET ARGS...`` (what ``run_main`` executes, a plain Python process
+  that imports no torch) hands the server its arguments, environment, working folder and its
+  stdin/stdout/stderr; the server forks a real child that becomes ``python main.py ARGS...``
+  (its own process and process group, ``sys.argv``, ``__main__.__file__``, environment and
+  stdio set as a fresh start would have them) and runs to its end as a whole interpreter does
+  (atexit, thread joins). The client exits with the child's exit status, or dies of its signal.
+  The signals the client gets (SIGTERM, SIGINT, SIGUSR1, SIGHUP) are passed on; when the client
+  dies (a test's timeout kills it) the child's process group is killed.
+
+A run whose environment differs from the server's in anything but ``RUNTIME_ONLY`` (variables
+read only while running, never while importing) is started as a plain ``python main.py``: the
+client execs it. Everything about start-up itself (imports, signals before the handlers,
+launchers, mp.spawn's children, torchrun) is tested with plain starts, never through here.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAIN = str(ROOT / "main.py")
+# Read by the trainer while it runs, never at import: a run that sets them can be pre-imported.
+RUNTIME_ONLY = {"TMPDIR", "TORCH_HOME", "HF_HOME", "HF_HUB_OFFLINE", "IMAGENET_NOTICE_AFTER",
+                "PYTHONUNBUFFERED", "XDG_CACHE_HOME", "HOME", "PWD", "OLDPWD", "_"}
+FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+
+
+def _send(conn: socket.socket, data: bytes, fds: list[int] | None = None) -> None:
+    head = struct.pack("!I", len(data))
+    if fds:
+        conn.sendmsg([head], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    else:
+        conn.sendall(head)
+    conn.sendall(data)
+
+
+def _receive(conn: socket.socket) -> tuple[bytes, list[int]]:
+    fds = array.array("i")
+    msg, anc, _flags, _addr = conn.recvmsg(4, socket.CMSG_LEN(3 * fds.itemsize))
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+    if len(msg) < 4:
+        raise EOFError
+    while len(msg) < 4:
+        msg += conn.recv(4 - len(msg))
+    size, body = struct.unpack("!I", msg)[0], b""
+    while len(body) < size:
+        chunk = conn.recv(size - len(body))
+        if not chunk:
+            raise EOFError
+        body += chunk
+    return body, list(fds)
+
+
+# ---------------------------------------------------------------- the client
+
+
+def run(sock: str, args: list[str]) -> None:
+    """Have the server at ``sock`` start ``main.py args`` for this process; exit as it did."""
+    plain = [sys.executable, MAIN, *args]
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(sock)
+        with open(sock + ".env") as f:
+            served = json.load(f)
+    except OSError:
+        os.execv(sys.executable, plain)
+    mine = dict(os.environ)
+    differ = {k for k in served.keys() | mine.keys() if served.get(k) != mine.get(k)}
+    if differ - RUNTIME_ONLY:
+        conn.close()
+        os.execv(sys.executable, plain)
+    request = {"args": args, "env": mine, "cwd": os.getcwd()}
+    _send(conn, json.dumps(request).encode(), [0, 1, 2])
+    for sig in FORWARD:
+        signal.signal(sig, lambda signum, _f: conn.sendall(struct.pack("!I", signum)))
+    reply = b""
+    while len(reply) < 8:
+        try:
+            chunk = conn.recv(8 - len(reply))
+        except InterruptedError:
+            continue
+        if not chunk:
+            sys.stderr.write("prestart: the server went away\n")
+            os._exit(70)
+        reply += chunk
+    kind, value = struct.unpack("!ii", reply)
+    if kind == 1:  # killed by a signal: die of it too (subprocess reports -signal)
+        for sig in FORWARD:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {value})
+        os.kill(os.getpid(), value)
+    os._exit(value)
+
+
+# ---------------------------------------------------------------- the server
+
+
+def _watch(conn: socket.socket, child: int) -> None:
+    """In the forked monitor: pass signals on to ``child``, report how it ended, and kill its
+    process group if the client goes away first."""
+    while True:
+        try:
+            pid, status = os.waitpid(child, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = child, 0
+        if pid == child:
+            if os.WIFSIGNALED(status):
+                reply = struct.pack("!ii", 1, os.WTERMSIG(status))
+            else:
+                reply = struct.pack("!ii", 0, os.waitstatus_to_exitcode(status))
+            try:
+                conn.sendall(reply)
+            except OSError:
+                pass
+            os._exit(0)
+        ready, _, _ = select.select([conn], [], [], 0.02)
+        if ready:
+            data = conn.recv(4)
+            if len(data) < 4:  # the client is gone: so is its run
+                try:
+                    os.killpg(child, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                os.waitpid(child, 0)
+                os._exit(0)
+            try:
+                os.kill(child, struct.unpack("!I", data)[0])
+            except ProcessLookupError:
+                pass
+
+
+def serve(sock: str) -> dict:
+    """Import the trainer, then fork a child per request; returns (in that child) its request."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # as main.py's first line
+    before = dict(os.environ)
+    import imagenet.cli  # noqa: F401  (parse, plan, launch)
+    import imagenet.run.trainer  # noqa: F401  (what a training process imports after its plan)
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock + ".new")
+    listener.listen(64)
+    with open(sock + ".env.new", "w") as f:
+        json.dump(before, f)  # what a run's environment must match
+    os.replace(sock + ".env.new", sock + ".env")
+    os.replace(sock + ".new", sock)  # clients connect once everything is imported
+    parent = os.getppid()
+    while True:
+        ready, _, _ = select.select([listener], [], [], 1.0)
+        while True:  # reap the monitors
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        if os.getppid() != parent:  # the test process is gone
+            os._exit(0)
+        if not ready:
+            continue
+        conn, _ = listener.accept()
+        if os.fork() != 0:
+            conn.close()
+            continue
+        listener.close()  # the monitor
+        try:
+            body, fds = _receive(conn)
+            request = json.loads(body)
+            child = os.fork()
+        except BaseException:
+            os._exit(1)
+        if child != 0:
+            for fd in fds:
+                os.close(fd)
+            _watch(conn, child)
+        conn.close()  # the run
+        os.setpgid(0, 0)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        request["set_by_imports"] = sorted(k for k in os.environ if before.get(k) != os.environ[k])
+        return request
+
+
+def become_main(request: dict) -> None:
+    """In the forked child: set the process up as ``python main.py ARGS`` would have it."""
+    import tempfile
+
+    import __main__
+
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    tempfile.tempdir = None  # gettempdir() asks TMPDIR again
+    for name in request["set_by_imports"]:  # as the imports would have set them here
+        if name == "TORCHINDUCTOR_CACHE_DIR":  # inductor's default: under this run's TMPDIR
+            from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+            cache_dir()
+        else:
+            raise RuntimeError(f"prestart: the imports set {name}: teach become_main about it")
+    sys.argv = [MAIN, *request["args"]]
+    sys.path[0] = str(ROOT)
+    __main__.__file__ = MAIN  # mp.spawn's children run main.py, as they would
+    sys.stdout.reconfigure(line_buffering=os.isatty(1))
+    if os.environ.get("PYTHONUNBUFFERED"):
+        sys.stdout.reconfigure(write_through=True)
+        sys.stderr.reconfigure(write_through=True)
+
+
+if __name__ == "__main__":
+    mode, sock = sys.argv[1], sys.argv[2]
+    if mode == "run":
+        run(sock, sys.argv[3:])
+    request = serve(sock)
+    become_main(request)
+    from imagenet.cli import main
+
+    sys.exit(main(own_process=True))
