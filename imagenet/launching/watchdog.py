@@ -39,7 +39,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -50,12 +49,12 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from imagenet.errors import Preempted, say_error
+from imagenet.launching.processes import STACKS_SIGNAL, process_exited
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 REQUEUE = Preempted.exit_code
-STACKS_SIGNAL = signal.SIGUSR2  # a process asked for its Python stacks (faulthandler)
 LOOK = 1.0  # seconds between the thread's looks (at most; less for a short --hang-timeout)
 SILENT = 10.0  # seconds without a heartbeat after which a rank no longer answers (at most
 # half of --hang-timeout)
@@ -98,61 +97,12 @@ def stacks_dir() -> str | None:
     return _stacks_dir
 
 
-def worker_stacks(folder: str | None) -> None:
-    """In a loader worker (``worker_init_fn``): die with the training process (even blocked on
-    a read that never returns), and write Python's stacks into ``folder`` when asked (SIGUSR2),
-    so that a hang report shows where the worker was stuck."""
-    die_with_parent()
-    if folder is None:
-        return
-    with _keep_going():
-        path = Path(folder) / f"worker{os.getpid()}.txt"
-        faulthandler.register(STACKS_SIGNAL, file=open(path, "w"), all_threads=True)
-
-
 def _on_stacks_signal(handler: Any) -> tuple[bool, Any]:
     """Handle SIGUSR2 with ``handler``: whether it could (only the main thread can set a
     handler), and the handler it had (None: one not set from Python)."""
     if threading.current_thread() is not threading.main_thread():
         return False, None
     return True, signal.signal(STACKS_SIGNAL, handler)
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when the thread that started it exits (prctl
-    PR_SET_PDEATHSIG; nothing elsewhere), and keep quiet about a connection lost as it dies."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    _report_lost_connections_if_parent_lives(os.getppid())
-
-
-LOST_CONNECTION_WAIT = 2.0  # s a lost connection's report waits for the parent's end
-
-
-def _report_lost_connections_if_parent_lives(parent: int) -> None:
-    """A loader worker's fd-sharing thread (multiprocessing.resource_sharer) reports a socket
-    its parent closed through ``sys.excepthook``. When the parent is SIGKILLed (the OOM killer,
-    a scheduler) the kernel closes its sockets before it sends this process its death signal,
-    and the worker printed half a traceback in between (chaos ci:6). Such a report now waits
-    until the parent is gone (then it says nothing: the worker is being killed or orphaned)
-    or ``LOST_CONNECTION_WAIT`` has passed (then it is printed as before)."""
-    report = sys.excepthook
-
-    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        if issubclass(kind, (ConnectionError, EOFError)):
-            deadline = time.monotonic() + LOST_CONNECTION_WAIT
-            while os.getppid() == parent and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if os.getppid() != parent:
-                return
-        report(kind, value, tb)
-
-    sys.excepthook = hook
 
 
 def remove_stale_stacks(tmp: str | None = None) -> list[str]:
@@ -440,26 +390,6 @@ def _end_if_here(stopped: dict, host: str, within: float = END_WAIT) -> None:
         time.sleep(0.1)
     with _keep_going():
         os.kill(pid, signal.SIGKILL)
-
-
-def process_state(pid: int) -> str | None:
-    """The state letter of ``pid`` in /proc (R, S, T for stopped, Z for a zombie, ...); None
-    where it cannot be read (exited and reaped, no /proc)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def process_exited(pid: int) -> bool:
-    """True once ``pid`` has exited (a zombie waiting for its parent counts as exited)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    return process_state(pid) == "Z"
 
 
 def describe(stopped: dict, timeout: float, now: float, report: Path) -> str:
