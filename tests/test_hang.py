@@ -1,7 +1,9 @@
 """--hang-timeout: a rank that stops making progress is noticed within the timeout, every rank
 writes its Python stacks to OUTPUT_DIR/hang/, one line names the rank that stopped and where,
 every process exits with the requeue code 143 and none is left behind; --resume auto then
-continues exactly. Real processes, real signals (SIGSTOP), a real blocked read (a FIFO)."""
+continues exactly. A compile, a checkpoint load and an upload pause the clock, with a bound of
+their own. Real processes, real signals (SIGSTOP), a real blocked read (a FIFO), real compiles
+and slow storage (fault injection: a ``sitecustomize`` that throttles reads and uploads)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import MAIN, ROOT, TINY, load_checkpoint, write_image_folder
+from helpers import (
+    MAIN,
+    ROOT,
+    TINY,
+    child_env,
+    load_checkpoint,
+    run_main,
+    write_image_folder,
+)
 from test_fault_tolerance import Live, _tagged_pids
 
 from imagenet.data.samplers import ResumableDistributedSampler
@@ -312,3 +322,127 @@ threading.Event().wait(60)  # the teardown that never ends
     assert str(tmp_path / "hang") in lines[0], lines
     stacks = (tmp_path / "hang" / "rank3-exit.txt").read_text()
     assert "Thread" in stacks and "wait" in stacks, stacks
+
+
+SLOW = '''"""FAULT INJECTION by tests/test_hang.py (slow storage, a slow link): not the trainer."""
+import os, sys, time
+from imagenet.checkpoint import files
+from imagenet.data import objectstore
+
+_rate = float(os.environ["SLOW_MB_PER_S"]) * 2**20
+_load, _upload = files.load_file, objectstore.upload
+
+
+def _slowly(what, path, call):
+    start = time.perf_counter()
+    time.sleep(os.path.getsize(path) / _rate)
+    result = call()
+    print(f"slow storage: {what} {os.path.basename(path)} in {time.perf_counter() - start:.1f} s",
+          file=sys.stderr, flush=True)
+    return result
+
+
+files.load_file = lambda path, *a, **k: _slowly("read", path, lambda: _load(path, *a, **k))
+objectstore.upload = lambda fs, local, key: _slowly("uploaded", local,
+                                                    lambda: _upload(fs, local, key))
+'''
+
+
+@pytest.mark.slow
+def test_a_compile_a_slow_checkpoint_load_and_uploads_do_not_count_toward_the_hang_timeout(
+        data, tmp_path):
+    """--hang-timeout 4 and work that takes longer without a step: the checkpoint's load (read
+    at 16 MB/s), the compiles of the first training step and of the evaluation graph (inductor
+    on the CPU: minutes), the uploads of each save to the --output-dir URL (16 MB/s). The clock
+    pauses for each (exit 143 in the middle of the load, before): the run ends with exit 0."""
+    hang = 4
+    # The --output-dir URL: fsspec's local files (file:// is taken for a path), whose uploads
+    # make no folders, unlike an object store: tb/ is made here.
+    remote = tmp_path / "bucket" / "run"
+    (remote / "tb").mkdir(parents=True)
+    url = f"local://{remote}"
+    flags = [str(data), *TINY, "--seed", "0", "--output-dir", url]
+    env = {"TMPDIR": str(tmp_path / "tmp")}  # the staging folder, the stack folders
+    (tmp_path / "tmp").mkdir()
+    first = run_main(*flags, "--epochs", "1", env=child_env(**env), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    site = tmp_path / "slow-site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW)
+    env.update(PYTHONPATH=f"{site}:{ROOT}", SLOW_MB_PER_S="16")
+    proc = run_main(*flags, "--epochs", "2", "--resume", "auto", "--compile",
+                    "--hang-timeout", str(hang), env=child_env(**env), cwd=tmp_path,
+                    timeout=1200)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "hang:" not in output
+    slow = [line.split() for line in proc.stderr.splitlines()
+            if line.startswith("slow storage:")]
+    assert [(s[2], s[3]) for s in slow if float(s[5]) > hang][:2] == \
+        [("read", "checkpoint.pth.tar"), ("uploaded", "checkpoint.pth.tar")], slow
+    start = json.loads((remote / "config.json").read_text())["starts"][-1]
+    assert start["stages_s"]["resume"] > hang and start["stages_s"]["first_step"] > hang, start
+    last = json.loads((remote / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["epoch"] == 1 and last["compiled_graphs"] >= 2, last  # training, evaluation
+    assert load_checkpoint(remote / "checkpoint.pth.tar")["epoch"] == 2
+
+
+PAUSED = """
+import json, sys, time
+from pathlib import Path
+import torch.distributed as dist
+from imagenet.launching import watchdog
+watchdog.PAUSE_AT_LEAST, watchdog.DUMP_WAIT = 2.0, 0.2  # not 30 min and 3 s here
+store = dist.HashStore()
+dog = watchdog.Watchdog(0.3, 0, 2, Path(sys.argv[1]), store, "t", "h").start()
+
+
+def peer(paused):  # rank 1: alive, its last progress long ago; paused, or waiting
+    store.set("t/heartbeat/1", json.dumps({
+        "alive": time.time(), "progress": 1.0, "host": "h", "pid": 1,
+        "what": "compiling the evaluation graph" if paused else "waiting for the all-reduce",
+        "paused": time.time() if paused else None}))
+
+
+watchdog.start_clock("built the model and the data")
+for _ in range(30):  # 1.5 s waiting for a rank that compiles: not a hang
+    peer(True)
+    time.sleep(0.05)
+print("waited for a paused peer", flush=True)
+with watchdog.paused("compiling the training step for batch shape 8x3x32x32"):
+    while True:  # longer than --hang-timeout: not a hang; longer than the pause's bound: one
+        peer(False)
+        time.sleep(0.05)
+"""
+
+
+def test_a_pause_outlasts_the_timeout_within_its_own_bound_and_peers_wait_for_it(tmp_path):
+    """A rank that waits (no progress) for a paused rank (compiling, loading, uploading) waits
+    with it; a rank's own pause is no hang until its bound (max(30 min, 6 x --hang-timeout);
+    2 s here), and then the report says what it was paused for."""
+    started = time.monotonic()
+    ran = subprocess.run([sys.executable, "-c", PAUSED, str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, env=child_env())
+    assert ran.returncode == 143, ran.stdout + ran.stderr
+    assert "waited for a paused peer" in ran.stdout, ran.stderr
+    assert time.monotonic() - started < 30
+    line = next(x for x in ran.stderr.splitlines() if "hang:" in x)
+    assert "rank 0 was paused for 2 s" in line and "compiling the training step" in line, line
+    report = json.loads((tmp_path / "hang" / "report.json").read_text())
+    assert report["what"].startswith("compiling the training step"), report
+    assert report["paused"] and report["pause_bound"] == 2.0 and report["rank"] == 0, report
+
+
+def test_each_new_batch_shape_of_a_compiled_model_is_a_compile():
+    """Static shapes: the first call with a batch shape compiles a graph (in training and in
+    evaluation apart); an uncompiled model never compiles."""
+    from imagenet.training.compiling import compiles
+
+    plain = torch.nn.Linear(4, 2)
+    compiled = torch.compile(plain)  # lazy: nothing compiles until it is called
+    batch, last = torch.zeros(8, 4), torch.zeros(3, 4)
+    assert [compiles(compiled, b) for b in (batch, batch, last, last)] == \
+        [True, False, True, False]
+    compiled.eval()
+    assert [compiles(compiled, b) for b in (batch, batch)] == [True, False]
+    assert not compiles(plain, batch)

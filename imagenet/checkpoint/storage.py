@@ -47,6 +47,7 @@ from typing import Any
 
 import imagenet.checkpoint.rundir as rundir
 import imagenet.data.objectstore as objectstore
+import imagenet.launching.watchdog as watchdog
 from imagenet.checkpoint import files
 from imagenet.errors import RunError, UsageError
 from imagenet.reporting.logger import METRICS
@@ -167,14 +168,16 @@ class Remote:
     def push(self) -> None:
         """Upload the staging folder's new and changed files, best files first and
         checkpoint.pth.tar last; delete the copies of files this run has since removed. Then
-        the files of ``uploads``, once written."""
-        self._push_staging()
-        for url, local in self.uploads.items():
-            if local.is_file() and self.uploaded.get(url) != signature(local):
-                fs, key = objectstore.filesystem(url)
-                guarded(f"upload {local} to {url}",
-                        lambda f=fs, p=local, k=key: objectstore.upload(f, p, k))
-                self.uploaded[url] = signature(local)
+        the files of ``uploads``, once written. No upload counts toward --hang-timeout (a
+        checkpoint of GBs on a slow link)."""
+        with watchdog.paused(f"uploading the run's files to {self.output_url or 'their URLs'}"):
+            self._push_staging()
+            for url, local in self.uploads.items():
+                if local.is_file() and self.uploaded.get(url) != signature(local):
+                    fs, key = objectstore.filesystem(url)
+                    guarded(f"upload {local} to {url}",
+                            lambda f=fs, p=local, k=key: objectstore.upload(f, p, k))
+                    self.uploaded[url] = signature(local)
 
     def _push_staging(self) -> None:
         if self.output_url is None or self.staging is None or not self.staging.is_dir():

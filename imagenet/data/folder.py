@@ -30,7 +30,8 @@ from imagenet.data.samplers import (
 )
 from imagenet.errors import DataError, UsageError
 from imagenet.launching.preemption import ignore_stop_signals, stop_signals_blocked
-from imagenet.launching.watchdog import stacks_dir, worker_stacks
+from imagenet.launching.processes import worker_stacks
+from imagenet.launching.watchdog import stacks_dir
 from imagenet.settings.crops import CropSchedule
 from imagenet.settings.flags import Config
 from imagenet.settings.launch import Layout
@@ -186,7 +187,7 @@ def loader_options(workers: int, prefetch: int = 4) -> dict[str, Any]:
 def init_worker(worker_id: int, stacks: str | None = None) -> None:
     """A loader worker's start: deaf to the stop signals (the training process stops it), and
     ready to write its Python stacks into ``stacks`` when a hang is reported
-    (``launching.watchdog``; passed along, not inherited: workers may be spawned)."""
+    (``launching.processes``; passed along, not inherited: workers may be spawned)."""
     ignore_stop_signals(worker_id)
     worker_stacks(stacks)
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+import imagenet.launching.processes as processes
 import imagenet.launching.watchdog as watchdog
 from imagenet.errors import (
     DistributedError,
@@ -180,7 +181,7 @@ def follow(failure: Failure) -> None:
     if failure.host != host_id():
         return
     deadline = time.monotonic() + WAIT_FOR_EXIT
-    while not watchdog.process_exited(failure.pid) and time.monotonic() < deadline:
+    while not processes.process_exited(failure.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(GRACE)
 

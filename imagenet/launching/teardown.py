@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from imagenet.errors import say_error
-from imagenet.launching import watchdog
+from imagenet.launching import processes, watchdog
 from imagenet.launching.watchdog import END_WAIT, HANG_DIR, LOOK, REQUEUE, write_report
 from imagenet.settings.launch import Ranks
 
@@ -65,7 +65,7 @@ def exit_within(timeout: float, rank: int, output_dir: Path | None = None) -> No
 
 def is_stopped(pid: int) -> bool:
     """True while ``pid`` is stopped (SIGSTOP, a terminal's stop) on Linux; False elsewhere."""
-    return watchdog.process_state(pid) in ("T", "t")
+    return processes.process_state(pid) in ("T", "t")
 
 
 class StoppedChildren:

@@ -1,9 +1,13 @@
 """--hang-timeout: a rank that makes no progress is noticed, explained and ended.
 
 Progress is a training step, a validation batch, a checkpoint save (``beat``); between them a
-rank says what it is waiting for (``phase``). A thread of each rank looks every second: once the
-rank's last progress is older than --hang-timeout (the clock starts at its first step, so
-building, compiling and loading are --dist-timeout's and the start-up stages'), the run hangs:
+rank says what it is waiting for (``phase``). The clock starts once the model and the data are
+built (``start_clock``: building is the start-up stages', under --dist-timeout). A compile, a
+checkpoint load and an upload take minutes with nothing to show for them: the clock is paused
+around each (``paused``), with a bound of its own (``pause_bound``), and a rank that waits for
+a paused rank (in a collective) waits with it. A thread of each rank looks every second: once
+the rank's last progress is older than --hang-timeout (and neither it nor a peer that answers
+is paused), or a pause has outlasted its bound, the run hangs:
 
 - the thread publishes "hang" in the rendezvous store, so that every rank's thread dumps its
   Python stacks (all threads) at once, however its main thread is stuck;
@@ -39,23 +43,22 @@ import multiprocessing
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from imagenet.errors import Preempted, say_error
+from imagenet.launching.processes import STACKS_SIGNAL, process_exited
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 REQUEUE = Preempted.exit_code
-STACKS_SIGNAL = signal.SIGUSR2  # a process asked for its Python stacks (faulthandler)
 LOOK = 1.0  # seconds between the thread's looks (at most; less for a short --hang-timeout)
 SILENT = 10.0  # seconds without a heartbeat after which a rank no longer answers (at most
 # half of --hang-timeout)
@@ -68,13 +71,50 @@ STACKS_PREFIX = "imagenet-stacks-"  # TMPDIR/imagenet-stacks-RANK-XXXX: a rank's
 _dog: Watchdog | None = None
 _stacks_dir: str | None = None  # where loader workers write their stacks (set before they start)
 _reports: Path | None = None  # the run folder the last watch reported to (``exit_within``)
+# A pause is a hang after max(PAUSE_AT_LEAST, PAUSE_TIMES x --hang-timeout) seconds: a cold
+# compile takes minutes on a GPU, a checkpoint of a few GB on slow storage or a slow link too.
+PAUSE_AT_LEAST = 1800.0
+PAUSE_TIMES = 6
+
+
+def pause_bound(timeout: float) -> float:
+    """Seconds one pause (``paused``) may last under --hang-timeout ``timeout``."""
+    return max(PAUSE_AT_LEAST, PAUSE_TIMES * timeout)
+
+
+def start_clock(what: str) -> None:
+    """The hang clock starts now (the model and the data are built); ``beat``s before it (the
+    validation images checked in the background meanwhile) are not progress."""
+    dog = _dog
+    if dog is not None:
+        dog.progress, dog.what = time.time(), what
 
 
 def beat(what: str) -> None:
     """Progress: ``what`` was just done (a step, a validation batch, a save)."""
     dog = _dog
     if dog is not None:
-        dog.progress, dog.what = time.time(), what
+        dog.what = what
+        if dog.progress is not None:  # the clock has started
+            dog.progress = time.time()
+
+
+@contextlib.contextmanager
+def paused(what: str) -> Iterator[None]:
+    """The body (``what``: a compile, a checkpoint load, an upload) does not count toward
+    --hang-timeout: the clock starts again at its end. It is a hang once it has lasted
+    ``pause_bound``, ``what`` in the report. A pause inside one is part of it."""
+    dog = _dog
+    if dog is None or dog.paused is not None:
+        yield
+        return
+    dog.paused_for, dog.paused = what, time.time()
+    try:
+        yield
+    finally:
+        if dog.progress is not None:
+            dog.progress = time.time()
+        dog.paused = None
 
 
 def phase(what: str) -> None:
@@ -98,61 +138,12 @@ def stacks_dir() -> str | None:
     return _stacks_dir
 
 
-def worker_stacks(folder: str | None) -> None:
-    """In a loader worker (``worker_init_fn``): die with the training process (even blocked on
-    a read that never returns), and write Python's stacks into ``folder`` when asked (SIGUSR2),
-    so that a hang report shows where the worker was stuck."""
-    die_with_parent()
-    if folder is None:
-        return
-    with _keep_going():
-        path = Path(folder) / f"worker{os.getpid()}.txt"
-        faulthandler.register(STACKS_SIGNAL, file=open(path, "w"), all_threads=True)
-
-
 def _on_stacks_signal(handler: Any) -> tuple[bool, Any]:
     """Handle SIGUSR2 with ``handler``: whether it could (only the main thread can set a
     handler), and the handler it had (None: one not set from Python)."""
     if threading.current_thread() is not threading.main_thread():
         return False, None
     return True, signal.signal(STACKS_SIGNAL, handler)
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when the thread that started it exits (prctl
-    PR_SET_PDEATHSIG; nothing elsewhere), and keep quiet about a connection lost as it dies."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    _report_lost_connections_if_parent_lives(os.getppid())
-
-
-LOST_CONNECTION_WAIT = 2.0  # s a lost connection's report waits for the parent's end
-
-
-def _report_lost_connections_if_parent_lives(parent: int) -> None:
-    """A loader worker's fd-sharing thread (multiprocessing.resource_sharer) reports a socket
-    its parent closed through ``sys.excepthook``. When the parent is SIGKILLed (the OOM killer,
-    a scheduler) the kernel closes its sockets before it sends this process its death signal,
-    and the worker printed half a traceback in between (chaos ci:6). Such a report now waits
-    until the parent is gone (then it says nothing: the worker is being killed or orphaned)
-    or ``LOST_CONNECTION_WAIT`` has passed (then it is printed as before)."""
-    report = sys.excepthook
-
-    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        if issubclass(kind, (ConnectionError, EOFError)):
-            deadline = time.monotonic() + LOST_CONNECTION_WAIT
-            while os.getppid() == parent and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if os.getppid() != parent:
-                return
-        report(kind, value, tb)
-
-    sys.excepthook = hook
 
 
 def remove_stale_stacks(tmp: str | None = None) -> list[str]:
@@ -216,6 +207,9 @@ class Watchdog:
         self.started = time.time()
         self.progress: float | None = None  # wall time of the last progress (None: not yet)
         self.what = "starting"
+        self.paused: float | None = None  # wall time the pause under way began (``paused``)
+        self.paused_for = ""  # what the pause waits for
+        self.waited = 0.0  # when the clock last ran out while this rank or a peer was paused
         remove_stale_stacks()
         self.stacks = Path(tempfile.mkdtemp(prefix=f"{STACKS_PREFIX}{rank}-"))
         self.own = open(self.stacks / f"rank{rank}.txt", "w")
@@ -269,8 +263,28 @@ class Watchdog:
             told = self._told_of_hang()
             if told is not None:
                 self._end(told, found=False)
-            if self.progress is not None and now - self.progress > self.timeout:
-                self._end(self._who_stopped(now), found=True)
+            # In this order: a pause's end sets the progress first (``paused``)
+            since, progress = self.paused, self.progress
+            if since is not None and now - since > pause_bound(self.timeout):
+                self._end(self._mine(), found=True)
+            if progress is not None and now - max(progress, self.waited) > self.timeout:
+                self._out_of_time(now, since is not None)
+
+    def _out_of_time(self, now: float, paused: bool) -> None:
+        """No progress for --hang-timeout: a hang, unless this rank (``paused``) or a peer that
+        answers is paused (then the clock runs again from now; a silent peer is a hang all the
+        same)."""
+        stopped = self._who_stopped(now)
+        if stopped["silent"] or not (paused or stopped.get("paused")):
+            self._end(stopped, found=True)
+        self.waited = now
+
+    def _mine(self) -> dict:
+        """This rank's state, as its heartbeat says it and a hang report names it."""
+        since = self.paused
+        return {"rank": self.rank, "what": self.paused_for if since is not None else self.what,
+                "progress": self.progress, "paused": since, "pid": os.getpid(),
+                "host": self.host, "silent": False}
 
     def _ask(self, call: Callable[..., T], *args: object) -> T:
         """One store request, in a thread of its own: a store across a lost link can block a
@@ -302,8 +316,7 @@ class Watchdog:
     def _publish(self, now: float) -> None:
         if self.store is None:
             return
-        beat = {"alive": now, "progress": self.progress, "what": self.what, "host": self.host,
-                "pid": os.getpid()}
+        beat = {**self._mine(), "alive": now}
         with _keep_going(), _store_errors():
             self._ask(self.store.set, self._key("heartbeat", self.rank), json.dumps(beat))
 
@@ -331,10 +344,8 @@ class Watchdog:
 
     def _who_stopped(self, now: float) -> dict:
         """Which rank stopped, and where (see the module docstring)."""
-        mine = {"rank": self.rank, "what": self.what, "progress": self.progress,
-                "pid": os.getpid(), "host": self.host, "silent": False}
         if self.store is None or self.world == 1:
-            return mine
+            return self._mine()
         beats = self._heartbeats()
         if beats is None:  # the store's host (rank 0) does not answer: it stopped
             return {"rank": 0, "what": "unknown (its store does not answer: it stopped, or the "
@@ -352,6 +363,9 @@ class Watchdog:
             return {"rank": r, "what": beat.get("what", "unknown (no heartbeat yet)"),
                     "progress": beat.get("progress"), "pid": beat.get("pid"),
                     "host": beat.get("host"), "silent": True}
+        paused = [r for r in range(self.world) if r != self.rank and beats[r].get("paused")]
+        if paused:  # compiling, loading, uploading: the others wait for it
+            return {**beats[paused[0]], "rank": paused[0], "silent": False}
         waiting = [r for r in range(self.world) if beats[r]["what"].startswith("waiting for")]
         r = waiting[0] if waiting else min(beats, key=lambda q: beats[q]["progress"] or 0)
         return {**beats[r], "rank": r, "silent": False}
@@ -374,6 +388,7 @@ class Watchdog:
             with _keep_going():
                 write_report(report, {**stopped, "found_by": self.rank,
                                        "hang_timeout": self.timeout, "message": line,
+                                       "pause_bound": pause_bound(self.timeout),
                                        "at": datetime.datetime.now().isoformat(
                                            timespec="seconds")}, self.rank, self.started)
         say_error(line, self.rank)
@@ -442,32 +457,16 @@ def _end_if_here(stopped: dict, host: str, within: float = END_WAIT) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def process_state(pid: int) -> str | None:
-    """The state letter of ``pid`` in /proc (R, S, T for stopped, Z for a zombie, ...); None
-    where it cannot be read (exited and reaped, no /proc)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def process_exited(pid: int) -> bool:
-    """True once ``pid`` has exited (a zombie waiting for its parent counts as exited)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    return process_state(pid) == "Z"
-
-
 def describe(stopped: dict, timeout: float, now: float, report: Path) -> str:
     """The one line of a hang."""
     since = stopped.get("progress")
     quiet = f"{now - since:.0f} s" if since else "a while"
     how = (f"stopped answering (its last progress {quiet} ago)" if stopped.get("silent") else
            f"made no progress for {quiet} (--hang-timeout {timeout:g})")
+    if stopped.get("paused") and not stopped.get("silent"):
+        how = (f"was paused for {now - stopped['paused']:.0f} s, longer than a compile, a "
+               f"checkpoint load or an upload may take ({pause_bound(timeout):g} s: the larger "
+               f"of {PAUSE_AT_LEAST:g} s and {PAUSE_TIMES} x --hang-timeout {timeout:g})")
     place = f" (host {stopped['host'].split('/')[0]}, pid {stopped['pid']})" \
         if stopped.get("host") and stopped.get("pid") else ""
     return (f"hang: rank {stopped['rank']} {how}; it was at: {stopped.get('what') or 'unknown'}"

@@ -110,10 +110,11 @@ def run_training(plan: Plan, dist: DistInfo, outputs: Outputs | None = None
 def resume_and_train(run: Run) -> dict[str, float]:
     """Resume, check that the run can finish, then train (or evaluate with -e)."""
     derived = describe(run)
-    # The hang watch starts here: building the model and the data is the start-up stages'
-    watchdog.beat("built the model and the data")
-    watchdog.phase("resuming from the checkpoint")
-    resumed = resume(run)
+    # The hang clock starts here: building the model and the data is the start-up stages'.
+    # Loading a checkpoint does not count toward --hang-timeout (slow storage, a large file).
+    watchdog.start_clock("built the model and the data")
+    with watchdog.paused("resuming from the checkpoint (reading and loading it)"):
+        resumed = resume(run)
     watchdog.beat("resumed")
     if run.clock is not None:
         run.clock.mark("resume", "" if resumed is None else resumed.name)

@@ -370,10 +370,11 @@ class Config:
     hang_timeout: float | None = _flag(
         "--hang-timeout", group="distributed", default=None, type=float, metavar="SEC",
         help="a rank that makes no progress (a training step, a validation batch, a save) for "
-             "this long is a hang: every rank writes its Python stacks to OUTPUT_DIR/hang/, one "
-             "line names the rank that stopped and where, and every process exits with code "
-             "143 so that a requeue resumes; 0 = off (default: 300, at most half of "
-             "--dist-timeout)")
+             "this long is a hang (a compile, the checkpoint's load and an upload do not count: "
+             "each may take max(30 min, 6 x this)): every rank writes its Python stacks to "
+             "OUTPUT_DIR/hang/, one line names the rank that stopped and where, and every "
+             "process exits with code 143 so that a requeue resumes; 0 = off (default: 300, at "
+             "most half of --dist-timeout)")
     multiprocessing_distributed: bool = _flag(
         "--multiprocessing-distributed", group="distributed", default=False, action=Switch,
         help="start one process per local device with mp.spawn and train with DDP")

@@ -169,9 +169,10 @@ def decode_path(cfg: Config, fmt: str, device_type: str, workers: int = 0) -> De
     return Decode(True, f"auto: {supply}, too few for a GPU: the GPU decodes (nvJPEG)")
 
 
-HANG_TIMEOUT = 300.0  # seconds: a step or a save of ResNet-50 takes well under a second on a GPU,
-# the first step with --compile about a minute; half of --dist-timeout at most, so that a hang is
-# noticed, and its stacks written, before a collective times out
+HANG_TIMEOUT = 300.0  # seconds: a step or a save of ResNet-50 takes well under a second on a GPU
+# (compiles, the checkpoint's load and uploads pause the clock: launching.watchdog.paused); half
+# of --dist-timeout at most, so that a hang is noticed, and its stacks written, before a
+# collective times out
 
 
 def hang_timeout(cfg: Config) -> float:

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+import imagenet.launching.watchdog as watchdog
 from imagenet.settings.flags import Config
 from imagenet.settings.launch import Layout
 
@@ -216,7 +217,8 @@ class CompileCache:
             return
         self._saved_misses = missed
         try:
-            line = self.save(crop_size)
+            with watchdog.paused(f"keeping the compiled graphs in {self.place} (--compile)"):
+                line = self.save(crop_size)
         except OSError as exc:  # a full or read-only cache folder must not stop training
             log.warning("=> --compile: cannot keep the compiled graphs in %s (%s): a restart "
                         "compiles them again", self.place, exc.strerror or exc)

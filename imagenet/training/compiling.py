@@ -15,6 +15,9 @@ DDP is compiled from the outside (``torch.compile(DDP(model))``), as torch's DDP
 asks: Dynamo's DDPOptimizer then splits the graph at DDP's gradient buckets so that each
 bucket's all-reduce overlaps the rest of the backward. Validation runs the model without DDP
 (``models.for_evaluation``): its compiled twin is kept here, one per training model.
+
+A call that compiles (``compiles``: a batch shape's first) does not count toward --hang-timeout:
+the engine pauses the hang watch around it (``launching.watchdog.paused``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import logging
 import weakref
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -30,6 +34,7 @@ log = logging.getLogger(__name__)
 RECOMPILE_LIMIT = 64  # graphs per function; see the module docstring
 
 _EVALUATION: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+_SHAPES: weakref.WeakKeyDictionary[nn.Module, set] = weakref.WeakKeyDictionary()  # ``compiles``
 
 
 def compile_model(model: nn.Module, backend: str | Callable = "inductor",
@@ -57,6 +62,20 @@ def compile_ddp(ddp: nn.Module, backend: str | Callable = "inductor",
 def evaluation_twin(model: nn.Module) -> nn.Module | None:
     """The compiled module without DDP that validates ``model`` (from ``compile_ddp``)."""
     return _EVALUATION.get(model)
+
+
+def compiles(model: nn.Module, *batches: torch.Tensor) -> bool:
+    """Whether calling ``model`` on ``batches`` (a step's micro-batches) compiles: the first call
+    of a compiled model with these batch shapes in this mode (training, evaluation), each of
+    which gets a static graph of its own. An uncompiled model never compiles."""
+    if not hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+        return False
+    key = (model.training, *(tuple(batch.shape) for batch in batches))
+    seen = _SHAPES.setdefault(model, set())
+    if key in seen:
+        return False
+    seen.add(key)
+    return True
 
 
 def graphs_compiled() -> int:

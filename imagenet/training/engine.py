@@ -24,6 +24,7 @@ import imagenet.launching.watchdog as watchdog
 import imagenet.training.fsdp as fsdp
 from imagenet.data.transforms import normalize
 from imagenet.errors import NonFiniteLossError, RunError, on_every_rank
+from imagenet.training.compiling import compiles
 from imagenet.training.metrics import DeviceSums, topk_correct
 from imagenet.training.models import no_sync
 
@@ -194,6 +195,16 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def _compile_pause(model: nn.Module, what: str, *batches: torch.Tensor
+                   ) -> contextlib.AbstractContextManager:
+    """Around a call of ``model`` that compiles (--compile: a batch shape's first call): the
+    hang watch paused, the shape said; otherwise nothing."""
+    if not compiles(model, *batches):
+        return contextlib.nullcontext()
+    shape = "x".join(map(str, batches[0].shape))
+    return watchdog.paused(f"compiling {what} for batch shape {shape} (--compile)")
+
+
 def _micro_batches(loader: Iterable, k: int) -> Iterable[list]:
     """Group the loader's batches into optimizer steps of ``k`` micro-batches."""
     group: list = []
@@ -283,7 +294,8 @@ def train_one_epoch(engine: Engine, loader: Iterable, step: Step, hooks: Hooks =
         clock.data_time += waited
         clock.epoch_data_time += waited
         watchdog.phase(f"training step {where} (forward, backward, gradient reduction)")
-        loss = _forward_backward(engine, group, sums, bad_step, step)
+        with _compile_pause(engine.parts.model, "the training step", *(x for x, _ in group)):
+            loss = _forward_backward(engine, group, sums, bad_step, step)
         _optimizer_step(engine, step)
         step.step_in_epoch += 1
         step.global_step += 1
@@ -404,7 +416,8 @@ def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count:
         watchdog.phase(f"validation batch {i + 1} of {total_batches}")
         images, target = to_device(images, target, opts)
         spare, done = images[:1], i + 1
-        with autocast(opts.device, opts.amp_dtype):
+        with autocast(opts.device, opts.amp_dtype), \
+                _compile_pause(model, "the validation graph", images):
             output = model(images)
             loss = criterion(output.float(), target)
         correct = topk_correct(output, target)
@@ -424,7 +437,8 @@ def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count:
         # Every forward all-gathers weights: a rank with fewer batches joins the others' last
         # forwards with a throw-away image (uncounted).
         for _ in range(rounds - done):
-            with autocast(opts.device, opts.amp_dtype):
+            with autocast(opts.device, opts.amp_dtype), \
+                    _compile_pause(model, "the validation graph", spare):
                 model(spare)
     sums.all_reduce()
     totals = sums.read()
