@@ -1,4 +1,4 @@
-"""A pre-imported ``main.py`` for tests whose subject comes after start-up (tests/README.md).
+"""A pre-imported ``main.py`` for tests whose subject comes after start-up (docs/testing.md).
 
 Importing torch and torchvision costs a process ~5 s of CPU before it does anything
 (torchvision 0.29 imports ``torch._dynamo`` eagerly), and the suite starts hundreds of

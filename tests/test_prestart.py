@@ -1,0 +1,80 @@
+"""tests/prestart.py, which ``run_main`` starts its runs through: a run forked from the
+pre-imported trainer is the run a plain ``python main.py`` makes (the same weights, bitwise,
+the same exit codes), and a run whose client is killed (a test's timeout) is killed with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import helpers
+import pytest
+from helpers import TINY, child_env, load_checkpoint, prestarted_cmd, run_main
+
+
+def served() -> str:
+    """The socket of this process's prestart server, once it has imported the trainer."""
+    prestarted_cmd()
+    sock = str(helpers._prestart["socket"])
+    deadline = time.monotonic() + 120
+    while not Path(sock).exists():
+        assert time.monotonic() < deadline, "the prestart server never came up"
+        time.sleep(0.2)
+    return sock
+
+
+@pytest.mark.slow
+def test_a_prestarted_run_is_the_plain_run(image_folder, tmp_path):
+    served()
+    args = [str(image_folder), *TINY, "--epochs", "1", "--seed", "0"]
+    plain = run_main(*args, "--output-dir", str(tmp_path / "plain"), plain=True)
+    forked = run_main(*args, "--output-dir", str(tmp_path / "forked"))
+    assert plain.returncode == forked.returncode == 0, forked.stderr
+    a, b = (load_checkpoint(tmp_path / name / "checkpoint.pth.tar")["state_dict"]
+            for name in ("plain", "forked"))
+    assert a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
+    assert "=> first step" in forked.stdout
+    # Its exit codes are the run's: a usage error is 2, with its one line.
+    bad = run_main(str(tmp_path / "nodata"), *TINY, "--output-dir", str(tmp_path / "bad"))
+    assert bad.returncode == 2 and "does not exist" in bad.stderr
+
+
+def torch_equal(x, y) -> bool:
+    import torch
+
+    return torch.equal(x, y)
+
+
+def test_a_killed_client_takes_its_run_with_it(image_folder, tmp_path):
+    served()
+    out = tmp_path / "out"
+    client = subprocess.Popen(
+        prestarted_cmd(str(image_folder), *TINY, "--epochs", "50", "--output-dir", str(out)),
+        env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    line = ""
+    while "Epoch:" not in line:  # the run is training
+        line = client.stdout.readline()
+        assert line or client.poll() is None, "the run ended before training"
+    assert [p for p in os.listdir("/proc") if p.isdigit() and _runs_in(p, out)]
+    client.send_signal(signal.SIGKILL)
+    client.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        alive = [p for p in os.listdir("/proc") if p.isdigit() and _runs_in(p, out)]
+        if not alive:
+            break
+        time.sleep(0.2)
+    assert not alive, f"the run went on after its client was killed: {alive}"
+
+
+def _runs_in(pid: str, out: Path) -> bool:
+    """Process ``pid`` holds a file of ``out`` open (the run's folder lock: a forked run's
+    command line is the server's)."""
+    try:
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith(str(out))
+                   for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False
