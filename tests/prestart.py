@@ -41,12 +41,9 @@ RUNTIME_ONLY = {"TMPDIR", "TORCH_HOME", "HF_HOME", "HF_HUB_OFFLINE", "IMAGENET_N
 FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 
 
-def _send(conn: socket.socket, data: bytes, fds: list[int] | None = None) -> None:
+def _send(conn: socket.socket, data: bytes, fds: list[int]) -> None:
     head = struct.pack("!I", len(data))
-    if fds:
-        conn.sendmsg([head], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-    else:
-        conn.sendall(head)
+    conn.sendmsg([head], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
     conn.sendall(data)
 
 
@@ -56,10 +53,8 @@ def _receive(conn: socket.socket) -> tuple[bytes, list[int]]:
     for level, kind, data in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
-    if len(msg) < 4:
+    if len(msg) < 4:  # a client sends its 4-byte header in one message, with its fds
         raise EOFError
-    while len(msg) < 4:
-        msg += conn.recv(4 - len(msg))
     size, body = struct.unpack("!I", msg)[0], b""
     while len(body) < size:
         chunk = conn.recv(size - len(body))

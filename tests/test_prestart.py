@@ -12,6 +12,7 @@ from pathlib import Path
 
 import helpers
 import pytest
+import torch
 from helpers import TINY, child_env, load_checkpoint, prestarted_cmd, run_main
 
 
@@ -35,17 +36,11 @@ def test_a_prestarted_run_is_the_plain_run(image_folder, tmp_path):
     assert plain.returncode == forked.returncode == 0, forked.stderr
     a, b = (load_checkpoint(tmp_path / name / "checkpoint.pth.tar")["state_dict"]
             for name in ("plain", "forked"))
-    assert a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert "=> first step" in forked.stdout
     # Its exit codes are the run's: a usage error is 2, with its one line.
     bad = run_main(str(tmp_path / "nodata"), *TINY, "--output-dir", str(tmp_path / "bad"))
     assert bad.returncode == 2 and "does not exist" in bad.stderr
-
-
-def torch_equal(x, y) -> bool:
-    import torch
-
-    return torch.equal(x, y)
 
 
 def test_a_killed_client_takes_its_run_with_it(image_folder, tmp_path):
