@@ -32,13 +32,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from imagenet.errors import UsageError
 from imagenet.launching.failures import stop_together
 from imagenet.launching.rendezvous import cleanup, init_distributed, owns_group
 from imagenet.run.outputs import Outputs, Saved
+from imagenet.settings import devices
+from imagenet.settings.devices import Accelerator
 from imagenet.settings.flags import Config, parse_config
 from imagenet.settings.launch import Launch, check_sync_bn, plan_launch
 from imagenet.settings.plan import make_plan
@@ -59,10 +60,10 @@ def train(argv: Sequence[str], *, on_checkpoint: Callable[[Saved], None] | None 
     cfg = parse_flags(argv)
     if resume_from is not None:
         cfg = replace(cfg, resume=str(resume_from) if cfg.evaluate else "auto")
-    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    accel = devices.detect()
     group = (dist.get_rank(), dist.get_world_size()) \
         if dist.is_available() and dist.is_initialized() else None
-    plan = make_plan(cfg, os.environ, cuda_count, plan_in_process(cfg, cuda_count), group,
+    plan = make_plan(cfg, os.environ, accel, plan_in_process(cfg, accel), group,
                      started=called)
     check_sync_bn(cfg.sync_bn, plan.device_type)
     from imagenet.run.trainer import run_training  # heavy imports only where training happens
@@ -100,7 +101,7 @@ def parse_flags(argv: Sequence[str]) -> Config:
     return cfg
 
 
-def plan_in_process(cfg: Config, cuda_count: int) -> Launch:
+def plan_in_process(cfg: Config, accel: Accelerator) -> Launch:
     """How this process trains: in the caller's group, under a launcher, or alone (the launch
     part of its plan)."""
     if dist.is_available() and dist.is_initialized():
@@ -110,7 +111,7 @@ def plan_in_process(cfg: Config, cuda_count: int) -> Launch:
                          "--multiprocessing-distributed / --nproc-per-node and start one "
                          "process per device with a launcher (Ray Train, torchrun), or run "
                          "main.py")
-    launch = plan_launch(cfg, os.environ, cuda_count)
+    launch = plan_launch(cfg, os.environ, accel)
     if launch.mode == "spawn":  # several GPUs and no launcher: main.py would spawn
         return Launch("single", reason="one process (imagenet.train does not spawn)")
     return launch

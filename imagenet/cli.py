@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from multiprocessing import resource_tracker
 from pathlib import Path
 
-import torch
 import torch.multiprocessing as mp
 
 from imagenet.errors import INTERRUPTED_EXIT_CODE, TrainerError, report, show_crash_stacks
@@ -23,6 +22,7 @@ from imagenet.launching.preemption import (
 from imagenet.launching.rendezvous import cleanup, init_distributed
 from imagenet.launching.teardown import LOOK, StoppedChildren, exit_within
 from imagenet.reporting.logger import preload_writers, setup_logging, startup_notes
+from imagenet.settings import devices
 from imagenet.settings.flags import parse_config
 from imagenet.settings.plan import Plan, make_plan
 from imagenet.training.inputsize import check_crop_sizes
@@ -120,7 +120,7 @@ def _train_here(local_index: int, plan: Plan, master: dict[str, str],
         info = init_distributed(plan, local_index)
         try:
             if info.device.type == "cpu" and info.rank == 0 and not cfg.no_accel:
-                log.info("=> no CUDA device: %s on the CPU",
+                log.info("=> no accelerator device (torch.accelerator found none): %s on the CPU",
                          "evaluating" if cfg.evaluate else "training")
             try:
                 with stop_together(plan, info):  # a failure on any rank ends every rank
@@ -257,8 +257,7 @@ def _main(argv: Sequence[str] | None, own_process: bool) -> int:
             take_interrupts()
             return run_env_check(cfg)
         setup_logging(0, cfg.debug)  # each training process sets its own rank's
-        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        plan = make_plan(cfg, os.environ, cuda_count)  # every decision, once
+        plan = make_plan(cfg, os.environ, devices.detect())  # every decision, once
         for note in plan.notes:
             log.warning("%s", note)
         check_crop_sizes(cfg.arch, plan.crop_flags)  # before any data is read or process started

@@ -38,7 +38,7 @@ def test_run_writes_both_checkpoints_with_the_promised_keys(trained):
     assert ckpt["state_dict"]["fc.weight"].shape == (3, 512)
     assert best["best_acc1"] == ckpt["best_acc1"]
     assert not list(out.glob(".*tmp*")), "temp files left behind"
-    assert "=> no CUDA device: training on the CPU" in stdout
+    assert "=> no accelerator device (torch.accelerator found none): training on the CPU" in stdout
     assert stdout.count(" * Acc@1") == 2
 
 
@@ -91,7 +91,8 @@ def test_evaluate_reproduces_the_recorded_accuracy(trained):
     assert acc1 == pytest.approx(best["best_acc1"], abs=1e-3)
     assert not (out / "eval" / "checkpoint.pth.tar").exists()
     # It says what it evaluates (weights, data, images, classes), nothing about training.
-    assert "=> no CUDA device: evaluating on the CPU" in proc.stdout
+    assert ("=> no accelerator device (torch.accelerator found none): evaluating on the CPU"
+            in proc.stdout)
     assert (f"=> evaluating resnet18 with checkpoint '{out / 'model_best.pth.tar'}' (after "
             f"{best['epoch']} epoch(s)) on the validation split of {data}: 9 images, 3 classes"
             ) in proc.stdout

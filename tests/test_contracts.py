@@ -34,7 +34,7 @@ def pod_env(rank: int, pods: int, **extra: str) -> dict[str, str]:
 
 def test_pytorchjob_pod_with_several_gpus_starts_one_process_per_gpu():
     cfg = parse_config(["data", "-b", "256"])
-    launch = plan_launch(cfg, pod_env(1, 3), cuda_count=8)
+    launch = plan_launch(cfg, pod_env(1, 3), accel=8)
     # WORLD_SIZE and RANK count pods, as in the classic script: 3 pods x 8 GPUs.
     assert (launch.mode, launch.nprocs, launch.nnodes, launch.node_rank) == ("spawn", 8, 3, 1)
     assert "one process per node" in launch.reason
@@ -45,14 +45,14 @@ def test_pytorchjob_pod_with_several_gpus_starts_one_process_per_gpu():
 @pytest.mark.parametrize("argv, cuda", [([], 1), ([], 0), (["--gpu", "0"], 8)])
 def test_pytorchjob_pod_with_one_device_is_one_process(argv, cuda):
     cfg = parse_config(["data", *argv])
-    launch = plan_launch(cfg, pod_env(1, 3), cuda_count=cuda)
+    launch = plan_launch(cfg, pod_env(1, 3), accel=cuda)
     assert launch.mode == "env"
     assert resolve_ranks(launch, 0, cfg, pod_env(1, 3)) == (1, 0, 3, 3)
 
 
 def test_pytorchjob_cpu_pod_spawns_what_nproc_per_node_asks():
     cfg = parse_config(["data", "--nproc-per-node", "2"])
-    launch = plan_launch(cfg, pod_env(0, 2), cuda_count=0)
+    launch = plan_launch(cfg, pod_env(0, 2), accel=0)
     assert (launch.mode, launch.nprocs, launch.nnodes, launch.node_rank) == ("spawn", 2, 2, 0)
 
 
@@ -62,7 +62,7 @@ def test_launchers_that_start_every_process_keep_their_ranks(extra):
     argv = [] if extra else ["--local-rank", "3"]
     cfg = parse_config(["data", *argv])
     env = pod_env(11, 16, **extra)
-    launch = plan_launch(cfg, env, cuda_count=8)
+    launch = plan_launch(cfg, env, accel=8)
     assert launch.mode == "env"
     assert resolve_ranks(launch, 0, cfg, env)[:3] == (11, 3, 16)
 
@@ -76,7 +76,7 @@ def test_launchers_that_start_every_process_keep_their_ranks(extra):
 ])
 def test_pet_variables_without_torchrun_are_one_error_naming_torchrun(env):
     with pytest.raises(UsageError, match="torchrun main.py"):
-        plan_launch(parse_config(["data"]), env, cuda_count=8)
+        plan_launch(parse_config(["data"]), env, accel=8)
 
 
 def test_pet_variables_under_torchrun_or_by_default_are_fine():

@@ -41,7 +41,7 @@ def cfg_of(*argv: str):
 # ---------------------------------------------------------------- plan_launch / resolve_ranks
 
 def test_no_flags_on_cpu_is_one_process():
-    launch = plan_launch(cfg_of(), {}, cuda_count=0)
+    launch = plan_launch(cfg_of(), {}, accel=0)
     assert launch.mode == "single"
     assert resolve_ranks(launch, 0, cfg_of(), {}) == (0, 0, 1, 1)
 
@@ -49,7 +49,7 @@ def test_no_flags_on_cpu_is_one_process():
 def test_multiprocessing_distributed_ranks_count_nodes_times_processes():
     cfg = cfg_of("--multiprocessing-distributed", "--nproc-per-node", "2", "--world-size", "3",
                  "--rank", "1")
-    launch = plan_launch(cfg, {}, cuda_count=0)
+    launch = plan_launch(cfg, {}, accel=0)
     assert (launch.mode, launch.nprocs, launch.nnodes, launch.node_rank) == ("spawn", 2, 3, 1)
     # global rank = node rank x processes per node + local index; world = nodes x processes
     assert resolve_ranks(launch, 0, cfg, {}) == (2, 0, 6, 2)
@@ -58,8 +58,8 @@ def test_multiprocessing_distributed_ranks_count_nodes_times_processes():
 
 def test_multiprocessing_distributed_defaults():
     cfg = cfg_of("--multiprocessing-distributed")
-    assert plan_launch(cfg, {}, cuda_count=0).nprocs == 1  # CPU: one process unless told
-    gpu = plan_launch(cfg, {}, cuda_count=4)
+    assert plan_launch(cfg, {}, accel=0).nprocs == 1  # CPU: one process unless told
+    gpu = plan_launch(cfg, {}, accel=4)
     assert (gpu.nprocs, gpu.nnodes, gpu.node_rank) == (4, 1, 0)
     assert plan_launch(cfg_of("--multiprocessing-distributed", "--no-accel"), {}, 4).nprocs == 1
 
@@ -88,7 +88,7 @@ def test_multiprocessing_distributed_bad_combinations(argv, env, cuda, words):
 def test_torchrun_environment():
     env = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
            "MASTER_ADDR": "n0", "MASTER_PORT": "29500"}
-    launch = plan_launch(cfg_of(), env, cuda_count=4)
+    launch = plan_launch(cfg_of(), env, accel=4)
     assert launch.mode == "env"
     assert resolve_ranks(launch, 0, cfg_of(), env) == (5, 1, 8, 4)
 
@@ -99,7 +99,7 @@ def test_torch_distributed_launch_local_rank_argument():
     for flag in ("--local_rank=1", "--local-rank=1"):
         cfg = cfg_of(flag)
         assert cfg.local_rank == 1
-        launch = plan_launch(cfg, env, cuda_count=0)
+        launch = plan_launch(cfg, env, accel=0)
         assert launch.mode == "env"
         assert resolve_ranks(launch, 0, cfg, env) == (1, 1, 2, 2)
 
@@ -107,7 +107,7 @@ def test_torch_distributed_launch_local_rank_argument():
 def test_slurm_task_variables():
     env = {"SLURM_PROCID": "6", "SLURM_LOCALID": "2", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0",
            "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[03-04]"}
-    launch = plan_launch(cfg_of(), env, cuda_count=4)
+    launch = plan_launch(cfg_of(), env, accel=4)
     assert launch.mode == "env"
     assert resolve_ranks(launch, 0, cfg_of(), env) == (6, 2, 8, 4)
     # one task (e.g. the batch script itself) is not a distributed job step
@@ -116,7 +116,7 @@ def test_slurm_task_variables():
 
 def test_manual_processes():
     cfg = cfg_of("--world-size", "3", "--rank", "2", "--dist-url", "tcp://h:1")
-    launch = plan_launch(cfg, {}, cuda_count=0)
+    launch = plan_launch(cfg, {}, accel=0)
     assert launch.mode == "manual"
     assert resolve_ranks(launch, 0, cfg, {}) == (2, 0, 3, 1)
     with pytest.raises(UsageError, match="needs --rank"):
@@ -126,12 +126,12 @@ def test_manual_processes():
 
 
 def test_several_gpus_and_no_flag_spawn_ddp():
-    launch = plan_launch(cfg_of(), {}, cuda_count=4)
+    launch = plan_launch(cfg_of(), {}, accel=4)
     assert (launch.mode, launch.nprocs, launch.nnodes) == ("spawn", 4, 1)
     assert resolve_ranks(launch, 3, cfg_of(), {}) == (3, 3, 4, 4)
-    assert plan_launch(cfg_of("--gpu", "1"), {}, cuda_count=4).mode == "single"
-    assert plan_launch(cfg_of(), {}, cuda_count=1).mode == "single"
-    assert plan_launch(cfg_of("--nproc-per-node", "2"), {}, cuda_count=0).nprocs == 2
+    assert plan_launch(cfg_of("--gpu", "1"), {}, accel=4).mode == "single"
+    assert plan_launch(cfg_of(), {}, accel=1).mode == "single"
+    assert plan_launch(cfg_of("--nproc-per-node", "2"), {}, accel=0).nprocs == 2
 
 
 @pytest.mark.parametrize("nodelist, host", [
@@ -156,15 +156,15 @@ def test_choose_backend():
 
 def test_choose_device():
     spawn = Launch("spawn", 4)
-    assert choose_device(cfg_of(), spawn, 3, cuda_count=0) == torch.device("cpu")
-    assert choose_device(cfg_of(), spawn, 3, cuda_count=4) == torch.device("cuda", 3)
+    assert choose_device(cfg_of(), spawn, 3, accel=0) == torch.device("cpu")
+    assert choose_device(cfg_of(), spawn, 3, accel=4) == torch.device("cuda", 3)
     assert choose_device(cfg_of("--no-accel"), spawn, 3, 4) == torch.device("cpu")
-    with pytest.raises(UsageError, match="local rank 4 has no GPU"):
-        choose_device(cfg_of(), spawn, 4, cuda_count=4)
+    with pytest.raises(UsageError, match="local rank 4 has no cuda device"):
+        choose_device(cfg_of(), spawn, 4, accel=4)
     # srun --gpus-per-task: each task sees one GPU whatever its local rank
-    assert choose_device(cfg_of(), Launch("env"), 3, cuda_count=1) == torch.device("cuda", 0)
+    assert choose_device(cfg_of(), Launch("env"), 3, accel=1) == torch.device("cuda", 0)
     assert choose_device(cfg_of("--gpu", "1"), Launch("single"), 0, 2) == torch.device("cuda", 1)
-    with pytest.raises(UsageError, match="--gpu 2: only 2 GPU"):
+    with pytest.raises(UsageError, match="--gpu 2: only 2 cuda device"):
         choose_device(cfg_of("--gpu", "2"), Launch("single"), 0, 2)
 
 

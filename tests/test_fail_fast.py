@@ -63,7 +63,7 @@ def data(tmp_path_factory) -> Path:
      "--dist-url 'garbage' is not a rendezvous address"),
     (["--dist-url", "tcp://127.0.0.1", "--world-size", "2", "--rank", "1"],
      "--dist-url 'tcp://127.0.0.1' is not a rendezvous address"),
-    pytest.param(["--gpu", "0"], "--gpu 0: no CUDA device is visible",
+    pytest.param(["--gpu", "0"], "--gpu 0: no accelerator device is visible",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present")),
 ])
 def test_impossible_flags_are_refused_before_anything_starts(capsys, tmp_path, argv, words):

@@ -36,7 +36,7 @@ def srun_env(rank: int, tasks: int, per_node: int, **extra: str) -> dict[str, st
 
 def test_srun_one_task_per_node_with_spawn_is_one_job_of_all_nodes():
     cfg = parse_config(["--multiprocessing-distributed", "--nproc-per-node", "4"])
-    launch = plan_launch(cfg, srun_env(rank=2, tasks=3, per_node=1), cuda_count=4)
+    launch = plan_launch(cfg, srun_env(rank=2, tasks=3, per_node=1), accel=4)
     assert (launch.mode, launch.nnodes, launch.node_rank, launch.nprocs) == ("spawn", 3, 2, 4)
     assert resolve_ranks(launch, 1, cfg, {}) == (9, 1, 12, 4)
     # Explicit flags still win.
@@ -47,7 +47,7 @@ def test_srun_one_task_per_node_with_spawn_is_one_job_of_all_nodes():
 def test_srun_several_tasks_per_node_with_spawn_is_refused():
     cfg = parse_config(["--multiprocessing-distributed"])
     with pytest.raises(UsageError, match=r"srun started 4 tasks, 2 per node.*--ntasks-per-node=1"):
-        plan_launch(cfg, srun_env(rank=1, tasks=4, per_node=2), cuda_count=2)
+        plan_launch(cfg, srun_env(rank=1, tasks=4, per_node=2), accel=2)
 
 
 @pytest.mark.slow
@@ -76,8 +76,8 @@ def test_srun_tasks_with_spawn_train_as_one_job(tmp_path):
 def test_an_sbatch_script_without_srun_is_not_a_job_step():
     batch = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
              "SLURM_NTASKS": "4", "SLURM_TASKS_PER_NODE": "4", "SLURM_JOB_NODELIST": "n1"}
-    assert plan_launch(parse_config([]), batch, cuda_count=0).mode == "single"
-    assert plan_launch(parse_config([]), batch, cuda_count=4).mode == "spawn"  # the node's GPUs
+    assert plan_launch(parse_config([]), batch, accel=0).mode == "single"
+    assert plan_launch(parse_config([]), batch, accel=4).mode == "spawn"  # the node's GPUs
     note = unlaunched_slurm_tasks(batch)
     assert note and "srun python main.py" in note and "4 tasks" in note
     assert unlaunched_slurm_tasks(srun_env(0, 4, 4)) is None
@@ -211,9 +211,9 @@ def test_launcher_variables_are_checked_and_its_numbers_win_over_the_flags():
                        ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK='one' and WORLD_SIZE='2' from "
                         "the environment must be whole numbers")):
         with pytest.raises(UsageError, match=words.replace("(", ".").replace(")", ".")):
-            plan_launch(cfg, env, cuda_count=0)
+            plan_launch(cfg, env, accel=0)
     torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
-    launch = plan_launch(cfg, torchrun, cuda_count=0)
+    launch = plan_launch(cfg, torchrun, accel=0)
     assert overridden_flags(parse_config(["data", "--world-size", "2", "--nproc-per-node",
                                           "2"]), launch, torchrun) is None  # they agree
     assert overridden_flags(parse_config(["data", "--rank", "0"]), launch, torchrun) == (
@@ -221,7 +221,7 @@ def test_launcher_variables_are_checked_and_its_numbers_win_over_the_flags():
         "drop them from main.py's command line")
     srun = srun_env(rank=1, tasks=4, per_node=2)
     assert overridden_flags(parse_config(["data", "--world-size", "2"]),
-                            plan_launch(cfg, srun, cuda_count=0), srun) == (
+                            plan_launch(cfg, srun, accel=0), srun) == (
         "srun's numbers win: --world-size 2 is ignored (srun started 4 processes); drop them "
         "from main.py's command line")
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from imagenet.errors import DistributedError
 from imagenet.launching.collectives import DistInfo
 from imagenet.reporting.stages import notice_after
+from imagenet.settings import devices
 from imagenet.settings.launch import choose_backend, choose_device
 from imagenet.settings.plan import Plan
 
@@ -87,9 +88,8 @@ def init_distributed(plan: Plan, local_index: int = 0) -> DistInfo:
     cfg, launch = plan.cfg, plan.launch
     if dist.is_available() and dist.is_initialized():
         return join_existing_group(plan)
-    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     rank, local_rank, world, local_world = astuple(plan.ranks(local_index))
-    device = choose_device(cfg, launch, local_rank, cuda_count)
+    device = choose_device(cfg, launch, local_rank, devices.detect())
     if launch.mode == "single":
         set_device(device)
         return DistInfo(device=device)
@@ -113,7 +113,7 @@ def init_distributed(plan: Plan, local_index: int = 0) -> DistInfo:
             store = gather(host, port, rank, world, timeout, where)  # type: ignore[arg-type]
         dist.init_process_group(backend, init_method=None if store else init_method, store=store,
                                 rank=rank, world_size=world, timeout=timeout,
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=None if backend == "gloo" else device)
         global _created_group
         _created_group = True
         # One barrier so a missing peer fails here, named, not in the first all-reduce.
@@ -129,15 +129,13 @@ def init_distributed(plan: Plan, local_index: int = 0) -> DistInfo:
 def join_existing_group(plan: Plan) -> DistInfo:
     """Who this process is in the caller's process group; its device from its local rank."""
     rank, local, world, local_world = astuple(plan.ranks())
-    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    device = choose_device(plan.cfg, plan.launch, local, cuda_count)
+    device = choose_device(plan.cfg, plan.launch, local, devices.detect())
     backend = str(dist.get_backend())
     if "nccl" in backend and device.type != "cuda":
         raise DistributedError(f"the process group this process joined uses {backend}, which "
                                "needs CUDA GPUs, but this process trains on the CPU; give the "
                                "workers GPUs or create the group with gloo")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    devices.set_current(device)
     if rank == 0:
         log.info("=> using the caller's process group (%s, world size %d); not creating one",
                  backend, world)
@@ -150,9 +148,8 @@ def owns_group() -> bool:
 
 
 def set_device(device: torch.device) -> None:
-    """Make ``device`` this process's current CUDA device (creates its CUDA context)."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    """Make ``device`` this process's current device (for CUDA: creates its context)."""
+    devices.set_current(device)
 
 
 def elastic_store(plan: Plan, host: str, port: int | None, world: int,

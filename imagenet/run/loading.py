@@ -43,7 +43,7 @@ def load_data(plan: Plan, dist: DistInfo, root: str, aug_seed: int,
     ``continues``: the checkpoint of the run (-e --val-data labels its folder with its
     classes)."""
     cfg = plan.cfg
-    pin_memory = dist.device.type == "cuda"
+    pin_memory = dist.device.type not in ("cpu", "mps")  # MPS shares the CPU's memory
     indexes = index_files(plan, dist)
     if plan.data_format != "shards" and cfg.evaluate and cfg.val_data:  # -e: DIR is not read
         return eval_data.build_eval_data(plan, dist.rank, aug_seed, pin_memory, indexes,

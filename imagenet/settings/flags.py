@@ -388,10 +388,11 @@ class Config:
                                    help="set by torch.distributed.launch; do not pass by hand "
                                         "(default: LOCAL_RANK)")
     gpu: int | None = _flag("--gpu", group="distributed", default=None, type=int, metavar="ID",
-                            help="CUDA device index for a single-process run "
-                                "(default: 0 when CUDA is present)")
+                            help="accelerator device index for a single-process run, on "
+                                 "whatever torch.accelerator finds: CUDA/ROCm, MPS, XPU, ... "
+                                 "(default: 0 when one is present)")
     no_accel: bool = _flag("--no-accel", group="distributed", default=False,
-                           action=Switch, help="run on the CPU even if CUDA is present")
+                           action=Switch, help="run on the CPU even if an accelerator is present")
     ddp_comm_hook: str = _flag("--ddp-comm-hook", group="distributed", default="none",
                                choices=COMM_HOOKS,
                                help="gradient compression for slow links "

@@ -2,7 +2,7 @@
 
 The only reader of RANK / LOCAL_RANK / WORLD_SIZE / SLURM_* / TORCHELASTIC_* and Kubeflow's
 PET_* (MASTER_ADDR/PORT: ``settings.rendezvous``). Every function here is pure (flags,
-environment and GPU count in, a decision out); ``launching`` acts on the decisions.
+environment and the accelerator in, a decision out); ``launching`` acts on the decisions.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from imagenet.errors import UsageError
+from imagenet.settings.devices import SYNC_BN, Accelerator, as_accelerator, default_backend
 from imagenet.settings.flags import Config
 from imagenet.settings.slurm import (
     env_int,
@@ -46,9 +47,10 @@ class Ranks:
     local_world_size: int
 
 
-def plan_launch(cfg: Config, env: Mapping[str, str], cuda_count: int) -> Launch:
-    """Decide the launch mode from flags, environment and visible GPUs."""
-    gpus = cuda_count if not cfg.no_accel else 0
+def plan_launch(cfg: Config, env: Mapping[str, str], accel: Accelerator | int) -> Launch:
+    """Decide the launch mode from flags, environment and the visible accelerator devices."""
+    accel = as_accelerator(accel)
+    gpus = accel.count if not cfg.no_accel else 0
     check_torchrun_contract(env)
     if cfg.multiprocessing_distributed:
         return _plan_spawn(cfg, env, gpus)
@@ -232,50 +234,74 @@ def local_ranks(cfg: Config, env: Mapping[str, str], world: int) -> tuple[int, i
 
 
 def choose_backend(requested: str | None, device_type: str) -> str:
-    """nccl for CUDA, gloo for CPU; an impossible request is a clear error."""
+    """The backend torch registers for the device type (nccl for CUDA, xccl for XPU, gloo for
+    the CPU, ...); an impossible request, or a device type without one, is a clear error."""
     if requested is None:
-        return "nccl" if device_type == "cuda" else "gloo"
+        backend = default_backend(device_type)
+        if backend is None:
+            raise UsageError(f"torch has no process-group backend for {device_type} devices, so "
+                             f"several processes cannot train together on them: train in one "
+                             f"process (no --nproc-per-node/--world-size), or add --no-accel to "
+                             f"train the processes on the CPU with gloo")
+        return backend
     if requested == "nccl" and device_type != "cuda":
-        raise UsageError("--dist-backend nccl needs CUDA GPUs, and this process runs on the CPU "
-                         "(no CUDA or --no-accel); use --dist-backend gloo or leave it unset")
+        where = "the CPU (no accelerator or --no-accel)" if device_type == "cpu" \
+            else f"{device_type} devices"
+        raise UsageError(f"--dist-backend nccl needs CUDA GPUs, and this process runs on {where}; "
+                         f"use --dist-backend {default_backend(device_type) or 'gloo'} or leave "
+                         f"it unset")
     if requested == "nccl" and not dist.is_nccl_available():
         raise UsageError("--dist-backend nccl: this torch build has no NCCL; use gloo")
     return requested
 
 
 def check_sync_bn(sync_bn: bool, device_type: str) -> None:
-    """--sync-bn: torch's SyncBatchNorm has kernels for GPUs only; say so before starting."""
+    """--sync-bn: torch's SyncBatchNorm has kernels for some devices only (CUDA, XPU, HPU); say
+    so before starting."""
     if sync_bn and device_type == "cpu":
         raise UsageError("--sync-bn needs CUDA GPUs: torch's SyncBatchNorm cannot train on the "
                          "CPU; drop --sync-bn for CPU runs (each rank then normalises its own "
                          "batch)")
+    if sync_bn and device_type not in SYNC_BN:
+        raise UsageError(f"--sync-bn: torch's SyncBatchNorm has no kernels for {device_type} "
+                         f"devices (only {', '.join(SYNC_BN[:3])}); drop --sync-bn (each rank "
+                         f"then normalises its own batch)")
 
 
-def check_gpu_flag(gpu: int | None, no_accel: bool, cuda_count: int) -> None:
-    """--gpu asks for a CUDA device: without one it is an error, not a silent CPU run."""
-    if gpu is not None and not no_accel and cuda_count == 0:
-        raise UsageError(f"--gpu {gpu}: no CUDA device is visible (torch.cuda.is_available() is "
+def check_gpu_flag(gpu: int | None, no_accel: bool, accel: Accelerator | int) -> None:
+    """--gpu asks for an accelerator device: without one it is an error, not a silent CPU run."""
+    if gpu is not None and not no_accel and not as_accelerator(accel):
+        raise UsageError(f"--gpu {gpu}: no accelerator device is visible "
+                         "(torch.accelerator.is_available() is "
                          "False); drop --gpu to train on the CPU, or check the driver and "
                          "CUDA_VISIBLE_DEVICES")
 
 
-def choose_device(cfg: Config, launch: Launch, local_rank: int, cuda_count: int) -> torch.device:
-    """The device of this process: its local rank's GPU, --gpu, or the CPU."""
-    if cfg.no_accel or cuda_count == 0:
+def choose_device(cfg: Config, launch: Launch, local_rank: int,
+                  accel: Accelerator | int) -> torch.device:
+    """The device of this process: its local rank's accelerator device, --gpu, or the CPU."""
+    accel = as_accelerator(accel)
+    kind, count = accel.type, accel.count
+    if cfg.no_accel or count == 0:
         return torch.device("cpu")
     if launch.mode == "single":
-        if (cfg.gpu or 0) >= cuda_count:
-            raise UsageError(f"--gpu {cfg.gpu}: only {cuda_count} GPU(s) visible "
-                             f"(0..{cuda_count - 1})")
-        return torch.device("cuda", cfg.gpu or 0)
-    if launch.mode == "env" and cuda_count == 1:
+        if (cfg.gpu or 0) >= count:
+            raise UsageError(f"--gpu {cfg.gpu}: only {count} {kind} device(s) visible "
+                             f"(0..{count - 1})")
+        return torch.device(kind, cfg.gpu or 0)
+    if launch.mode == "env" and count == 1:
         # The launcher gave each process its own GPU (srun --gpus-per-task, CUDA_VISIBLE_DEVICES
         # per rank): local rank 3 then sees one device, cuda:0.
-        return torch.device("cuda", 0)
-    if local_rank >= cuda_count:
-        raise UsageError(f"local rank {local_rank} has no GPU: only {cuda_count} visible; "
+        return torch.device(kind, 0)
+    if local_rank >= count:
+        raise UsageError(f"local rank {local_rank} has no {kind} device: only {count} visible; "
                          "start at most one process per GPU on each node")
-    return torch.device("cuda", local_rank)
+    return torch.device(kind, local_rank)
+
+
+def device_type_of(cfg: Config, accel: Accelerator) -> str:
+    """Where this invocation's processes train: the accelerator's device type, or "cpu"."""
+    return accel.type if accel and not cfg.no_accel else "cpu"
 
 
 def launcher_pid(launch: Launch, env: Mapping[str, str], parent: int) -> int | None:
@@ -438,14 +464,16 @@ class Job:
     notes: tuple[str, ...]  # warnings about the launch, said once
 
 
-def plan_job(cfg: Config, env: Mapping[str, str], cuda_count: int, launch: Launch | None = None,
+def plan_job(cfg: Config, env: Mapping[str, str], accel: Accelerator | int,
+             launch: Launch | None = None,
              group: tuple[int, int] | None = None, cpus: tuple[int, int] | None = None) -> Job:
     """How this invocation's processes start, who they are and how each step's images are
     spread. ``launch``: decided by the caller (``imagenet.train``), else from the flags and
     ``env``; ``group``: (rank, world size) of the caller's process group."""
-    check_gpu_flag(cfg.gpu, cfg.no_accel, cuda_count)
-    launch = launch or plan_launch(cfg, env, cuda_count)
-    device_type = "cuda" if cuda_count and not cfg.no_accel else "cpu"
+    accel = as_accelerator(accel)
+    check_gpu_flag(cfg.gpu, cfg.no_accel, accel)
+    launch = launch or plan_launch(cfg, env, accel)
+    device_type = device_type_of(cfg, accel)
     if launch.mode != "single" and group is None:  # impossible requests fail here, once
         choose_backend(cfg.dist_backend, device_type)
         check_sync_bn(cfg.sync_bn, device_type)

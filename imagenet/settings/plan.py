@@ -20,9 +20,10 @@ from pathlib import Path
 
 from imagenet.errors import UsageError
 from imagenet.settings.crops import CropSchedule, crop_schedule
+from imagenet.settings.devices import Accelerator, as_accelerator
 from imagenet.settings.duration import end_time
 from imagenet.settings.flags import CACHE, Config
-from imagenet.settings.launch import Launch, Layout, Ranks, plan_job
+from imagenet.settings.launch import Launch, Layout, Ranks, device_type_of, plan_job
 from imagenet.settings.rendezvous import Rendezvous, rendezvous
 from imagenet.settings.sources import data_format
 from imagenet.settings.staging import Staging, stage
@@ -45,7 +46,7 @@ class Plan:
     layout: Layout  # world size, images per process and micro-batch, accumulation, workers
     crops: CropSchedule  # the training crop of every epoch
     data_format: str  # how DIR is read: "folder", "shards" or "dummy"
-    device_type: str  # where the processes train: "cuda" or "cpu"
+    device_type: str  # where the processes train: "cuda", "xpu", "mps", ... or "cpu"
     decode: Decode
     restarts: int  # torchrun's restarts of the worker group (TORCHELASTIC_RESTART_COUNT)
     agent_store: bool  # torchrun's agent hosts the rendezvous store the workers share
@@ -214,7 +215,7 @@ def cache_dir(cfg: Config) -> Path | None:
     return None if cfg.cache_dir.lower() == "none" else Path(cfg.cache_dir)
 
 
-def make_plan(cfg: Config, env: Mapping[str, str], cuda_count: int,
+def make_plan(cfg: Config, env: Mapping[str, str], accel: Accelerator | int,
               launch: Launch | None = None, group: tuple[int, int] | None = None,
               cpus: tuple[int, int] | None = None, started: float | None = None) -> Plan:
     """The plan of this invocation; UsageError for what cannot work, before anything starts.
@@ -225,10 +226,11 @@ def make_plan(cfg: Config, env: Mapping[str, str], cuda_count: int,
     counting (unix time; None: when this process started, as main.py's).
     """
     cfg, staged = stage(cfg)  # URLs: local paths from here on
-    job = plan_job(cfg, env, cuda_count, launch, group, cpus)
+    accel = as_accelerator(accel)
+    job = plan_job(cfg, env, accel, launch, group, cpus)
     cfg, lr_rule = with_learning_rate(cfg, job.layout.global_batch)
     fmt = source_format(cfg)
-    device_type = "cuda" if cuda_count and not cfg.no_accel else "cpu"
+    device_type = device_type_of(cfg, accel)
     started = process_start() if started is None else started
     # Rank 0 keeps the clock: only its plan asks SLURM for the job's end (squeue)
     limit = end_time(cfg.time_limit, env, started) if job.first_rank == 0 else None

@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from imagenet.errors import INTERRUPTED_EXIT_CODE, TrainerError, UsageError, report
+from imagenet.settings import devices
 from imagenet.settings.flags import Config, parse_config
-from imagenet.settings.launch import choose_backend
+from imagenet.settings.launch import choose_backend, device_type_of
 from imagenet.tools.envprobe import FB_BATCH, RANDOM_NUMEL, STARTUP_S, Plan, run_probes
 
 CPU_PROCS = 2  # ranks on the CPU without --nproc-per-node: the least that exercises gloo
@@ -93,11 +94,15 @@ def library_lines() -> list[str]:
             f"CUDA        {cuda} (build); torch.cuda.is_available() = "
             f"{torch.cuda.is_available()}",
             f"cuDNN       {cudnn or 'none'}",
-            f"NCCL        {nccl}"]
+            f"NCCL        {nccl}",
+            f"Accelerator {devices.detect().describe()} (torch.accelerator)"]
 
 
 def device_lines() -> list[str]:
-    """One line per CUDA device, or the CPU's cores."""
+    """One line per accelerator device, or the CPU's cores."""
+    accel = devices.detect()
+    if accel and accel.type != "cuda":
+        return [f"Device      {accel.type}:{i}" for i in range(accel.count)]
     if torch.cuda.is_available():
         lines = []
         for i in range(torch.cuda.device_count()):
@@ -129,9 +134,10 @@ def count_parameters(arch: str) -> int:
 
 def plan_checks(cfg: Config, numel: int) -> tuple[Plan, Check]:
     """The rank count, device and backend, and the verdict on the backend."""
-    use_cuda = torch.cuda.is_available() and not cfg.no_accel
-    count = torch.cuda.device_count() if use_cuda else 0
-    device_type = "cuda" if use_cuda else "cpu"
+    accel = devices.detect()
+    use_cuda = bool(accel) and not cfg.no_accel  # any accelerator
+    count = accel.count if use_cuda else 0
+    device_type = device_type_of(cfg, accel)
     nprocs = cfg.nproc_per_node or (count if use_cuda else CPU_PROCS)
     plan = Plan(nprocs, device_type, None, numel, cfg.arch, min(cfg.dist_timeout, MAX_TIMEOUT_S),
                 fsdp=cfg.fsdp)
@@ -147,8 +153,9 @@ def plan_checks(cfg: Config, numel: int) -> tuple[Plan, Check]:
         return plan, Check("FAIL", f"backend {cfg.dist_backend}", f"{exc}{hint}")
     if use_cuda and nprocs > count:
         return plan, Check("FAIL", f"backend {backend}",
-                           f"--nproc-per-node {nprocs} but only {count} GPU(s) visible: one "
-                           "rank per GPU (or --no-accel to check gloo on the CPU)")
+                           f"--nproc-per-node {nprocs} but only {count} {device_type} "
+                           "device(s) visible: one rank per device (or --no-accel to check gloo "
+                           "on the CPU)")
     return replace(plan, backend=backend), Check("PASS", f"backend {backend}",
                                                  f"available for {device_type} tensors")
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from imagenet.settings import devices
 from imagenet.settings.rendezvous import free_port
 
 FB_BATCH, FB_PIXELS = 8, 64  # forward/backward probe: small, so the check takes seconds
@@ -34,7 +35,7 @@ class Plan:
     """What the ranks run."""
 
     nprocs: int
-    device_type: str  # cpu | cuda
+    device_type: str  # cpu | cuda | xpu | ...
     backend: str | None  # None: no usable backend, nothing runs
     numel: int  # all-reduce bandwidth tensor = parameters of -a
     arch: str
@@ -43,8 +44,7 @@ class Plan:
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    devices.synchronize(device)
 
 
 def _random_ints(rank: int, device: torch.device) -> torch.Tensor:
@@ -157,15 +157,15 @@ def _probe(rank: int, plan: Plan, port: int, threads: int | None, results: Any) 
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(rank)
-        device = torch.device("cuda", rank) if plan.device_type == "cuda" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        device = torch.device("cpu") if plan.device_type == "cpu" \
+            else torch.device(plan.device_type, rank)
+        devices.set_current(device)
         out["device"] = str(device)
         start = time.perf_counter()
         dist.init_process_group(plan.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=plan.nprocs,
                                 timeout=datetime.timedelta(seconds=plan.timeout),
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=None if plan.backend == "gloo" else device)
         dist.barrier()
         out["joined_s"] = time.perf_counter() - start
         results.put(dict(out))

@@ -57,6 +57,8 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
+    if device.type != "cpu":  # another accelerator (xpu, mps, ...): its kernels are its type's
+        return f"{device.type} device"
     info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -24,6 +24,7 @@ import imagenet.launching.watchdog as watchdog
 import imagenet.training.fsdp as fsdp
 from imagenet.data.transforms import normalize
 from imagenet.errors import NonFiniteLossError, RunError, on_every_rank
+from imagenet.settings import devices
 from imagenet.training.compiling import compiles
 from imagenet.training.metrics import DeviceSums, topk_correct
 from imagenet.training.models import no_sync
@@ -282,8 +283,7 @@ def train_one_epoch(engine: Engine, loader: Iterable, step: Step, hooks: Hooks =
     bad_step = torch.full((), -1, dtype=torch.long, device=opts.device)
     start, seconds_before = time.perf_counter(), totals.seconds
     clock = _Clock(start, start, step.step_in_epoch, step.step_in_epoch)
-    if opts.device.type == "cuda":  # the epoch's peak, reported at its end
-        torch.cuda.reset_peak_memory_stats(opts.device)
+    devices.reset_peak_memory(opts.device)  # the epoch's peak, reported at its end
     loss = torch.zeros((), device=opts.device)
     tick = start
     where = f"of epoch {step.epoch}, step {step.step_in_epoch + 1} of {opts.steps_per_epoch}"
@@ -320,7 +320,7 @@ def train_one_epoch(engine: Engine, loader: Iterable, step: Step, hooks: Hooks =
     # data_wait: this process's share of the time it trained the epoch, spent waiting for data
     metrics = {**epoch_metrics(totals.of_job()),
                "data_wait": clock.epoch_data_time / max(elapsed, 1e-9)}
-    if opts.device.type == "cuda":
+    if devices.has_memory_stats(opts.device):
         metrics["max_mem_gb"] = peak_memory_gb(opts.device)
     return metrics
 
@@ -328,7 +328,7 @@ def train_one_epoch(engine: Engine, loader: Iterable, step: Step, hooks: Hooks =
 def peak_memory_gb(device: torch.device) -> float:
     """The most device memory this process's tensors held since the last reset, GiB; the
     largest of every rank's (collective with a process group)."""
-    peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30, device=device)
+    peak = torch.tensor(devices.peak_memory_gb(device), device=device)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return float(peak)
@@ -385,8 +385,8 @@ def _progress(engine: Engine, step: Step, sums: _Sums, loss: torch.Tensor,
         "images_per_sec": w["count"] * opts.world_size / max(window_time, 1e-9),
         "eta_epoch": remaining_epoch, "eta_run": remaining_run,
     }
-    if opts.device.type == "cuda":
-        record["max_mem_gb"] = torch.cuda.max_memory_allocated(opts.device) / 2**30
+    if devices.has_memory_stats(opts.device):
+        record["max_mem_gb"] = devices.peak_memory_gb(opts.device)
     return record
 
 

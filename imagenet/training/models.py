@@ -145,7 +145,7 @@ def wrap(raw: nn.Module, cfg: Config, dist: DistInfo, ema: AveragedModel | None 
             log.info("=> one process: --ddp-comm-hook %s has nothing to send", cfg.ddp_comm_hook)
         return compile_model(model, compile_backend, len(sizes), cfg.compile_mode) \
             if cfg.compile else model
-    device_ids = [dist.device.index] if dist.device.type == "cuda" else None
+    device_ids = None if dist.device.type == "cpu" else [dist.device.index]
     # Gradients are views into DDP's all-reduce buckets: no second copy of them in memory.
     model = DDP(model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb,
                 gradient_as_bucket_view=True)

@@ -1,0 +1,105 @@
+"""Which accelerator this machine has, asked once through ``torch.accelerator``, and what each
+device type can do: its process-group backend, SyncBatchNorm, its memory statistics.
+
+pytorch/examples' ``imagenet/main.py`` picks its device through ``torch.accelerator`` (CUDA and
+ROCm, Apple MPS, Intel XPU, Gaudi HPU and the other backends torch registers), with
+``--no-accel`` to stay on the CPU; a command written for it runs here unchanged. ``--gpu N`` is
+the index of a device of whatever accelerator is present.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# SyncBatchNorm's own check (torch/nn/modules/batchnorm.py): the device types it has kernels for.
+SYNC_BN = ("cuda", "hpu", "xpu", "privateuseone")
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """The machine's accelerator: its device type ("cuda", "xpu", "mps", ...) and how many devices
+    this process sees; ``Accelerator("cpu", 0)`` when there is none."""
+
+    type: str = "cpu"
+    count: int = 0
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def describe(self) -> str:
+        return f"{self.count} {self.type} device(s)" if self else "no accelerator"
+
+
+def detect() -> Accelerator:
+    """This machine's accelerator, through ``torch.accelerator`` (one call per process: CUDA's is
+    answered without creating a context)."""
+    if not torch.accelerator.is_available():
+        return Accelerator()
+    found = torch.accelerator.current_accelerator()
+    if found is None:
+        return Accelerator()
+    return Accelerator(found.type, torch.accelerator.device_count())
+
+
+def of_cuda(count: int) -> Accelerator:
+    """The accelerator of a machine with ``count`` CUDA devices (none when 0)."""
+    return Accelerator("cuda", count) if count else Accelerator()
+
+
+def default_backend(device_type: str) -> str | None:
+    """The process-group backend torch registers for ``device_type`` (nccl for cuda, xccl for
+    xpu, hccl for hpu, gloo for cpu), or None when it has none (mps)."""
+    if device_type == "cpu":
+        return "gloo"
+    backend = dist.Backend.default_device_backend_map.get(device_type)
+    # torch's "fake" backend (for tracing, registered for hpu by torch's own imports) holds a
+    # device's place until its real backend (hccl) registers: no backend to train with.
+    return None if backend == "fake" else backend
+
+
+def set_current(device: torch.device) -> None:
+    """Make ``device`` this process's current accelerator device (for CUDA: creates its
+    context); nothing for the CPU."""
+    if device.type == "cpu":
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif device.index is not None:
+        torch.accelerator.set_device_index(device.index)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device``."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def has_memory_stats(device: torch.device) -> bool:
+    """True where torch keeps peak-memory statistics for ``device``'s type."""
+    if device.type == "cuda":
+        return True
+    return device.type != "cpu" and hasattr(torch.accelerator, "max_memory_allocated")
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif has_memory_stats(device):
+        torch.accelerator.reset_peak_memory_stats(device)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """The peak memory allocated on ``device`` since its last reset, in GiB (0 without stats)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    if has_memory_stats(device):
+        return torch.accelerator.max_memory_allocated(device) / 2**30
+    return 0.0
+
+
+def as_accelerator(found: Accelerator | int) -> Accelerator:
+    """``found``, or for an int (the planning functions' shorthand) that many CUDA devices."""
+    return found if isinstance(found, Accelerator) else of_cuda(found)
