@@ -28,7 +28,7 @@ OPERATIONAL = frozenset({
     "save_every", "start_epoch", "pretrained", "weights", "compile", "channels_last",
     "world_size", "rank", "dist_url", "dist_backend", "dist_timeout", "multiprocessing_distributed",
     "nproc_per_node", "local_rank", "gpu", "no_accel", "bucket_cap_mb", "log_to", "time_limit",
-    "keep_checkpoints", "cache_dir",
+    "keep_checkpoints", "cache_dir", "decoder",  # decoders give the same pixels
     "finetune", "predictions", "tta_flip",  # the start's weights; what validation reports
 })
 

@@ -30,14 +30,15 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
 import imagenet.data.transforms as T
+from imagenet.data import jpeg
 from imagenet.data.resample import FILTERS, Windows, resample
 from imagenet.data.resizing import sized_by_epoch
 from imagenet.errors import DataError
 from imagenet.settings.crops import CropSchedule
+from imagenet.settings.decoders import image_backend
 from imagenet.settings.flags import Config
 
 log = logging.getLogger(__name__)
@@ -185,12 +186,13 @@ class DeviceCrops:
     interpolation: str = "bilinear"
     resize: int | None = None
     batched: bool | None = None
+    backend: str = "tensor"  # the decoder: torchvision.io's or TorchCodec's (settings.decoders)
 
     def __call__(self, batch: tuple[EncodedBatch, torch.Tensor], device: torch.device
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         encoded, labels = batch
         size = self.size if self.resize is not None else int(encoded.boxes[0, 5])
-        images = decode(encoded, device, size)
+        images = decode(encoded, device, size, self.backend)
         boxes = encoded.boxes.tolist()
         jpegs = [i for i, box in enumerate(boxes) if box[0] != FINISHED]
         batched = device.type == "cuda" if self.batched is None else self.batched
@@ -243,39 +245,44 @@ class DeviceCrops:
 def device_crops(cfg: Config) -> tuple[DeviceCrops, DeviceCrops]:
     """The training and validation ``DeviceCrops`` of the flags (the training crop's size comes
     with each batch: progressive resizing)."""
-    return (DeviceCrops(cfg.train_crop_size, cfg.interpolation),
-            DeviceCrops(cfg.val_crop_size, cfg.interpolation, cfg.val_resize_size))
+    backend = image_backend(cfg)
+    return (DeviceCrops(cfg.train_crop_size, cfg.interpolation, backend=backend),
+            DeviceCrops(cfg.val_crop_size, cfg.interpolation, cfg.val_resize_size,
+                        backend=backend))
 
 
-def decode(encoded: EncodedBatch, device: torch.device, size: int) -> list[torch.Tensor]:
+def decode(encoded: EncodedBatch, device: torch.device, size: int, backend: str = "tensor"
+           ) -> list[torch.Tensor]:
     """Every payload of ``encoded`` as a uint8 CHW image on ``device``: JPEGs in one batched
-    decode_jpeg call (nvJPEG on CUDA), finished (3, size, size) images copied."""
+    decode_jpeg call of ``backend``'s decoder (nvJPEG on CUDA), finished (3, size, size) images
+    copied."""
     payloads = list(torch.split(encoded.data, encoded.sizes))
     jpegs = [i for i, box in enumerate(encoded.boxes[:, 0].tolist()) if box != FINISHED]
     images: list[torch.Tensor] = [torch.empty(0)] * len(payloads)
     for i, image in zip(jpegs, decode_jpegs([payloads[i] for i in jpegs],
-                                            [encoded.paths[i] for i in jpegs], device)):
+                                            [encoded.paths[i] for i in jpegs], device,
+                                            backend)):
         images[i] = image
     for i in set(range(len(payloads))) - set(jpegs):
         images[i] = payloads[i].view(3, size, size).to(device, non_blocking=True)
     return images
 
 
-def decode_jpegs(data: list[torch.Tensor], paths: list[str], device: torch.device
-                 ) -> list[torch.Tensor]:
+def decode_jpegs(data: list[torch.Tensor], paths: list[str], device: torch.device,
+                 backend: str = "tensor") -> list[torch.Tensor]:
     """JPEG bytes -> RGB images on ``device``; a batch that fails is decoded one by one, and an
     image the device cannot decode is decoded by the CPU path (DataError naming a bad file)."""
     if not data:
         return []
     try:
-        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+        return jpeg.decode_batch(data, device, backend)
     except RuntimeError:
         pass
     images = []
     for one, path in zip(data, paths):
         try:
-            images.append(decode_jpeg(one, mode=ImageReadMode.RGB, device=device))
+            images.append(jpeg.decode_batch([one], device, backend)[0])
         except RuntimeError:
-            image = T.decode_image(one.numpy().tobytes(), path)
+            image = T.decode_image(one.numpy().tobytes(), path, backend)
             images.append(image.to(device))  # type: ignore[union-attr]
     return images

@@ -33,6 +33,7 @@ from imagenet.launching.preemption import ignore_stop_signals, stop_signals_bloc
 from imagenet.launching.processes import worker_stacks
 from imagenet.launching.watchdog import stacks_dir
 from imagenet.settings.crops import CropSchedule
+from imagenet.settings.decoders import image_backend
 from imagenet.settings.flags import Config
 from imagenet.settings.launch import Layout
 from imagenet.settings.plan import Plan
@@ -324,9 +325,9 @@ def build_transforms(cfg: Config, crops: CropSchedule) -> tuple[Callable, Callab
     train_tf = sized_by_epoch(crops, partial(
         T.train_transform, interpolation=cfg.interpolation, auto_augment=cfg.auto_augment,
         ra_magnitude=cfg.ra_magnitude, augmix_severity=cfg.augmix_severity,
-        random_erase=cfg.random_erase, backend=cfg.image_backend, min_scale=cfg.train_crop_scale))
+        random_erase=cfg.random_erase, backend=image_backend(cfg), min_scale=cfg.train_crop_scale))
     val_tf = T.val_transform(cfg.val_resize_size, cfg.val_crop_size, cfg.interpolation,
-                             backend=cfg.image_backend)
+                             backend=image_backend(cfg))
     return train_tf, val_tf
 
 
@@ -347,12 +348,12 @@ def build_datasets(cfg: Config, crops: CropSchedule, data_root: Path, encoded: b
     train_tf, val_tf = device_decoding.item_transforms(cfg, crops) if encoded \
         else build_transforms(cfg, crops)
     loader = device_decoding.read_encoded if encoded else None
-    train = image_folder(train_dir, train_tf, cfg.image_backend, loader, files)
+    train = image_folder(train_dir, train_tf, image_backend(cfg), loader, files)
     if cfg.val_data is not None:
-        val = other_val_folder(Path(cfg.val_data), train.classes, val_tf, cfg.image_backend,
+        val = other_val_folder(Path(cfg.val_data), train.classes, val_tf, image_backend(cfg),
                                loader, files)
     else:
-        val = image_folder(val_dir, val_tf, cfg.image_backend, loader, files)
+        val = image_folder(val_dir, val_tf, image_backend(cfg), loader, files)
         check_same_classes(train.classes, val.classes, data_root)
     return train, val, train.classes
 

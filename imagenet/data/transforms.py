@@ -3,11 +3,13 @@
 Normalisation is not a per-sample step: ``normalize`` runs once per batch on the device, so
 workers ship a quarter of the bytes (uint8 instead of float32) and do less arithmetic.
 
-Two backends:
+Three backends:
 
 - ``"tensor"`` (default): libjpeg-turbo ``decode_jpeg`` and transforms on uint8 tensors, with
   the crop, resize and flip arranged around the memory layout of the fast uint8 resize kernel
   (see ``RandomResizedCropFlip``). About twice the classic pipeline's images/s per core.
+- ``"torchcodec"``: the same with TorchCodec's ``decode_jpeg`` (``--decoder``; data.jpeg): the
+  same pixels.
 - ``"pil"``: the classic ``PIL.Image.open(...).convert("RGB")`` and torchvision transforms on
   PIL images, kept as the reference the fast path is compared with.
 """
@@ -26,18 +28,21 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
+from imagenet.data import jpeg
 from imagenet.errors import DataError
+from imagenet.settings.decoders import installed_backend
 from imagenet.settings.flags import AUTO_AUGMENT
 
 log = logging.getLogger(__name__)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-BACKENDS = ("tensor", "pil")
+BACKENDS = ("tensor", "pil")  # the two pipelines (--image-backend)
+TENSORS = ("tensor", "torchcodec")  # the tensor pipeline with either decoder (--decoder)
+KNOWN = (*TENSORS, "pil")
 INTERPOLATIONS = {
     "nearest": v2.InterpolationMode.NEAREST,
     "bilinear": v2.InterpolationMode.BILINEAR,
@@ -61,26 +66,27 @@ def load_image(path: str | Path, backend: str) -> torch.Tensor | Image.Image:
     """An RGB image: uint8 CHW tensor ("tensor") or PIL image ("pil"); DataError if unreadable."""
     if backend == "pil":
         return _open_pil(path, path)
-    if backend != "tensor":
-        raise ValueError(f"unknown image backend {backend!r}; choose from {BACKENDS}")
+    if backend not in TENSORS:
+        raise ValueError(f"unknown image backend {backend!r}; choose from {KNOWN}")
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
         raise DataError(f"cannot read image {path}: {exc.strerror or exc}") from None
-    return decode_image(data, path)
+    return decode_image(data, path, backend)
 
 
-def decode_image(data: bytes, name: str | Path, backend: str = "tensor"
+def decode_image(data: bytes, name: str | Path, backend: str | None = None
                  ) -> torch.Tensor | Image.Image:
-    """``load_image`` for encoded bytes (a shard member); DataError naming ``name``."""
+    """``load_image`` for encoded bytes (a shard member); DataError naming ``name``.
+    ``backend`` None: this installation's decoder (``settings.decoders.installed_backend``)."""
+    backend = backend or installed_backend()
     if backend == "pil":
         return _open_pil(io.BytesIO(data), name)
     if data.startswith(_JPEG_MAGIC):
         try:
             # mode=RGB also converts grayscale and (Adobe) CMYK JPEGs exactly as PIL does, and a
             # truncated file raises instead of returning a partly grey image (tested).
-            return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                               mode=ImageReadMode.RGB)
+            return jpeg.decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), backend)
         except RuntimeError:
             pass  # corrupt, or a JPEG variant libjpeg-turbo lacks (12-bit): PIL has the last word
     # PNG, GIF, BMP, WebP...: PIL, so both backends agree. HWC memory viewed as CHW, the layout
@@ -234,17 +240,17 @@ def train_transform(crop_size: int, interpolation: str = "bilinear",
     """Training augmentation: image from ``load_image`` -> uint8 tensor (3, crop, crop)."""
     mode = interpolation_mode(interpolation)
     scale = (min_scale, 1.0)
-    if backend == "tensor":
+    if backend in TENSORS:
         steps: list[Callable] = [RandomResizedCropFlip(crop_size, interpolation, scale)]
     elif backend == "pil":
         steps = [v2.RandomResizedCrop(crop_size, scale=scale, interpolation=mode, antialias=True),
                  v2.RandomHorizontalFlip()]
     else:
-        raise ValueError(f"unknown image backend {backend!r}; choose from {BACKENDS}")
+        raise ValueError(f"unknown image backend {backend!r}; choose from {KNOWN}")
     if auto_augment:
         # The policies' rotate/shear/translate on tensors support nearest and bilinear only, and
         # AugMix works on tensors even when given a PIL image.
-        on_tensors = backend == "tensor" or auto_augment == "augmix"
+        on_tensors = backend in TENSORS or auto_augment == "augmix"
         if on_tensors and mode == v2.InterpolationMode.BICUBIC:
             log.info("--auto-augment %s on tensors uses bilinear (its rotations and shears have "
                      "no bicubic); crops are still resized with bicubic", auto_augment)
@@ -259,8 +265,8 @@ def train_transform(crop_size: int, interpolation: str = "bilinear",
 def val_transform(resize_size: int, crop_size: int, interpolation: str = "bilinear",
                   backend: str = "tensor") -> Callable:
     """Evaluation: resize the short side, centre crop -> uint8 tensor (3, crop, crop)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown image backend {backend!r}; choose from {BACKENDS}")
+    if backend not in KNOWN:
+        raise ValueError(f"unknown image backend {backend!r}; choose from {KNOWN}")
     # Same steps for both backends: v2 dispatches to the PIL or the uint8 tensor kernels. The
     # crop is a view; ToCHW makes the one copy.
     return v2.Compose([v2.Resize(resize_size, interpolation=interpolation_mode(interpolation),

@@ -16,6 +16,7 @@ from imagenet.data.folder import Data, build_transforms, folder_loaders, other_v
 from imagenet.data.index import IndexFiles
 from imagenet.errors import TrainerError, UsageError
 from imagenet.launching.collectives import DistInfo, raise_agreed
+from imagenet.settings.decoders import image_backend
 from imagenet.settings.flags import Config
 from imagenet.settings.plan import Plan
 
@@ -82,6 +83,6 @@ def build_eval_data(plan: Plan, rank: int, aug_seed: int, pin_memory: bool,
         log.info("=> %s names no classes: label i is the i-th class folder of %s in sorted "
                  "order, as the classic script assumes", path, folder)
     _, val_tf = build_transforms(cfg, plan.crops)
-    val = other_val_folder(folder, classes, val_tf, cfg.image_backend, files=indexes)
+    val = other_val_folder(folder, classes, val_tf, image_backend(cfg), files=indexes)
     stand_in, val_loader = folder_loaders(cfg, val, val, rank, plan.layout, aug_seed, pin_memory)
     return Data(stand_in, val_loader, len(classes), list(classes), len(val), train_counts=counts)

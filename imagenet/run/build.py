@@ -26,6 +26,7 @@ from imagenet.reporting.stages import StartClock, slow_stage
 from imagenet.run.loading import data_root, load_data
 from imagenet.run.outputs import Outputs
 from imagenet.run.startup import EarlyBatches, start_early
+from imagenet.settings.decoders import image_backend
 from imagenet.settings.flags import Config
 from imagenet.settings.launch import Layout
 from imagenet.settings.plan import Plan
@@ -157,7 +158,7 @@ def build_run(plan: Plan, dist: DistInfo, continues: Decided,
         early = start_early(plan, data, continues.path)
         if not cfg.evaluate:  # checked before training (preflight), meanwhile in the background
             val_check = image_check(data.val_loader.dataset, dist.rank, dist.world_size,
-                                    cfg.image_backend)
+                                    image_backend(cfg))
             val_check = val_check.start() if val_check is not None else None
     raw = build_model(cfg.arch, data.num_classes, cfg.pretrained, cfg.weights).to(dist.device)
     weights = read_agreed(Path(cfg.finetune)) if cfg.finetune else None

@@ -45,6 +45,8 @@ def load_data(plan: Plan, dist: DistInfo, root: str, aug_seed: int,
     cfg = plan.cfg
     pin_memory = dist.device.type not in ("cpu", "mps")  # MPS shares the CPU's memory
     indexes = index_files(plan, dist)
+    if dist.is_main and plan.data_format != "dummy":
+        log.info("=> images decoded by %s (%s)", plan.decoding.name, plan.decoding.why)
     if plan.data_format != "shards" and cfg.evaluate and cfg.val_data:  # -e: DIR is not read
         return eval_data.build_eval_data(plan, dist.rank, aug_seed, pin_memory, indexes,
                                          continues)

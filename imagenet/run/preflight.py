@@ -24,6 +24,7 @@ from imagenet.data.valcheck import image_check
 from imagenet.errors import DataError, RunError
 from imagenet.launching.collectives import DistInfo, on_rank0, raise_agreed
 from imagenet.run.build import Run
+from imagenet.settings.decoders import image_backend
 from imagenet.settings.flags import Config
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ def first_bad_val_image(run: Run) -> DataError | None:
     """The first unreadable image of this rank's validation shard (the ShardSampler's): the
     answer of the check the start began (``run.val_check``), or of one made now."""
     check = run.val_check or image_check(run.data.val_loader.dataset, run.dist.rank,
-                                         run.dist.world_size, run.cfg.image_backend)
+                                         run.dist.world_size, image_backend(run.cfg))
     if check is None:  # --dummy, or tar shards (read whole to check)
         return None
     start = time.perf_counter()

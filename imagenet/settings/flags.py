@@ -168,6 +168,12 @@ class Config:
                                help="'tensor': libjpeg-turbo decode + v2 transforms on uint8 "
                                     "(fast); 'pil': the classic PIL pipeline "
                                     "(default: %(default)s)")
+    decoder: str = _flag("--decoder", group="data", default="auto",
+                         choices=("auto", "torchvision", "torchcodec"),
+                         help="the JPEG decoder of --image-backend tensor and the device path: "
+                              "torchvision.io's or TorchCodec's (an extra); auto = the faster, "
+                              "TorchCodec once torchvision's are gone; the same pixels either "
+                              "way (default: %(default)s)")
     decode_on_device: str = _flag("--decode-on-device", group="data", default="auto",
                                   choices=("auto", "on", "off"),
                                   help="decode JPEGs (nvJPEG, batched) and crop, resize and flip "

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from imagenet.errors import UsageError
 from imagenet.settings.crops import CropSchedule, crop_schedule
+from imagenet.settings.decoders import Decoding, choose_decoding
 from imagenet.settings.devices import Accelerator, as_accelerator
 from imagenet.settings.duration import end_time
 from imagenet.settings.flags import CACHE, Config
@@ -64,6 +65,8 @@ class Plan:
     cache_dir: Path | None = None  # the folder index and compiled graphs (--cache-dir; None: off)
     # Where the processes meet (--dist-url, MASTER_ADDR/PORT); none: no group of its own
     meet: Rendezvous = field(default_factory=lambda: Rendezvous("env://"))
+    # Which library decodes the images (--decoder, --image-backend)
+    decoding: Decoding = field(default_factory=lambda: Decoding("tensor", "default"))
 
     def ranks(self, local_index: int = 0) -> Ranks:
         """The ranks of this node's process ``local_index`` (0 outside mp.spawn)."""
@@ -239,7 +242,8 @@ def make_plan(cfg: Config, env: Mapping[str, str], accel: Accelerator | int,
                 job.agent_store, started, limit, env.get("SLURM_JOB_ID"),
                 hang_timeout(cfg), job.process, job.launcher, job.notes, lr_rule, staged,
                 cache_dir(cfg), rendezvous(cfg, job.launch, env, creates_group=group is None
-                                           and job.launch.mode != "single"))
+                                           and job.launch.mode != "single"),
+                choose_decoding(cfg))
 
 
 def fixed_plan(cfg: Config, layout: Layout, device_type: str = "cpu") -> Plan:
@@ -251,4 +255,5 @@ def fixed_plan(cfg: Config, layout: Layout, device_type: str = "cpu") -> Plan:
     return Plan(cfg, Launch("single", reason="given layout"), layout, crop_schedule(cfg), fmt,
                 device_type, decode_path(cfg, fmt, device_type, layout.workers), 0, False,
                 time.time(), None, None, hang_timeout(cfg), Ranks(0, 0, layout.world_size, 1),
-                lr_rule=lr_rule, staged=staged, cache_dir=cache_dir(cfg))
+                lr_rule=lr_rule, staged=staged, cache_dir=cache_dir(cfg),
+                decoding=choose_decoding(cfg))

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from imagenet.errors import INTERRUPTED_EXIT_CODE, TrainerError, UsageError, report
-from imagenet.settings import devices
+from imagenet.settings import decoders, devices
 from imagenet.settings.flags import Config, parse_config
 from imagenet.settings.launch import choose_backend, device_type_of
 from imagenet.tools.envprobe import FB_BATCH, RANDOM_NUMEL, STARTUP_S, Plan, run_probes
@@ -78,9 +78,11 @@ def environment_lines() -> tuple[list[str], list[str]]:
     return lines, warnings
 
 
-def library_lines() -> list[str]:
-    """torchvision, CUDA, cuDNN and NCCL versions."""
+def library_lines(cfg: Config) -> list[str]:
+    """torchvision, CUDA, cuDNN and NCCL versions, the accelerator and the JPEG decoder."""
     import torchvision
+
+    decoding = decoders.choose_decoding(cfg)
 
     cuda = torch.version.cuda or "none (CPU-only build)"
     if torch.version.hip:
@@ -95,7 +97,9 @@ def library_lines() -> list[str]:
             f"{torch.cuda.is_available()}",
             f"cuDNN       {cudnn or 'none'}",
             f"NCCL        {nccl}",
-            f"Accelerator {devices.detect().describe()} (torch.accelerator)"]
+            f"Accelerator {devices.detect().describe()} (torch.accelerator)",
+            f"Decoder     {decoding.name} ({decoding.why}); TorchCodec "
+            f"{'installed' if decoders.torchcodec_installed() else 'not installed'}"]
 
 
 def device_lines() -> list[str]:
@@ -279,7 +283,7 @@ def report_lines(cfg: Config) -> tuple[list[str], list[str], int]:
     """(installation report, warnings, parameters of -a)."""
     lines, warnings = environment_lines()
     numel = count_parameters(cfg.arch)
-    lines += library_lines() + device_lines()
+    lines += library_lines(cfg) + device_lines()
     lines += [f"Backends    {backend_line()}",
               f"Model       {cfg.arch}: {numel:,} parameters ({_mb(4 * numel)} fp32)"]
     return lines, warnings, numel

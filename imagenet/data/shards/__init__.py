@@ -25,6 +25,7 @@ from imagenet.data.shards.plan import STREAMS, train_batches_per_rank
 from imagenet.data.shards.reader import ShardBatchSampler, ShardSamples, ShardTrain
 from imagenet.data.shards.sources import resolve
 from imagenet.errors import DataError, UsageError
+from imagenet.settings.decoders import image_backend
 from imagenet.settings.plan import Plan
 
 __all__ = ["build_shard_data"]
@@ -49,7 +50,7 @@ def build_shard_data(plan: Plan, data: str, rank: int, aug_seed: int, pin_memory
     train_tf, val_tf = build_transforms(cfg, plan.crops)
     where = {"world_size": world_size, "rank": rank, "batch_size": batch}
     splits = ((shards.train, train_tf, True), (shards.val, val_tf, False))
-    loaders = [StopSafeLoader(ShardSamples(tf, cfg.image_backend, len(shards.classes), train),
+    loaders = [StopSafeLoader(ShardSamples(tf, image_backend(cfg), len(shards.classes), train),
                               # validation needs no mixing: one stream, fewer starts in shards
                               batch_sampler=ShardBatchSampler(
                                   split, shuffle=train, seed=cfg.seed or 0, aug_seed=aug_seed,
