@@ -53,3 +53,17 @@ def module_folders_are_removed_if_it_passed(request, tmp_path_factory):
 def image_folder(tmp_path: Path) -> Path:
     """A 3-class JPEG ImageFolder: 24 train and 9 val images."""
     return write_image_folder(tmp_path / "data")
+
+
+# The files that take longest (CI's --durations and docs/testing.md), run first: with the suite
+# on both cores (pytest-xdist, a file's tests on one worker) neither worker is left with a long
+# file at the end while the other idles. The order of a serial run does not change its time.
+LONGEST_FIRST = ("test_hang.py", "test_fault_tolerance.py", "test_compile_cache.py",
+                 "test_chaos.py", "test_checkpoint_safety.py", "test_every_rank.py",
+                 "test_resume_matrix.py", "test_async_save.py", "test_examples.py",
+                 "test_demo.py", "test_fsdp_checkpoints.py", "test_launchers.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
