@@ -468,9 +468,45 @@ def settings(node: Node) -> list[Result]:
 # ---------------------------------------------------------------- the table
 
 
+def decoders(node: Node) -> list[Result]:
+    """The device path's JPEG decoders (--decoder): torchvision's and, where installed,
+    TorchCodec's nvJPEG, batched as the trainer calls them: the same pixels as the CPU decode
+    (nvJPEG's IDCT may differ from libjpeg-turbo's by a few levels: the mean and largest
+    difference are shown), and img/s."""
+    import importlib.util
+
+    from imagenet.data import jpeg
+
+    device = torch.device("cpu" if node.cpu else "cuda", 0)
+    paths = sorted((node.work / "unique").glob("*.jpg"))[:256]
+    files = [torch.frombuffer(bytearray(p.read_bytes()), dtype=torch.uint8) for p in paths]
+    cpu = [jpeg.decode(f, "tensor") for f in files]
+    results = []
+    for name, backend in (("torchvision", "tensor"), ("torchcodec", "torchcodec")):
+        if backend == "torchcodec" and importlib.util.find_spec("torchcodec") is None:
+            results.append(Result(f"decoder {name} ({device.type})", None, "not installed here"))
+            continue
+        for _ in range(2):  # warm-up, then timed
+            start = time.perf_counter()
+            images = [im for i in range(0, len(files), 64)
+                      for im in jpeg.decode_batch(files[i:i + 64], device, backend)]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - start
+        diffs = [(a.cpu().int() - b.int()).abs() for a, b in zip(images, cpu)]
+        shapes = all(a.shape == b.shape for a, b in zip(images, cpu))
+        worst = max(int(d.max()) for d in diffs) if shapes else -1
+        mean = sum(float(d.float().mean()) for d in diffs) / len(diffs) if shapes else -1.0
+        results.append(Result(f"decoder {name} ({device.type})", shapes and mean < 1.0,
+                              f"{len(files) / seconds:,.0f} img/s in batches of 64; vs the CPU "
+                              f"decode: shapes {'equal' if shapes else 'DIFFER'}, mean |diff| "
+                              f"{mean:.3f}, max {worst}"))
+    return results
+
+
 CHECKS = {"launchers": launchers, "features": features, "resume": resume_bitwise,
-          "throughput": throughput, "settings": settings}
-QUICK_CHECKS = ("throughput", "features", "resume")
+          "throughput": throughput, "settings": settings, "decoders": decoders}
+QUICK_CHECKS = ("throughput", "features", "resume", "decoders")
 
 
 def table(results: list[Result]) -> str:
@@ -490,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "+ compile, SIGTERM + resume")
     parser.add_argument("--only", nargs="+", choices=tuple(CHECKS), default=None,
                         help="run only these checks (default: all of them, in this order; "
-                             "with --quick: throughput features resume)")
+                             "with --quick: throughput features resume decoders)")
     parser.add_argument("--cpu-dry-run", type=int, metavar="N",
                         help="run the checks on the CPU with N processes, at a small scale "
                              "(checks this script, not the GPUs)")
