@@ -177,13 +177,12 @@ def test_batched_resampling_is_torchvision_s_antialiased_resize(interpolation):
     mode = T.interpolation_mode(interpolation)
     for image, (top, left, h, w), flip, got in zip(images, boxes, flips, out):
         crop = image[:, top:top + h, left:left + w]
-        exact = F.resize(crop.float(), [24, 24], interpolation=mode, antialias=True)
-        exact = exact.round().clamp(0, 255).flip(-1) if flip else exact.round().clamp(0, 255)
-        assert (got.float() - exact).abs().max() <= 1  # float rounding only (last: upscaled)
-        if interpolation == "bilinear":  # torchvision's uint8 kernel is fixed-point
-            fixed = F.resize(crop, [24, 24], interpolation=mode, antialias=True)
-            fixed = fixed.flip(-1) if flip else fixed
-            assert (got.int() - fixed.int()).abs().max() <= 1
+        # The loader workers' resize: torchvision's uint8 kernel (fixed-point, the horizontal
+        # pass kept in uint8, as PIL). Upscaled noise (the last two) makes bicubic overshoot:
+        # rounded only at the end, the batched path was up to 19 grey levels off there.
+        fixed = F.resize(crop, [24, 24], interpolation=mode, antialias=True)
+        fixed = fixed.flip(-1) if flip else fixed
+        assert (got.int() - fixed.int()).abs().max() <= 1
 
 
 def test_batched_validation_crops_are_resize_then_centre_crop():
