@@ -55,13 +55,19 @@ def image_folder(tmp_path: Path) -> Path:
     return write_image_folder(tmp_path / "data")
 
 
-# The files that take longest (CI's --durations and docs/testing.md), run first: with the suite
-# on both cores (pytest-xdist, a file's tests on one worker) neither worker is left with a long
-# file at the end while the other idles. The order of a serial run does not change its time.
-LONGEST_FIRST = ("test_hang.py", "test_fault_tolerance.py", "test_compile_cache.py",
-                 "test_chaos.py", "test_checkpoint_safety.py", "test_every_rank.py",
-                 "test_resume_matrix.py", "test_async_save.py", "test_examples.py",
-                 "test_demo.py", "test_fsdp_checkpoints.py", "test_launchers.py")
+# The files that take longest, run first (measured: a run on both cores, docs/testing.md): with
+# the suite on both workers (pytest-xdist, a file's tests on one worker, --no-loadscope-reorder)
+# neither is left with a long file at the end while the other idles. A serial run's time does
+# not depend on the order.
+LONGEST_FIRST = ("test_fault_tolerance.py", "test_hang.py", "test_resume_matrix.py",
+                 "test_examples.py", "test_fail_fast.py", "test_training_state.py",
+                 "test_launchers.py", "test_recipe.py", "test_checkpoint_safety.py",
+                 "test_folder_index.py", "test_compile_cache.py", "test_demo.py",
+                 "test_object_storage.py", "test_chaos.py", "test_cli.py", "test_finetune.py",
+                 "test_trackers.py", "test_every_rank.py", "test_fsdp_checkpoints.py",
+                 "test_comm_hooks.py", "test_fsdp.py", "test_launch_conditions.py",
+                 "test_recipe_files.py", "test_console.py", "test_async_save.py", "test_netns.py",
+                 "test_shards_train.py", "test_decoders.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
