@@ -104,6 +104,50 @@ def test_peak_memory_is_reported_where_the_device_keeps_it():
     assert devices.has_memory_stats(torch.device("cuda", 0))
 
 
+
+def test_torch_cuda_is_called_by_the_devices_module_alone():
+    """Every ``torch.cuda.*`` call of the package is in settings/devices.py, but for the
+    environment report (CUDA's and NCCL's versions): a new accelerator is one module's change."""
+    import ast
+
+    from helpers import ROOT
+
+    callers = set()
+    for path in (ROOT / "imagenet").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and ast.unparse(node).startswith("torch.cuda."):
+                callers.add(path.relative_to(ROOT).as_posix())
+    assert callers == {"imagenet/settings/devices.py", "imagenet/tools/envcheck.py"}, callers
+
+
+def test_the_cpu_makes_batches_in_turn_without_streams():
+    cpu = torch.device("cpu")
+    assert devices.side_stream(cpu) is None
+    assert devices.rng_device() is None or torch.cuda.is_initialized()
+    assert devices.name(torch.device("xpu", 0)) == "xpu device"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_side_stream_overlaps_and_its_event_orders_the_step():
+    """The prefetcher's stream calls on a real GPU: work queued on a side stream, an event
+    recorded after it, the step's stream waiting on the event, sees the finished copy."""
+    device = torch.device("cuda", 0)
+    stream = devices.side_stream(device)
+    assert stream is not None and stream != devices.current_stream(device)
+    host = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
+    with stream:
+        copied = host.to(device, non_blocking=True) * 2
+    event = devices.ready_event(stream)
+    current = devices.current_stream(device)
+    current.wait_event(event)
+    copied.record_stream(current)
+    assert torch.equal(copied.cpu(), host * 2)
+    assert devices.name(device).endswith(")") and "(sm_" in devices.name(device)
+    state = devices.get_rng_state()
+    assert devices.rng_device() == (0, torch.cuda.device_count())
+    devices.set_rng_state(state)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="this machine has an accelerator")
 def test_a_classic_command_without_an_accelerator(tmp_path):

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from imagenet.settings import devices
+
 
 def capture_rng() -> dict[str, Any]:
     """This process's RNG states (python, numpy, torch CPU, CUDA per device)."""
@@ -22,10 +24,10 @@ def capture_rng() -> dict[str, Any]:
                   float(gauss)),
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if devices.rng_device() is not None:
         # This process's device only: a restart may see fewer GPUs per process (torchrun with
         # 8 visible -> srun --gpus-per-task=1), and the others' streams are not this rank's.
-        state["cuda_device"] = torch.cuda.get_rng_state()
+        state["cuda_device"] = devices.get_rng_state()
     return state
 
 
@@ -50,11 +52,11 @@ def restore_rng(state: dict[str, Any]) -> None:
         kind, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        cuda = cuda_state_to_restore(state, torch.cuda.current_device(),
-                                     torch.cuda.device_count())
+    used = devices.rng_device()
+    if used is not None:
+        cuda = cuda_state_to_restore(state, *used)
         if cuda is not None:
-            torch.cuda.set_rng_state(cuda)
+            devices.set_rng_state(cuda)
 
 
 def gather_rng(rank: int, world_size: int) -> list[dict[str, Any]] | None:

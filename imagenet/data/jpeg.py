@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from imagenet.settings import devices
+
 # EXIF orientation -> what undoes it on a CHW tensor. 1: as stored; 2: mirrored; 3: turned 180;
 # 4: flipped; 5: transposed; 6: turned 90 clockwise for display; 7: transversed; 8: 270.
 _UNDO = {
@@ -89,7 +91,7 @@ def decode_batch(data: list[torch.Tensor], device: torch.device, backend: str
     drained first, so no block it freed is still being read or written when the decoder's
     writes land."""
     if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+        devices.current_stream(device).synchronize()
     if backend == "torchcodec":
         from torchcodec.decoders import decode_jpeg
 

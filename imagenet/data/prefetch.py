@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from imagenet.settings import devices
+
 Finish = Callable[[object, torch.device], tuple[torch.Tensor, torch.Tensor]]
 AHEAD = 3  # batches made before the step asks for them (the thread's queue)
 POLL = 0.1  # seconds between looks at a stop while the queue is full or empty
@@ -84,8 +86,7 @@ class _InTurn:
     def __init__(self, batches: DeviceBatches) -> None:
         self.batches = batches
         self.source = iter(batches.loader)  # the loader starts now (workers prefetch)
-        cuda = batches.device.type == "cuda"
-        self.stream = torch.cuda.Stream(batches.device) if cuda else None
+        self.stream = devices.side_stream(batches.device)
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.ended = False
 
@@ -98,7 +99,7 @@ class _InTurn:
             return None
         if self.stream is None:
             return self.batches.load(batch)
-        with torch.cuda.stream(self.stream):
+        with self.stream:
             return self.batches.load(batch)
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +115,7 @@ class _InTurn:
         ready, self.pending = self.pending, self._make() if not self.ended else None
         if self.pending is None:
             self.ended = True
-        current = torch.cuda.current_stream(self.batches.device)
+        current = devices.current_stream(self.batches.device)
         current.wait_stream(self.stream)
         for t in ready:
             t.record_stream(current)
@@ -159,7 +160,7 @@ class _Ahead:
             raise item.error
         ready, event = item
         if event is not None:
-            current = torch.cuda.current_stream(self.device)
+            current = devices.current_stream(self.device)
             current.wait_event(event)
             for t in ready:
                 t.record_stream(current)
@@ -199,21 +200,19 @@ def _produce(source: Iterator, load: Callable, device: torch.device, q: queue.Qu
              stop: threading.Event) -> None:
     """The thread: take the loader's batches, make them device tensors on this thread's stream,
     queue them with the event that marks them ready."""
-    cuda = device.type == "cuda"
     try:
-        if cuda:
-            torch.cuda.set_device(device)
-            stream = torch.cuda.Stream(device)
+        stream = devices.side_stream(device)
+        if stream is not None:
+            devices.set_current(device)
         for batch in source:
             if stop.is_set():
                 return
             event = None
-            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+            with stream if stream is not None else contextlib.nullcontext():
                 ready = load(batch)
-                if cuda:
-                    event = torch.cuda.Event()
-                    event.record(stream)
-            if cuda:
+                if stream is not None:
+                    event = devices.ready_event(stream)
+            if stream is not None:
                 stream.synchronize()  # this thread's stream only: see the module docstring
             if not _put(q, stop, (ready, event)):
                 return

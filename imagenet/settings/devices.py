@@ -1,5 +1,11 @@
 """Which accelerator this machine has, asked once through ``torch.accelerator``, and what each
-device type can do: its process-group backend, SyncBatchNorm, its memory statistics.
+device type can do: its process-group backend, SyncBatchNorm, its memory statistics, its streams,
+its random-number state, its name.
+
+Every call of ``torch.cuda`` the trainer makes is in this module (and in tools/envcheck.py, which
+reports CUDA's and NCCL's versions): the rest of the package asks here, so a new accelerator is a
+change in one place. Streams and events are torch's device-generic ``torch.Stream`` and
+``torch.Event``.
 
 pytorch/examples' ``imagenet/main.py`` picks its device through ``torch.accelerator`` (CUDA and
 ROCm, Apple MPS, Intel XPU, Gaudi HPU and the other backends torch registers), with
@@ -98,6 +104,51 @@ def peak_memory_gb(device: torch.device) -> float:
     if has_memory_stats(device):
         return torch.accelerator.max_memory_allocated(device) / 2**30
     return 0.0
+
+
+def side_stream(device: torch.device) -> torch.Stream | None:
+    """A stream of its own on ``device`` for work that overlaps the training step (the next
+    batch's copy and decode), or None where that work is done in turn: on the CPU, and on the
+    accelerators other than CUDA, where the overlap has not been measured."""
+    return torch.Stream(device=device) if device.type == "cuda" else None
+
+
+def current_stream(device: torch.device) -> torch.Stream:
+    """The stream the training step runs on, on ``device``."""
+    return torch.accelerator.current_stream(device)
+
+
+def ready_event(stream: torch.Stream) -> torch.Event:
+    """An event recorded on ``stream`` now: the work queued on it so far is done once it is."""
+    event = torch.Event(device=stream.device)
+    event.record(stream)
+    return event
+
+
+def rng_device() -> tuple[int, int] | None:
+    """(this process's CUDA device, the devices it sees) once it uses CUDA: its RNG state is
+    part of a checkpoint; None before (asking would create a CUDA context) and without CUDA."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_device(), torch.cuda.device_count()
+    return None
+
+
+def get_rng_state() -> torch.Tensor:
+    """The RNG state of this process's current CUDA device (see ``rng_device``)."""
+    return torch.cuda.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor) -> None:
+    torch.cuda.set_rng_state(state)
+
+
+def name(device: torch.device) -> str:
+    """What kernels for ``device`` are built for: a CUDA GPU's name and compute capability
+    ("NVIDIA H200 (sm_90)"), another accelerator's type ("xpu device")."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
+    return f"{device.type} device"
 
 
 def as_accelerator(found: Accelerator | int) -> Accelerator:

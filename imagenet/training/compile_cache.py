@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 import imagenet.launching.watchdog as watchdog
+from imagenet.settings import devices
 from imagenet.settings.flags import Config
 from imagenet.settings.launch import Layout
 
@@ -54,11 +55,8 @@ WORK_PREFIX = "imagenet-compile-"  # this process's folder: WORK_PREFIX<pid>-<ra
 def device_name(device: torch.device) -> str:
     """The device the kernels are built for: the GPU and its compute capability, or the CPU's
     model and a digest of its instruction-set flags."""
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
-    if device.type != "cpu":  # another accelerator (xpu, mps, ...): its kernels are its type's
-        return f"{device.type} device"
+    if device.type != "cpu":  # a GPU and its capability; another accelerator's kernels: its type's
+        return devices.name(device)
     info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
