@@ -154,6 +154,36 @@ def test_a_run_trains_the_same_bits_whichever_decoder_and_after_torchvisions_are
 
 
 @pytest.mark.slow
+def test_evaluation_and_tar_shards_decode_after_torchvisions_decoders_are_gone(tmp_path):
+    """The other two readers of JPEG bytes, under a torchvision without decoders: -e of a
+    folder gives the training run's own top-1, and a run on tar shards (their own reader)
+    trains and evaluates with TorchCodec, picked without a flag."""
+    from test_shards import prepare_shards
+
+    data = exif_folder(tmp_path / "data")
+    gone = site(tmp_path, "gone-site", NO_TORCHVISION_DECODERS)
+    flags = ["-a", "shufflenet_v2_x0_5", "--train-crop-size", "32", "--val-resize-size", "36",
+             "--val-crop-size", "32", "-b", "4", "-j", "1", "--epochs", "1", "--seed", "0"]
+    trained = run_main(str(data), *flags, "--output-dir", str(tmp_path / "run"))
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    evaluated = run_main(str(data), *flags, "-e", "--resume",
+                         str(tmp_path / "run" / "checkpoint.pth.tar"),
+                         "--output-dir", str(tmp_path / "eval"), env=gone)
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert "=> images decoded by TorchCodec decode_jpeg (auto: " in evaluated.stdout
+    top1 = [line.split()[:3] for line in trained.stdout.splitlines() if " * Acc@1" in line]
+    assert [line.split()[:3] for line in evaluated.stdout.splitlines()
+            if " * Acc@1" in line] == top1[-1:], evaluated.stdout[-2000:]
+    made = prepare_shards(data, tmp_path / "shards", "--shard-max-images", "8")
+    assert made.returncode == 0, made.stderr
+    sharded = run_main(str(tmp_path / "shards"), *flags, "--output-dir", str(tmp_path / "s"),
+                       env=gone)
+    assert sharded.returncode == 0, sharded.stderr[-2000:]
+    assert "=> images decoded by TorchCodec decode_jpeg (auto: " in sharded.stdout
+    assert " * Acc@1" in sharded.stdout
+
+
+@pytest.mark.slow
 def test_asking_for_a_decoder_that_is_not_there_is_one_line(tmp_path):
     """Before anything is read: exit 2, one line naming the flag and what to install."""
     for flag, code, message in (
