@@ -59,15 +59,14 @@ def image_folder(tmp_path: Path) -> Path:
 # the suite on both workers (pytest-xdist, a file's tests on one worker, --no-loadscope-reorder)
 # neither is left with a long file at the end while the other idles. A serial run's time does
 # not depend on the order.
-LONGEST_FIRST = ("test_fault_tolerance.py", "test_hang.py", "test_resume_matrix.py",
-                 "test_examples.py", "test_fail_fast.py", "test_training_state.py",
-                 "test_launchers.py", "test_recipe.py", "test_checkpoint_safety.py",
-                 "test_folder_index.py", "test_compile_cache.py", "test_demo.py",
-                 "test_object_storage.py", "test_chaos.py", "test_cli.py", "test_finetune.py",
-                 "test_trackers.py", "test_every_rank.py", "test_fsdp_checkpoints.py",
-                 "test_comm_hooks.py", "test_fsdp.py", "test_launch_conditions.py",
-                 "test_recipe_files.py", "test_console.py", "test_async_save.py", "test_netns.py",
-                 "test_shards_train.py", "test_decoders.py")
+LONGEST_FIRST = ("test_fault_tolerance.py", "test_hang.py", "test_examples.py",
+                 "test_compile_cache.py", "test_resume_matrix.py", "test_fail_fast.py",
+                 "test_shards_train.py", "test_fsdp_checkpoints.py", "test_every_rank.py",
+                 "test_chaos.py", "test_training_state.py", "test_netns.py", "test_launchers.py",
+                 "test_checkpoint_safety.py", "test_object_storage.py", "test_finetune.py",
+                 "test_cli.py", "test_training_controls_runs.py", "test_demo.py",
+                 "test_folder_index.py", "test_decoders.py", "test_fsdp.py", "test_trackers.py",
+                 "test_run_folder.py", "test_async_save.py", "test_comm_hooks.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -48,11 +48,17 @@ files._WriteErrors.write = _slow
 
 
 def slow_env(tmp_path: Path, mb_per_s: float) -> dict[str, str]:
-    """Children whose checkpoint writes run at ``mb_per_s``."""
+    """Children whose checkpoint writes run at ``mb_per_s`` (:func:`rate`)."""
     site = tmp_path / "slow-site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(THROTTLE)
     return {"PYTHONPATH": f"{site}:{ROOT}", "SLOW_WRITE_MB_PER_S": str(mb_per_s)}
+
+
+def rate(reference: Path, seconds: float) -> float:
+    """The MB/s at which one checkpoint of the reference run takes ``seconds`` to write: each
+    test makes a write as slow as its assertion needs, whatever the model's size."""
+    return (reference / "checkpoint.pth.tar").stat().st_size / 2**20 / seconds
 
 
 # ---------------------------------------------------------------- the pieces
@@ -135,13 +141,13 @@ def wait_for_temp(out: Path, live: Live, within: float = 120) -> None:
 @pytest.mark.slow
 def test_training_goes_on_during_a_slow_write_and_a_sigterm_waits_for_it(data, reference,
                                                                          tmp_path):
-    """--save-every 2 into a folder written at 8 MB/s (a resnet18 checkpoint: about 11 s):
+    """--save-every 2 into a folder where a checkpoint takes 6 s to write:
     steps are trained while the step-2 checkpoint is written; a SIGTERM meanwhile stops the
     run at the next step, which saves once the write under way is done (exit 143, the stop's
     step on disk); the resume, still on slow storage, ends bitwise as the uninterrupted run."""
     out = tmp_path / "out"
     cmd = run_cmd(data, out, *SINGLE, "-j", "0", "--save-every", "2")
-    live = Live(cmd, timeout=600, **slow_env(tmp_path, 8))
+    live = Live(cmd, timeout=600, **slow_env(tmp_path, rate(reference, 6)))
     live.wait_for(step_line(0, 2))
     wait_for_temp(out, live)
     live.wait_for(step_line(0, 3))  # a step trained while the write goes on
@@ -155,7 +161,8 @@ def test_training_goes_on_during_a_slow_write_and_a_sigterm_waits_for_it(data, r
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert (ckpt["epoch"], ckpt["step_in_epoch"]) == (0, int(stopped.group(1)))
     assert ckpt["step_in_epoch"] >= 3 and not temp_files(out)
-    resumed = Live([*cmd, "--resume", "auto"], timeout=600, **slow_env(tmp_path, 40))
+    resumed = Live([*cmd, "--resume", "auto"], timeout=600,
+                   **slow_env(tmp_path, rate(reference, 1)))
     assert resumed.finish() == 0, resumed.output  # the end waits for the last write
     assert_same_run(out, reference)
 
@@ -167,7 +174,7 @@ def test_a_sigkill_during_a_slow_write_keeps_the_previous_checkpoint(data, refer
     resume starts there and ends bitwise as the uninterrupted run."""
     out = tmp_path / "out"
     cmd = run_cmd(data, out, *SINGLE, "-j", "0", "--save-every", "2")
-    live = Live(cmd, timeout=600, **slow_env(tmp_path, 20))
+    live = Live(cmd, timeout=600, **slow_env(tmp_path, rate(reference, 4)))
     live.wait_for(step_line(0, 4))
     deadline = time.monotonic() + 120
     while True:  # the step-2 file in place, the step-4 one being written

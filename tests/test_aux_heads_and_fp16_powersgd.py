@@ -8,7 +8,7 @@ import torch
 import torch.multiprocessing as mp
 import torchvision
 from helpers import (
-    TINY,
+    TINY18,
     gloo_rank_saving,
     load_checkpoint,
     run_main,
@@ -28,7 +28,7 @@ from imagenet.training.models import build_model, drop_aux_heads
 def test_archs_with_aux_classifiers_train_from_scratch(tmp_path, arch, size):
     # Inception-v3 needs 75 px at least (its stem); 75 px is far below what its aux head needs.
     proc = run_main("--dummy", "--dummy-size", "8", "--dummy-val-size", "2", "--dummy-classes",
-                    "3", *TINY, "-a", arch, "-b", "4", "--train-crop-size", size,
+                    "3", *TINY18, "-a", arch, "-b", "4", "--train-crop-size", size,
                     "--val-crop-size", size, "--epochs", "1", "--output-dir", str(tmp_path),
                     timeout=300)
     assert proc.returncode == 0, proc.stderr

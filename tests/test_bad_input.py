@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, run_main, write_image_folder
+from helpers import TINY18, run_main, write_image_folder
 
 from imagenet.cli import main
 
@@ -38,7 +38,7 @@ def test_usage_errors(capsys, tmp_path, argv, code, words):
 
 
 def test_missing_data_folder(capsys, tmp_path):
-    rc, err = _main(capsys, str(tmp_path / "nope"), *TINY, "--output-dir", str(tmp_path))
+    rc, err = _main(capsys, str(tmp_path / "nope"), *TINY18, "--output-dir", str(tmp_path))
     assert rc == 2 and "nope' does not exist" in _one_error_line(err)
     assert "--demo" in err
 
@@ -46,19 +46,19 @@ def test_missing_data_folder(capsys, tmp_path):
 @pytest.mark.parametrize("missing", ["train", "val"])
 def test_missing_split(capsys, image_folder, tmp_path, missing):
     shutil.rmtree(image_folder / missing)
-    rc, err = _main(capsys, str(image_folder), *TINY, "--output-dir", str(tmp_path / "o"))
+    rc, err = _main(capsys, str(image_folder), *TINY18, "--output-dir", str(tmp_path / "o"))
     assert rc == 2 and f"{missing}' is missing" in _one_error_line(err)
 
 
 def test_class_folder_without_images(capsys, image_folder, tmp_path):
     (image_folder / "train" / "empty").mkdir()
-    rc, err = _main(capsys, str(image_folder), *TINY, "--output-dir", str(tmp_path / "o"))
+    rc, err = _main(capsys, str(image_folder), *TINY18, "--output-dir", str(tmp_path / "o"))
     assert rc == 1 and "empty" in _one_error_line(err)
 
 
 def test_val_classes_differ(capsys, image_folder, tmp_path):
     (image_folder / "val" / "class2").rename(image_folder / "val" / "other")
-    rc, err = _main(capsys, str(image_folder), *TINY, "--output-dir", str(tmp_path / "o"))
+    rc, err = _main(capsys, str(image_folder), *TINY18, "--output-dir", str(tmp_path / "o"))
     line = _one_error_line(err)
     assert rc == 1 and "val/ classes differ" in line and "other" in line
 
@@ -69,7 +69,7 @@ def test_truncated_image_is_named_without_a_worker_traceback(tmp_path, workers):
     data = write_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=2)
     bad = data / "train" / "class1" / "img2.jpg"
     bad.write_bytes(bad.read_bytes()[:200])
-    proc = run_main(str(data), *TINY, "-j", workers, "--epochs", "1",
+    proc = run_main(str(data), *TINY18, "-j", workers, "--epochs", "1",
                     "--output-dir", str(tmp_path / "o"))
     assert proc.returncode == 1
     line = _one_error_line(proc.stderr)
@@ -81,7 +81,7 @@ def test_resume_file_missing_is_an_error_not_a_fresh_start(capsys, image_folder,
     out = tmp_path / "o"
     out.mkdir()
     (out / "checkpoint.pth.tar").write_bytes(b"precious")
-    rc, err = _main(capsys, str(image_folder), *TINY, "--resume", str(tmp_path / "typo.pth"),
+    rc, err = _main(capsys, str(image_folder), *TINY18, "--resume", str(tmp_path / "typo.pth"),
                     "--output-dir", str(out))
     assert rc == 2 and "--resume: no checkpoint at" in _one_error_line(err)
     assert (out / "checkpoint.pth.tar").read_bytes() == b"precious"
@@ -90,12 +90,13 @@ def test_resume_file_missing_is_an_error_not_a_fresh_start(capsys, image_folder,
 
 
 def _resume_error(capsys, data: Path, tmp_path: Path, ckpt: Path, *extra: str) -> str:
-    rc, err = _main(capsys, str(data), *TINY, *extra, "--resume", str(ckpt),
+    rc, err = _main(capsys, str(data), *TINY18, *extra, "--resume", str(ckpt),
                     "--output-dir", str(tmp_path / "o"))
     assert rc == 1
     return _one_error_line(err)
 
 
+@pytest.mark.slow
 def test_resume_refuses_bad_checkpoints(capsys, image_folder, tmp_path):
     import torchvision
 
@@ -126,7 +127,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(image_folder, 
     out = tmp_path / "o"
     out.mkdir()
     (out / "checkpoint.pth.tar").write_bytes(b"last good")
-    proc = run_main(str(image_folder), *TINY, "--lr", "1e30", "--epochs", "1",
+    proc = run_main(str(image_folder), *TINY18, "--lr", "1e30", "--epochs", "1",
                     "--output-dir", str(out))
     assert proc.returncode == 1
     line = _one_error_line(proc.stderr)
@@ -139,7 +140,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(image_folder, 
 
 @pytest.mark.slow
 def test_debug_shows_the_traceback(image_folder, tmp_path):
-    proc = run_main(str(tmp_path / "missing"), *TINY, "--debug")
+    proc = run_main(str(tmp_path / "missing"), *TINY18, "--debug")
     assert proc.returncode != 0 and "Traceback" in proc.stderr
 
 
@@ -148,6 +149,7 @@ def test_debug_shows_the_traceback(image_folder, tmp_path):
 CROPS_32 = ["--train-crop-size", "32", "--val-resize-size", "36", "--val-crop-size", "32"]
 
 
+@pytest.mark.slow
 def test_crops_too_small_for_the_architecture_name_its_size(capsys, tmp_path):
     """Found from the model on the meta device before the data folder is even looked at (it
     does not exist here) and before --multiprocessing-distributed starts any process."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from helpers import TINY, run_main
+from helpers import TINY, TINY18, run_main
 
 from imagenet.checkpoint import files, source
 from imagenet.checkpoint.states import resumed_best
@@ -197,7 +197,7 @@ def _write_bad(kind: str, path: Path, marker: Path) -> str:
 def test_bad_checkpoints_are_refused_with_one_clear_error(image_folder, tmp_path, kind):
     path, marker = tmp_path / "bad.pth.tar", tmp_path / "pwned"
     expected = _write_bad(kind, path, marker)
-    proc = run_main(str(image_folder), *TINY, "--epochs", "1", "--output-dir",
+    proc = run_main(str(image_folder), *TINY18, "--epochs", "1", "--output-dir",
                     str(tmp_path / "out"), "--resume", str(path))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, child_env, load_checkpoint, run_main, save_edited
+from helpers import TINY18, child_env, load_checkpoint, run_main, save_edited
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def trained(tmp_path_factory) -> tuple[Path, Path, str]:
     base = tmp_path_factory.mktemp("trained")
     data = write_image_folder(base / "data")
     out = base / "out"
-    proc = run_main(str(data), *TINY, "--epochs", "2", "--output-dir", str(out), "--seed", "0")
+    proc = run_main(str(data), *TINY18, "--epochs", "2", "--output-dir", str(out), "--seed", "0")
     assert proc.returncode == 0, proc.stderr
     return data, out, proc.stdout
 
@@ -84,7 +84,7 @@ def test_tensorboard_events_read_back(trained):
 def test_evaluate_reproduces_the_recorded_accuracy(trained):
     data, out, _ = trained
     best = load_checkpoint(out / "model_best.pth.tar")
-    proc = run_main(str(data), *TINY, "-e", "--resume", str(out / "model_best.pth.tar"),
+    proc = run_main(str(data), *TINY18, "-e", "--resume", str(out / "model_best.pth.tar"),
                     "--output-dir", str(out / "eval"))
     assert proc.returncode == 0, proc.stderr
     acc1 = float(re.search(r" \* Acc@1 ([\d.]+)", proc.stdout).group(1))
@@ -119,7 +119,7 @@ def test_resume_continues_at_the_next_epoch_and_keeps_best(trained, tmp_path):
     ckpt["best_acc1"] = 101.0  # unbeatable: model_best must not be overwritten after resume
     save_edited(ckpt, run_dir / "checkpoint.pth.tar")
     (run_dir / "model_best.pth.tar").write_bytes(b"sentinel")
-    proc = run_main(str(data), *TINY, "--epochs", "3", "--resume", "auto",
+    proc = run_main(str(data), *TINY18, "--epochs", "3", "--resume", "auto",
                     "--output-dir", str(run_dir))
     assert proc.returncode == 0, proc.stderr
     assert "(epoch 2, step 0, best Acc@1 101.000)" in proc.stdout
@@ -145,9 +145,9 @@ def test_classic_checkpoint_with_module_prefix_resumes(trained, tmp_path):
                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
     path = tmp_path / "classic.pth.tar"
     torch.save(classic, path)
-    # With the classic run's --lr 0.1 (TINY has 0.01): the resumed run is the one its command
+    # With the classic run's --lr 0.1 (TINY18 has 0.01): the resumed run is the one its command
     # line describes, so the learning rate comes from the flags, not from the checkpoint.
-    proc = run_main(str(data), *TINY, "--lr", "0.1", "--epochs", "32", "--resume", str(path),
+    proc = run_main(str(data), *TINY18, "--lr", "0.1", "--epochs", "32", "--resume", str(path),
                     "--output-dir", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
     assert "(epoch 31, step 0, best Acc@1 12.500)" in proc.stdout
@@ -160,7 +160,7 @@ def test_classic_checkpoint_with_module_prefix_resumes(trained, tmp_path):
 @pytest.mark.slow
 def test_dummy_data_follows_the_size_flags(tmp_path):
     proc = run_main("--dummy", "--dummy-size", "12", "--dummy-val-size", "5",
-                    "--dummy-classes", "4", *TINY, "--epochs", "1",
+                    "--dummy-classes", "4", *TINY18, "--epochs", "1",
                     "--output-dir", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert "(5 images)" in proc.stdout
@@ -171,7 +171,7 @@ def test_dummy_data_follows_the_size_flags(tmp_path):
 @pytest.mark.slow
 def test_pretrained_offline_says_where_to_put_the_file(trained, tmp_path):
     data, _, _ = trained
-    proc = run_main(str(data), *TINY, "-e", "--pretrained", "--output-dir", str(tmp_path),
+    proc = run_main(str(data), *TINY18, "-e", "--pretrained", "--output-dir", str(tmp_path),
                     env=child_env(TORCH_HOME=str(tmp_path / "th")))
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
@@ -188,7 +188,7 @@ def test_pretrained_weights_load_from_the_cache_and_adapt_the_classifier(trained
     cache.mkdir(parents=True)
     reference = torchvision.models.resnet18()
     torch.save(reference.state_dict(), cache / "resnet18-f37072fd.pth")
-    proc = run_main(str(data), *TINY, "--weights", "IMAGENET1K_V1", "--epochs", "1",
+    proc = run_main(str(data), *TINY18, "--weights", "IMAGENET1K_V1", "--epochs", "1",
                     "--lr", "0", "--output-dir", str(tmp_path / "out"),
                     env=child_env(TORCH_HOME=str(tmp_path / "th")))
     assert proc.returncode == 0, proc.stderr
@@ -205,7 +205,7 @@ def test_resumed_run_continues_the_tensorboard_curves(image_folder, tmp_path):
 
     def run(epochs: str, *extra: str) -> tuple[dict[str, list[int]], list[int]]:
         """Train; then the steps of some TensorBoard tags and the epochs in metrics.jsonl."""
-        proc = run_main(str(image_folder), *TINY, "-p", "1", "--epochs", epochs, *extra,
+        proc = run_main(str(image_folder), *TINY18, "-p", "1", "--epochs", epochs, *extra,
                         "--output-dir", str(out))
         assert proc.returncode == 0, proc.stderr
         acc = EventAccumulator(str(out / "tb"))

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from helpers import (
-    TINY,
+    TINY18,
     StripedImages,
     gloo_rank_saving,
     load_checkpoint,
@@ -164,7 +164,7 @@ def test_payload_estimate_follows_torch_powersgd_rules():
 @pytest.mark.slow
 def test_powersgd_checkpoint_resume_through_main(image_folder: Path, tmp_path: Path):
     out = tmp_path / "run"
-    common = [str(image_folder), *TINY, "--multiprocessing-distributed", "--nproc-per-node", "2",
+    common = [str(image_folder), *TINY18, "--multiprocessing-distributed", "--nproc-per-node", "2",
               "--ddp-comm-hook", "powersgd", "--powersgd-start-iter", "2", "--bucket-cap-mb",
               "4", "--seed", "0", "--output-dir", str(out)]
     first = run_main(*common, "--epochs", "1")

@@ -4,7 +4,7 @@ FSDP's per-block frames within the recompile limit.
 
 Counted with torch's own machinery: a Dynamo backend that records each graph it is given and
 runs it eagerly (inductor's C++ compile would cost minutes here; the guards, graphs and
-recompiles are Dynamo's and the same for any backend). test_recipe.py::test_compile_smoke runs
+recompiles are Dynamo's and the same for any backend). test_compile_cache.py runs
 inductor end to end.
 """
 

@@ -22,7 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers import (  # noqa: E402
-    TINY,
+    TINY18,
     child_env,
     load_checkpoint,
     main_cmd,
@@ -167,16 +167,23 @@ def test_a_requeued_compiled_run_compiles_nothing_and_ends_bitwise(toolchain, tm
     """main.py --compile uninterrupted, and stopped by SIGTERM in its second epoch and
     requeued on the same --cache-dir: the requeue loads every graph (no inductor cache miss in
     its first step or its epoch) and ends with the uninterrupted run's weights, bit for bit."""
+    import torchvision
     from chaos import Leg
 
     data = write_image_folder(tmp_path / "data", val_per_class=4)  # 3 steps of 8, val 8 + 4
     cache = tmp_path / "cache"
-    flags = [str(data), *TINY, "-b", "8", "-j", "1", "-p", "1", "--seed", "0", "--compile",
+    flags = [str(data), *TINY18, "-b", "8", "-j", "1", "-p", "1", "--seed", "0", "--compile",
              "--epochs", "2", "--cache-dir", str(cache)]
     whole = tmp_path / "whole"
     proc = run_main(*flags, "--output-dir", str(whole), timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "kept" in proc.stdout and "newly compiled file(s) for crop size 32 px" in proc.stdout
+    assert " * Acc@1" in proc.stdout  # the evaluation graph too
+    ckpt = load_checkpoint(whole / "checkpoint.pth.tar")
+    assert ckpt["config"]["compile"] is True
+    wrapped = [k for k in ckpt["state_dict"] if "_orig_mod." in k or k.startswith("module.")]
+    assert not wrapped, wrapped[:5]  # a plain torchvision state: strict into resnet18
+    torchvision.models.resnet18(num_classes=3).load_state_dict(ckpt["state_dict"])
     out = tmp_path / "out"
     leg = Leg(main_cmd(*flags, "--output-dir", str(out)), tmp_path / "leg1.txt")
     if leg.wait_for("Epoch: [1][1/3]", timeout=900):

@@ -137,6 +137,7 @@ def test_global_batch_size_and_b_exclude_each_other():
     assert cfg.global_batch_size == 48 and cfg.batch_size == 256  # --demo's -b 64 not applied
 
 
+@pytest.mark.slow
 def test_a_re_logged_epoch_record_names_its_own_epoch(tmp_path, capsys):
     """A kill between an epoch's save and its metrics.jsonl line: the resume writes the
     checkpoint's record, and its line names that epoch (0), not the one it starts (1)."""
@@ -155,6 +156,7 @@ def test_a_re_logged_epoch_record_names_its_own_epoch(tmp_path, capsys):
     assert epochs == [0, 1]
 
 
+@pytest.mark.slow
 def test_the_last_line_names_no_best_file_that_is_not_there(tmp_path, capsys):
     """A resume from another folder's checkpoint whose epochs never beat its best: the new
     folder has no model_best.pth.tar, and the last lines do not claim one."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import TINY, load_checkpoint, write_image_folder
+from helpers import TINY18, load_checkpoint, write_image_folder
 
 import imagenet
 from imagenet.errors import UsageError
@@ -21,7 +21,7 @@ from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import plan_launch, plan_layout, resolve_ranks
 from imagenet.settings.rendezvous import free_port
 
-RUN = [*TINY, "-j", "0"]
+RUN = [*TINY18, "-j", "0"]
 
 
 def pod_env(rank: int, pods: int, **extra: str) -> dict[str, str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from helpers import TINY, write_image_folder
+from helpers import TINY18, write_image_folder
 from torch import nn
 
 from imagenet.cli import main
@@ -95,16 +95,16 @@ def checkpoint(tmp_path) -> Path:
 def test_eval_folder_with_a_class_the_checkpoint_does_not_know(capsys, tmp_path, checkpoint):
     data = write_image_folder(tmp_path / "d", classes=3, train_per_class=1, val_per_class=1)
     (data / "val" / "class1").rename(data / "val" / "zebra")
-    code, line = _error(capsys, *TINY, "-e", "--resume", str(checkpoint), "--val-data",
+    code, line = _error(capsys, *TINY18, "-e", "--resume", str(checkpoint), "--val-data",
                         str(data / "val"), "--output-dir", str(tmp_path / "o"))
     assert code == 1 and "class folder(s) zebra are not among the model's 3 classes" in line
 
 
 def test_eval_folder_needs_a_checkpoint_and_a_folder(capsys, tmp_path, checkpoint):
-    code, line = _error(capsys, *TINY, "-e", "--val-data", str(tmp_path),
+    code, line = _error(capsys, *TINY18, "-e", "--val-data", str(tmp_path),
                         "--output-dir", str(tmp_path / "o"))
     assert code == 2 and "give --resume PATH" in line
-    code, line = _error(capsys, *TINY, "-e", "--resume", str(checkpoint), "--val-data",
+    code, line = _error(capsys, *TINY18, "-e", "--resume", str(checkpoint), "--val-data",
                         str(tmp_path / "nope"), "--output-dir", str(tmp_path / "o"))
     assert code == 2 and "--val-data" in line and "no such folder" in line
 
@@ -115,7 +115,7 @@ def test_eval_folder_of_one_image_evaluates_it(capsys, tmp_path, checkpoint):
 
     (tmp_path / "one" / "class2").mkdir(parents=True)
     Image.new("RGB", (40, 40), (200, 30, 30)).save(tmp_path / "one" / "class2" / "a.jpg")
-    code = main([*TINY, "-e", "--resume", str(checkpoint), "--val-data", str(tmp_path / "one"),
+    code = main([*TINY18, "-e", "--resume", str(checkpoint), "--val-data", str(tmp_path / "one"),
                  "--output-dir", str(tmp_path / "o"), "--log-to", "none"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -123,6 +123,7 @@ def test_eval_folder_of_one_image_evaluates_it(capsys, tmp_path, checkpoint):
     assert (tmp_path / "o" / "per_class.json").is_file()
 
 
+@pytest.mark.slow
 def test_eval_of_shards_ignores_what_only_training_needs(capsys, tmp_path, checkpoint):
     """-e on tar shards whose training split is smaller than a batch, with a recipe's
     --ra-reps: neither stops an evaluation."""
@@ -131,7 +132,7 @@ def test_eval_of_shards_ignores_what_only_training_needs(capsys, tmp_path, check
     write_image_folder(tmp_path / "d", classes=3, train_per_class=1, val_per_class=2)
     proc = prepare_shards(tmp_path / "d", tmp_path / "shards")
     assert proc.returncode == 0, proc.stderr
-    code = main([str(tmp_path / "shards"), *TINY, "-b", "16", "--ra-reps", "4", "-e",
+    code = main([str(tmp_path / "shards"), *TINY18, "-b", "16", "--ra-reps", "4", "-e",
                  "--resume", str(checkpoint), "--output-dir", str(tmp_path / "o"),
                  "--log-to", "none"])
     captured = capsys.readouterr()
@@ -140,14 +141,14 @@ def test_eval_of_shards_ignores_what_only_training_needs(capsys, tmp_path, check
 
 
 def test_predictions_path_is_checked_before_any_work(capsys, tmp_path, checkpoint):
-    code, line = _error(capsys, str(tmp_path), *TINY, "-e", "--resume", str(checkpoint),
+    code, line = _error(capsys, str(tmp_path), *TINY18, "-e", "--resume", str(checkpoint),
                         "--predictions", str(tmp_path))
     assert code == 2 and "--predictions" in line and "is a folder" in line
 
 
 def test_finetune_errors_name_the_file_and_the_keys(capsys, tmp_path, checkpoint):
     data = write_image_folder(tmp_path / "d", classes=2, train_per_class=2, val_per_class=1)
-    args = [str(data), *TINY, "--output-dir", str(tmp_path / "o"), "--finetune"]
+    args = [str(data), *TINY18, "--output-dir", str(tmp_path / "o"), "--finetune"]
     code, line = _error(capsys, *args, str(tmp_path / "nope.pth"))
     assert code == 2 and "--finetune: no file at" in line
     code, line = _error(capsys, *args, str(checkpoint), "-a", "resnet34")
@@ -171,7 +172,7 @@ def test_eval_folder_of_a_checkpoint_without_class_names_takes_sorted_folders(tm
                 "state_dict": {f"module.{k}": v for k, v in model.state_dict().items()}}, path)
     data = write_image_folder(tmp_path / "d", classes=2, train_per_class=1, val_per_class=2)
     shutil.rmtree(data / "train")
-    code = main([*TINY, "-e", "--resume", str(path), "--val-data", str(data / "val"),
+    code = main([*TINY18, "-e", "--resume", str(path), "--val-data", str(data / "val"),
                  "--output-dir", str(tmp_path / "o"), "--predictions", str(tmp_path / "p.csv")])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -217,6 +218,6 @@ def test_eval_resume_auto_without_a_checkpoint_is_refused(capsys, tmp_path):
     """-e --resume auto in a folder with no checkpoint: one line, not an untrained model's
     numbers."""
     data = write_image_folder(tmp_path / "d", classes=2, train_per_class=2, val_per_class=1)
-    code, line = _error(capsys, str(data), *TINY, "-e", "--resume", "auto", "--output-dir",
+    code, line = _error(capsys, str(data), *TINY18, "-e", "--resume", "auto", "--output-dir",
                         str(tmp_path / "empty"), "--log-to", "none")
     assert code == 2 and "-e --resume auto: no checkpoint in" in line, line

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from helpers import (
-    TINY,
+    TINY18,
     child_env,
     gloo_rank_saving,
     load_checkpoint,
@@ -30,7 +30,7 @@ from imagenet.settings.rendezvous import free_port
 pytestmark = pytest.mark.slow
 
 DUMMY = ["--dummy", "--dummy-size", "24", "--dummy-val-size", "6", "--dummy-classes", "3"]
-RUN = [*DUMMY, *TINY, "-b", "4", "--seed", "0", "--dist-timeout", "30"]
+RUN = [*DUMMY, *TINY18, "-b", "4", "--seed", "0", "--dist-timeout", "30"]
 
 
 def manual_ranks(world: int, outs: list[Path], *args: str, data: list[list[str]] | None = None
@@ -151,7 +151,7 @@ def test_a_rank_that_fails_stops_the_others_within_seconds_with_its_message(tmp_
     # Manual ranks have no common parent to stop them: rank 1's data folder is missing on its
     # node; rank 0 would otherwise wait in its first collective until --dist-timeout.
     missing = tmp_path / "no-such-data"
-    data = [RUN, [str(missing), *TINY, "-b", "4", "--dist-timeout", "30"]]
+    data = [RUN, [str(missing), *TINY18, "-b", "4", "--dist-timeout", "30"]]
     outs = [tmp_path / "node0", tmp_path / "node1"]
     start = time.monotonic()
     results = run_parallel(manual_ranks(2, outs, "--epochs", "1", data=data),
@@ -212,7 +212,7 @@ def ema_after_an_epoch(info, data: Path, out: Path) -> dict:
     from imagenet.settings.flags import parse_config
     from imagenet.settings.launch import Layout
 
-    cfg = parse_config([str(data), *TINY, "-b", "4", "--epochs", "1", "--seed", "0",
+    cfg = parse_config([str(data), *TINY18, "-b", "4", "--epochs", "1", "--seed", "0",
                         "--model-ema", "--model-ema-steps", "1", "--model-ema-decay", "0.5",
                         "--output-dir", str(out)])
     run = build_run(fixed_plan(cfg, Layout(info.world_size, 4, 1, 0)), info, Decided(None))
@@ -250,7 +250,7 @@ def test_fewer_validation_images_than_ranks_does_not_hang(tmp_path):
     # Rank 1 has no validation batch; the other rank's model must not wait for it in a
     # collective (DDP's forward broadcasts buffers), in training and with -e.
     out = tmp_path / "out"
-    common = [*DUMMY, "--dummy-val-size", "1", *TINY, "-b", "8", "--dist-timeout", "30",
+    common = [*DUMMY, "--dummy-val-size", "1", *TINY18, "-b", "8", "--dist-timeout", "30",
               "--multiprocessing-distributed", "--nproc-per-node", "2", "--output-dir", str(out)]
     (train,) = run_parallel([main_cmd(*common, "--epochs", "1")], [child_env()],
                             tmp_path / "logs", timeout=120)

@@ -24,7 +24,7 @@ import torch
 from helpers import (
     MAIN,
     ROOT,
-    TINY,
+    TINY18,
     child_env,
     load_checkpoint,
     main_cmd,
@@ -68,7 +68,7 @@ def data(tmp_path_factory) -> Path:
 ])
 def test_impossible_flags_are_refused_before_anything_starts(capsys, tmp_path, argv, words):
     # A missing data folder: the flag must be refused before the data is even looked at.
-    code = main([str(tmp_path / "no-data"), *TINY, *argv, "--output-dir", str(tmp_path / "o")])
+    code = main([str(tmp_path / "no-data"), *TINY18, *argv, "--output-dir", str(tmp_path / "o")])
     assert code == 2
     assert words in one_error_line(capsys.readouterr().err)
     assert not (tmp_path / "o").exists()
@@ -79,7 +79,7 @@ def test_impossible_flags_are_refused_before_anything_starts(capsys, tmp_path, a
 def test_output_dir_that_is_a_file_is_refused(capsys, data, tmp_path):
     target = tmp_path / "notes.txt"
     target.write_text("mine")
-    code = main([str(data), *TINY, "--epochs", "1", "--output-dir", str(target)])
+    code = main([str(data), *TINY18, "--epochs", "1", "--output-dir", str(target)])
     assert code == 2
     assert f"--output-dir {target} is a file, not a folder" in \
         one_error_line(capsys.readouterr().err)
@@ -102,7 +102,7 @@ def test_unwritable_output_dir_is_refused_at_start_and_left_alone(data, tmp_path
     (out / "checkpoint.pth.tar").write_bytes(b"an earlier run's")
     out.chmod(0o555)
     try:
-        proc = subprocess.run(as_unprivileged(main_cmd(str(data), *TINY, "--epochs", "1",
+        proc = subprocess.run(as_unprivileged(main_cmd(str(data), *TINY18, "--epochs", "1",
                                                        "--output-dir", str(out))),
                               capture_output=True, text=True, env=child_env(), timeout=300)
     finally:
@@ -120,7 +120,7 @@ def limit_file_size(limit: int):
 
 @pytest.mark.slow
 def test_a_file_size_limit_too_small_for_a_checkpoint_fails_at_start(data, tmp_path):
-    proc = subprocess.run(main_cmd(str(data), *TINY, "--epochs", "1", "--output-dir",
+    proc = subprocess.run(main_cmd(str(data), *TINY18, "--epochs", "1", "--output-dir",
                                    str(tmp_path / "out")),
                           capture_output=True, text=True, env=child_env(), timeout=300,
                           preexec_fn=limit_file_size(20_000_000))
@@ -176,7 +176,7 @@ def in_tmpfs(size_mb: int, out: Path, cmd: list[str], then: str = "") -> \
 
 @pytest.mark.slow
 def test_a_disk_too_small_for_the_checkpoints_fails_at_start(data, tmp_path):
-    proc = in_tmpfs(120, tmp_path / "out", main_cmd(str(data), *TINY, "--epochs", "2",
+    proc = in_tmpfs(120, tmp_path / "out", main_cmd(str(data), *TINY18, "--epochs", "2",
                                                     "--output-dir", str(tmp_path / "out")))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     line = one_error_line(proc.stderr)
@@ -199,7 +199,7 @@ kill -CONT $pid
 wait $pid; code=$?
 ls -A "$OUT" > {keep}/listing; cp "$OUT/checkpoint.pth.tar" {keep}/
 exit $code'''
-    proc = in_tmpfs(250, out, main_cmd(str(data), *TINY, "--epochs", "2", "--save-every", "1",
+    proc = in_tmpfs(250, out, main_cmd(str(data), *TINY18, "--epochs", "2", "--save-every", "1",
                                        "--output-dir", str(out)), then=fill)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     line = one_error_line(proc.stderr)
@@ -221,7 +221,7 @@ def test_a_full_disk_on_rank_0_ends_every_rank_with_its_line_and_nothing_more(da
 while [ ! -e "$OUT/checkpoint.pth.tar" ] && kill -0 $pid 2>/dev/null; do sleep 0.02; done
 avail=$(df --output=avail -B1 "$OUT" | tail -n 1)
 dd if=/dev/zero of="$OUT/filler" bs=65536 count=$(( (avail - 2097152) / 65536 )) 2>/dev/null'''
-    proc = in_tmpfs(250, out, main_cmd(str(data), *TINY, "--epochs", "2", "--save-every", "1",
+    proc = in_tmpfs(250, out, main_cmd(str(data), *TINY18, "--epochs", "2", "--save-every", "1",
                                        "--multiprocessing-distributed", "--nproc-per-node", "2",
                                        "--output-dir", str(out)), then=fill)
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -253,7 +253,7 @@ def test_an_output_folder_deleted_during_the_run_ends_it_in_one_line(data, tmp_p
     disk, keep = tmp_path / "disk", tmp_path / "keep"
     out = disk / "out"
     keep.mkdir()
-    proc = in_tmpfs(250, disk, main_cmd(str(data), *TINY, "--epochs", "2", "--save-every", "1",
+    proc = in_tmpfs(250, disk, main_cmd(str(data), *TINY18, "--epochs", "2", "--save-every", "1",
                                         "--output-dir", str(out)),
                     then=pause_at_first_checkpoint(out, f'rm -rf "{out}"', keep))
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -275,7 +275,7 @@ ro={tmp_path}/ro; mkdir -p $ro && mount -t tmpfs -o size=1m tmpfs $ro
 (cd "{out}" && find . -type d -exec mkdir -p "$ro/{{}}" \\;)
 mount -o remount,ro $ro && mount --bind $ro "{out}"'''
     after = f'umount "{out}"; cp "{out}/checkpoint.pth.tar" {keep}/'
-    proc = in_tmpfs(250, out, main_cmd(str(data), *TINY, "--epochs", "2", "--save-every", "1",
+    proc = in_tmpfs(250, out, main_cmd(str(data), *TINY18, "--epochs", "2", "--save-every", "1",
                                        "--output-dir", str(out)),
                     then=pause_at_first_checkpoint(out, turn_read_only, keep, after))
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -288,12 +288,12 @@ mount -o remount,ro $ro && mount --bind $ro "{out}"'''
 
 @pytest.mark.slow
 def test_predictions_that_meet_a_full_disk_end_in_one_line(data, tmp_path):
-    trained = run_main(str(data), *TINY, "--epochs", "1", "--output-dir", str(tmp_path / "run"))
+    trained = run_main(str(data), *TINY18, "--epochs", "1", "--output-dir", str(tmp_path / "run"))
     assert trained.returncode == 0, trained.stderr
     disk = tmp_path / "disk"
     # The disk is filled as the evaluation starts (its imports alone take seconds).
     fill = f'dd if=/dev/zero of="{disk}/filler" bs=65536 2>/dev/null'
-    proc = in_tmpfs(1, disk, main_cmd(str(data), *TINY, "-e", "--resume",
+    proc = in_tmpfs(1, disk, main_cmd(str(data), *TINY18, "-e", "--resume",
                                       str(tmp_path / "run" / "checkpoint.pth.tar"),
                                       "--output-dir", str(tmp_path / "eval"),
                                       "--predictions", str(disk / "predictions.csv")),
@@ -312,7 +312,7 @@ def test_a_last_training_batch_of_one_image_is_dropped_and_validation_is_whole(t
     for extra in sorted((data / "train").glob("*/img24.jpg"))[:2]:
         extra.unlink()  # 73 training images: 9 batches of 8 and one of 1
     out = tmp_path / "out"
-    proc = run_main(str(data), *TINY, "--epochs", "1", "--output-dir", str(out))
+    proc = run_main(str(data), *TINY18, "--epochs", "1", "--output-dir", str(out))
     assert proc.returncode == 0, proc.stderr
     (record,) = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert record["train_images"] == 72  # the one-image batch was left out
@@ -328,7 +328,7 @@ def test_a_master_port_that_listens_but_never_answers_ends_after_the_timeout(dat
         silent.bind(("127.0.0.1", 0))
         silent.listen(16)  # the kernel completes connections; nobody ever accepts them
         port = silent.getsockname()[1]
-        cmd = main_cmd(str(data), *TINY, "--world-size", "2", "--rank", "1", "--dist-url",
+        cmd = main_cmd(str(data), *TINY18, "--world-size", "2", "--rank", "1", "--dist-url",
                        f"tcp://127.0.0.1:{port}", "--dist-timeout", "3")
         (result,) = run_parallel([cmd], [child_env()], tmp_path / "logs", timeout=120)
     assert result.returncode == 1, result.stdout + result.stderr
@@ -342,12 +342,13 @@ def test_a_master_port_that_listens_but_never_answers_ends_after_the_timeout(dat
      "MASTER_PORT=29x is not a port: give a number from 1 to 65535"),
     ({"MASTER_ADDR": "127.0.0.1"}, "--dist-url env:// needs MASTER_ADDR and MASTER_PORT"),
 ])
+@pytest.mark.slow
 def test_a_launchers_unusable_master_is_one_line_before_any_data_is_read(data, tmp_path,
                                                                           variables, words):
     # A manual env:// launch (RANK/WORLD_SIZE given): the plan reads where the ranks meet once,
     # before the data, the model or the process group; nothing is written to OUTPUT_DIR.
     env = {**child_env(), "RANK": "1", "WORLD_SIZE": "2", **variables}
-    result = run_main(str(data), *TINY, "--output-dir", str(tmp_path / "out"), env=env,
+    result = run_main(str(data), *TINY18, "--output-dir", str(tmp_path / "out"), env=env,
                       timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
     assert words in one_error_line(result.stderr)  # the plan's error: before any rank joins
@@ -366,7 +367,7 @@ def test_a_bad_validation_image_is_found_before_training_on_every_rank(data, tmp
     bad = broken / "val" / "class0" / "img1.jpg"  # validation image 1: rank 1's shard
     bad.write_bytes(b"<html>404</html>")
     out = tmp_path / "out"
-    args = [str(broken), *TINY, "--epochs", "1", "--output-dir", str(out)]
+    args = [str(broken), *TINY18, "--epochs", "1", "--output-dir", str(out)]
     cmd = main_cmd(*args, "--multiprocessing-distributed", "--nproc-per-node", "2") \
         if launcher == "spawn" else [sys.executable, "-m", "torch.distributed.run",
                                      "--standalone", "--nproc-per-node", "2", *main_cmd(*args)[1:]]
@@ -439,7 +440,7 @@ def test_a_signal_during_validation_stops_within_a_batch_and_keeps_the_trained_e
     # 60 validation images at 224 px: about a second per batch of 8 on one CPU core.
     data = write_image_folder(tmp_path / "data", val_per_class=20, size=260)
     out = tmp_path / "out"
-    cmd = main_cmd(str(data), *TINY, "--val-resize-size", "232", "--val-crop-size", "224",
+    cmd = main_cmd(str(data), *TINY18, "--val-resize-size", "232", "--val-crop-size", "224",
                    "-p", "1", "--epochs", "1", "--output-dir", str(out))
     code, output = interrupt_when(cmd, "Test: [1/8]")
     assert code == 143, output
@@ -463,7 +464,7 @@ def test_ranks_with_unequal_validation_shards_stop_validation_together(tmp_path)
     # must still take part in the stop agreement of rank 0's fifth batch.
     data = write_image_folder(tmp_path / "data", val_per_class=11, size=260)
     out = tmp_path / "out"
-    code, output = interrupt_when(main_cmd(str(data), *TINY, "--val-resize-size", "232",
+    code, output = interrupt_when(main_cmd(str(data), *TINY18, "--val-resize-size", "232",
                                            "--val-crop-size", "224", "-p", "1", "--epochs", "1",
                                            "--multiprocessing-distributed", "--nproc-per-node",
                                            "2", "--output-dir", str(out)), "Test: [1/5]")
@@ -479,7 +480,7 @@ def test_ranks_with_unequal_validation_shards_stop_validation_together(tmp_path)
 
 @pytest.mark.slow
 def test_a_signal_after_the_stopped_line_still_exits_143(data, tmp_path):
-    proc = start(main_cmd(str(data), *TINY, "-j", "2", "-p", "1", "--epochs", "1",
+    proc = start(main_cmd(str(data), *TINY18, "-j", "2", "-p", "1", "--epochs", "1",
                           "--output-dir", str(tmp_path / "out")))
     try:
         lines = read_until(proc, "Epoch: [0][1/3]")
@@ -532,11 +533,12 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_a_crash_in_c_code_prints_where_each_thread_was(tmp_path):
     """A segfault (found once in a chaos run under torchrun: only "exitcode -11") now prints the
     Python stack of every thread of the process, so the crash says where it was."""
     proc = subprocess.run(
-        [sys.executable, "-c", CRASHING, MAIN, "--dummy", *TINY, "--epochs", "1",
+        [sys.executable, "-c", CRASHING, MAIN, "--dummy", *TINY18, "--epochs", "1",
          "--output-dir", str(tmp_path / "out")],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == -signal.SIGSEGV, proc.stderr[-3000:]

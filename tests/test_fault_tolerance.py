@@ -23,14 +23,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MAIN, child_env, hold_until_saved, load_checkpoint, main_cmd, write_image_folder
+from helpers import (
+    MAIN,
+    SMALL_ARCH,
+    child_env,
+    hold_until_saved,
+    load_checkpoint,
+    main_cmd,
+    write_image_folder,
+)
 
 from imagenet.cli import child_exit
 from imagenet.launching.preemption import PREEMPT_EXIT_CODE
 from imagenet.settings.rendezvous import free_port
 
 STEPS = 6  # optimizer steps per epoch in every layout below (48 images)
-FLAGS = ["-a", "resnet18", "--train-crop-size", "32", "--val-resize-size", "36",
+FLAGS = ["-a", SMALL_ARCH, "--train-crop-size", "32", "--val-resize-size", "36",
          "--val-crop-size", "32", "-p", "1", "--lr", "0.05", "--epochs", "2", "--seed", "0",
          "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--random-erase", "0.25",
          "--model-ema", "--model-ema-steps", "2", "--lr-warmup-epochs", "1",

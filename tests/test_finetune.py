@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from helpers import TINY, child_env, load_checkpoint, main_cmd, run_parallel, write_image_folder
+from helpers import (
+    TINY18,
+    child_env,
+    load_checkpoint,
+    main_cmd,
+    run_parallel,
+    write_image_folder,
+)
 from torch import nn
 
 from imagenet.checkpoint.weights import read_weights
@@ -244,7 +251,7 @@ def runs(tmp_path_factory) -> dict:
     shutil.copytree(shapes / "val" / "class2", other / "class2")
     shutil.copytree(shapes / "val" / "class0", other / "class0")
     shutil.copy(shapes / "train" / "class0" / "img5.jpg", other / "class0" / "extra.jpg")
-    common = [*TINY, "--seed", "0", "--epochs", "1"]
+    common = [*TINY18, "--seed", "0", "--epochs", "1"]
     lr = ["--lr-scheduler", "step", "--lr-step-size", "1", "--lr-gamma", "0.5"]
     cmds = {
         "probe": main_cmd(str(fruit), *common, *SPAWN2, "--finetune", str(base / "ours.pth.tar"),
@@ -259,7 +266,7 @@ def runs(tmp_path_factory) -> dict:
                          "--output-dir", str(base / "full")),
     }
     cmds["resumed"] = [*cmds["full"], "--epochs", "2", "--resume", "auto"]
-    cmds["eval"] = main_cmd(*TINY, *SPAWN2, "-b", "2", "-e", "--resume",
+    cmds["eval"] = main_cmd(*TINY18, *SPAWN2, "-b", "2", "-e", "--resume",
                             str(base / "full" / "checkpoint.pth.tar"), "--val-data", str(other),
                             "--tta-flip", "--predictions", str(base / "eval.csv"),
                             "--output-dir", str(base / "eval"))
@@ -376,6 +383,7 @@ def test_tta_flip_averages_the_softmax_of_each_image_and_its_mirror(runs):
 
 
 @pytest.mark.parametrize("arch", ["googlenet", "inception_v3"])
+@pytest.mark.slow
 def test_torchvision_files_with_aux_heads_finetune_and_evaluate(arch, tmp_path):
     """torchvision's GoogLeNet and Inception-v3 .pth files hold the aux classifiers, which the
     trainer's models drop: their keys are not used, and say so; the rest loads."""

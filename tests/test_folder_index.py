@@ -20,7 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 from chaos import Leg
-from helpers import TINY, child_env, load_checkpoint, main_cmd, run_main, write_image_folder
+from helpers import (
+    SMALL_ARCH,
+    TINY,
+    child_env,
+    load_checkpoint,
+    main_cmd,
+    run_main,
+    write_image_folder,
+)
 from torchvision import datasets
 
 import imagenet.data.index as index
@@ -327,6 +335,7 @@ def test_a_cache_dir_url_is_refused(capsys, tmp_path):
     assert "--cache-dir s3://bucket/cache: give a folder" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_an_image_damaged_in_place_is_still_caught_by_the_check(capsys, tmp_path, settled):
     """The index lists names; the validation check before training reads the files it lists:
     a file truncated under the same name (no folder changes) is still caught."""
@@ -414,7 +423,7 @@ def test_evaluate_reads_the_index_of_its_val_data(tmp_path):
     proc = run_main(str(data), *TINY, "--epochs", "1", "--output-dir", str(train))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = tmp_path / "eval"
-    evaluate = ["-a", "resnet18", "--val-resize-size", "36", "--val-crop-size", "32", "-b", "8",
+    evaluate = ["-a", SMALL_ARCH, "--val-resize-size", "36", "--val-crop-size", "32", "-b", "8",
                 "-j", "0", "-e", "--resume", str(train / "checkpoint.pth.tar"),
                 "--val-data", str(data / "val"), "--output-dir", str(out)]
     accuracies = []

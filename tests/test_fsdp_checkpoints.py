@@ -1,10 +1,10 @@
 """--fsdp checkpoints stay classic: main.py runs that hand checkpoints between FSDP, DDP and one
 process, SIGKILL + resume, and the sharded directory (--sharded-checkpoint) with its conversion.
 
-Two processes (--multiprocessing-distributed) train resnet18 at 32 px with every flag that carries
-state across a resume (test_fault_tolerance's FLAGS: EMA, MixUp/CutMix, random erasing, warm-up +
-cosine). FSDP computes what DDP computes (the same reductions, bitwise on gloo), so a run that
-changes between them must end exactly where an all-DDP run ends.
+Two processes (--multiprocessing-distributed) train shufflenet_v2_x0_5 at 32 px with every flag
+that carries state across a resume (test_fault_tolerance's FLAGS: EMA, MixUp/CutMix, random
+erasing, warm-up + cosine). FSDP computes what DDP computes (the same reductions, bitwise on
+gloo), so a run that changes between them must end exactly where an all-DDP run ends.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torchvision
-from helpers import child_env, load_checkpoint, run_main, write_image_folder
+from helpers import SMALL_ARCH, child_env, load_checkpoint, run_main, write_image_folder
 from test_fault_tolerance import (
     FLAGS,
     RUN_STATE,
@@ -55,7 +55,7 @@ def runs(data, tmp_path_factory) -> Path:
     assert code == -signal.SIGKILL, output
     assert load_checkpoint(base / "fsdp1" / "checkpoint.pth.tar")["step_in_epoch"] in (2, 4)
     output = run_to_end([*cmd, "--resume", "auto"])
-    assert "=> FSDP over 2 processes (ZeRO-3): BasicBlock x8 + root" in output, output
+    assert "=> FSDP over 2 processes (ZeRO-3): InvertedResidual x16 + root" in output, output
     for mode, source in (("ddp2", "fsdp1"), ("fsdp2", "ddp1")):
         flags = FSDP if mode.startswith("fsdp") else SPAWN
         output = run_to_end(run_cmd(data, base / mode, *flags, "-j", "0", "--epochs", "2",
@@ -79,7 +79,7 @@ def test_fsdp_to_ddp_and_ddp_to_fsdp_continue_bitwise_equal(runs):
 def test_fsdp_checkpoint_loads_into_a_plain_model_and_evaluates_in_one_process(runs, data,
                                                                               tmp_path):
     best = load_checkpoint(runs / "fsdp1" / "model_best.pth.tar")
-    model = torchvision.models.resnet18(num_classes=3)
+    model = torchvision.models.get_model(SMALL_ARCH, num_classes=3)
     model.load_state_dict(best["state_dict"])  # strict: plain keys, full tensors
     assert list(best["optimizer"]["state"])[:2] == [0, 1]  # optimizer.state_dict()'s format
     # -e in one process (world size 2 -> 1) reproduces the best top-1 of the FSDP run.

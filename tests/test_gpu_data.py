@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, load_checkpoint, run_main, write_image_folder
+from helpers import TINY18, load_checkpoint, run_main, write_image_folder
 from PIL import Image
 from torchvision.transforms.v2 import functional as F
 
@@ -142,7 +142,7 @@ def test_main_trains_the_same_weights_with_the_device_path(folder: Path, tmp_pat
     outputs = {}
     for mode, workers in (("off", "0"), ("on", "2")):
         out = tmp_path / mode
-        proc = run_main(str(folder), *TINY, "--epochs", "2", "--seed", "3", "-j", workers,
+        proc = run_main(str(folder), *TINY18, "--epochs", "2", "--seed", "3", "-j", workers,
                         "--decode-on-device", mode, "--output-dir", str(out))
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert ("decoded and cropped on cpu" in proc.stdout) == (mode == "on")

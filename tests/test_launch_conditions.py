@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from helpers import TINY, child_env, load_checkpoint, main_cmd, run_main, run_parallel
+from helpers import TINY18, child_env, load_checkpoint, main_cmd, run_main, run_parallel
 
 from imagenet.checkpoint.rng import cuda_state_to_restore
 from imagenet.errors import UsageError
@@ -56,7 +56,7 @@ def test_srun_tasks_with_spawn_train_as_one_job(tmp_path):
     # independent jobs writing the same checkpoint.
     out = tmp_path / "out"
     port = free_port()
-    cmd = main_cmd(*DUMMY, *TINY, "-b", "4", "--epochs", "1", "--seed", "0",
+    cmd = main_cmd(*DUMMY, *TINY18, "-b", "4", "--epochs", "1", "--seed", "0",
                    "--multiprocessing-distributed", "--nproc-per-node", "1", "--dist-timeout",
                    "30", "--output-dir", str(out))
     envs = [child_env(**srun_env(r, 2, 1), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -90,7 +90,7 @@ def test_main_in_an_sbatch_script_trains_instead_of_waiting_for_peers(tmp_path):
     env = child_env(SLURM_JOB_ID="4242", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NTASKS="4",
                     SLURM_TASKS_PER_NODE="4", SLURM_JOB_NODELIST="localhost")
     start = time.monotonic()
-    proc = run_main(*DUMMY, *TINY, "--epochs", "1", "--dist-timeout", "60", "--output-dir",
+    proc = run_main(*DUMMY, *TINY18, "--epochs", "1", "--dist-timeout", "60", "--output-dir",
                     str(out), env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert time.monotonic() - start < 60
@@ -156,7 +156,7 @@ def test_the_bf16_warning_is_one_line_for_cpu_training_without_bf16():
 
 @pytest.mark.slow
 def test_bf16_run_warns_only_where_the_cpu_lacks_bf16(tmp_path):
-    proc = run_main(*DUMMY, *TINY, "--epochs", "1", "--amp", "bf16", "--output-dir",
+    proc = run_main(*DUMMY, *TINY18, "--epochs", "1", "--amp", "bf16", "--output-dir",
                     str(tmp_path), timeout=180)
     assert proc.returncode == 0, proc.stderr
     warned = "--amp bf16: this CPU has no bf16 instructions" in proc.stdout + proc.stderr
@@ -233,7 +233,7 @@ def test_a_rank_outside_the_world_size_is_one_line_at_once(tmp_path, monkeypatch
                         ("MASTER_PORT", str(free_port()))):
         monkeypatch.setenv(name, value)
     start = time.monotonic()
-    code = main(["--dummy", *TINY, "--dist-timeout", "600", "--output-dir", str(tmp_path)])
+    code = main(["--dummy", *TINY18, "--dist-timeout", "600", "--output-dir", str(tmp_path)])
     assert code == 2 and time.monotonic() - start < 60  # not the --dist-timeout wait for peers
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: RANK=3 from the environment is outside WORLD_SIZE=2 (ranks 0..1): fix the "

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, TINY, child_env, run_main, write_image_folder
+from helpers import ROOT, TINY18, child_env, run_main, write_image_folder
 
 from imagenet.errors import UsageError
 from imagenet.settings.flags import parse_config
@@ -82,7 +82,7 @@ def test_each_recipe_states_its_reference_batch_and_gives_its_lr_there(recipe):
 def test_start_up_line_config_json_and_a_resume_at_another_world_size(tmp_path: Path):
     data = write_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=2)
     out = tmp_path / "out"
-    flags = [str(data), *TINY[:-2], "--lr-base", "0.1", "--lr-base-size", "16",
+    flags = [str(data), *TINY18[:-2], "--lr-base", "0.1", "--lr-base-size", "16",
              "--output-dir", str(out), "--resume", "auto", "--seed", "0"]
     proc = run_main(*flags, "--epochs", "1")  # one process of 8 images: 0.1 x 8 / 16
     assert proc.returncode == 0, proc.stderr

@@ -43,6 +43,7 @@ def test_a_prestarted_run_is_the_plain_run(image_folder, tmp_path):
     assert bad.returncode == 2 and "does not exist" in bad.stderr
 
 
+@pytest.mark.slow
 def test_a_killed_client_takes_its_run_with_it(image_folder, tmp_path):
     served()
     out = tmp_path / "out"

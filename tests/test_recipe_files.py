@@ -81,6 +81,7 @@ def test_the_demo_recipe_is_the_demo_and_trains_two_steps(tmp_path, monkeypatch)
     assert load_checkpoint(out / "checkpoint.pth.tar")["global_step"] == 2
 
 
+@pytest.mark.slow
 def test_an_edited_recipe_on_resume_is_a_changed_flag(image_folder, tmp_path, capsys):
     """A resume with --config is any resume: the file's values are its flags."""
     recipe = tmp_path / "mine.toml"

@@ -20,6 +20,7 @@ import pytest
 import torch
 from helpers import (
     TINY,
+    TINY18,
     child_env,
     load_checkpoint,
     main_cmd,
@@ -192,7 +193,7 @@ def test_only_finite_state_is_saved_and_the_nan_stop_names_the_file_it_kept(fini
     out = tmp_path / "out"
     # At lr 1e4 the loss stays finite for a few steps after BatchNorm's running_var has gone
     # to inf (measured: the classic check kept such a checkpoint at step 4).
-    proc = run_main(str(data), *TINY, "--epochs", "1", "--lr", "1e4", "--save-every", "1",
+    proc = run_main(str(data), *TINY18, "--epochs", "1", "--lr", "1e4", "--save-every", "1",
                     "--seed", "0", "-p", "1", "--output-dir", str(out))
     assert proc.returncode == 1, proc.stdout
     line = one_error_line(proc.stderr)
@@ -203,7 +204,7 @@ def test_only_finite_state_is_saved_and_the_nan_stop_names_the_file_it_kept(fini
     # A checkpoint that does hold inf (as the old guard kept) is refused, also by -e.
     kept["state_dict"]["layer1.0.bn1.running_var"][0] = float("inf")
     save_edited(kept, tmp_path / "diverged.pth.tar")
-    proc = run_main(str(data), *TINY, "-e", "--resume", str(tmp_path / "diverged.pth.tar"),
+    proc = run_main(str(data), *TINY18, "-e", "--resume", str(tmp_path / "diverged.pth.tar"),
                     "--output-dir", str(out))
     assert proc.returncode == 1
     assert "holds NaN/infinite values in 1 tensor(s) (first state_dict/layer1.0.bn1." \

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, child_env, main_cmd, run_main, run_parallel, write_image_folder
+from helpers import TINY18, child_env, main_cmd, run_main, run_parallel, write_image_folder
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -132,10 +132,11 @@ def test_a_value_that_runs_code_is_refused_on_resume_and_in_unshard(tmp_path, ca
     assert line.startswith(f"error: refusing {path}: its value optimizer.param_groups.0.lr ")
 
 
+@pytest.mark.slow
 def test_evaluating_a_directory_that_runs_code_is_one_line(tmp_path):
     marker = tmp_path / "ran"
     path = hostile_metadata(tmp_path / "checkpoint.dcp", marker)
-    proc = run_main("--dummy", *TINY, "-e", "--resume", str(path), "--output-dir",
+    proc = run_main("--dummy", *TINY18, "-e", "--resume", str(path), "--output-dir",
                     str(tmp_path / "out"), timeout=120)
     assert not marker.exists(), "main.py -e ran the directory's code"
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -233,7 +234,7 @@ def test_unshard_names_a_bad_output_and_damage_inside_a_shard(tmp_path, capsys):
 def test_resuming_a_damaged_directory_stops_every_rank_with_one_line(tmp_path):
     data = write_image_folder(tmp_path / "data", train_per_class=4, val_per_class=1)
     path = damaged(tmp_path, "no shard")
-    cmd = main_cmd(str(data), *TINY, "--fsdp", "--sharded-checkpoint",
+    cmd = main_cmd(str(data), *TINY18, "--fsdp", "--sharded-checkpoint",
                    "--multiprocessing-distributed", "--nproc-per-node", "2", "--resume",
                    str(path), "--output-dir", str(tmp_path / "out"))
     (result,) = run_parallel([cmd], [child_env()], tmp_path / "logs", timeout=300)
@@ -253,7 +254,7 @@ def test_turning_sharded_checkpoints_on_or_off_resumes_the_newest_kind(tmp_path,
 
     data = write_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=2)
     out = tmp_path / "out"
-    flags = [str(data), *TINY, "--fsdp", "--output-dir", str(out), "--resume", "auto",
+    flags = [str(data), *TINY18, "--fsdp", "--output-dir", str(out), "--resume", "auto",
              "--log-to", "none"]
     assert main([*flags, "--epochs", "1", "--sharded-checkpoint"]) == 0
     capsys.readouterr()

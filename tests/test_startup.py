@@ -106,6 +106,7 @@ def test_the_clock_names_every_stage(monkeypatch):
     assert line.startswith("=> first step ") and "data set 0.0 s (from the folder index)" in line
 
 
+@pytest.mark.slow
 def test_config_json_keeps_every_start(data, tmp_path, capsys):
     out = tmp_path / "out"
     flags = [str(data), *TINY, "-j", "1", "--output-dir", str(out)]

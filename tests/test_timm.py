@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from helpers import ROOT, TINY, child_env, load_checkpoint, write_image_folder
+from helpers import ROOT, TINY18, child_env, load_checkpoint, write_image_folder
 
 from imagenet.cli import main
 from imagenet.errors import UsageError
@@ -26,7 +26,7 @@ def timm_run(tmp_path_factory) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("timm")
     data = write_image_folder(base / "data")
     out = base / "out"
-    code = main([str(data), *TINY, "-a", ARCH, "--model-ema", "--model-ema-steps", "1",
+    code = main([str(data), *TINY18, "-a", ARCH, "--model-ema", "--model-ema-steps", "1",
                  "--channels-last", "--epochs", "1", "--seed", "0", "--output-dir", str(out)])
     assert code == 0
     return data, out
@@ -46,13 +46,13 @@ def test_a_timm_model_trains_and_checkpoints_like_a_torchvision_one(timm_run):
 def test_evaluate_resumes_the_timm_checkpoint(timm_run, capsys):
     data, out = timm_run
     best = load_checkpoint(out / "model_best.pth.tar")
-    code = main([str(data), *TINY, "-a", ARCH, "-e", "--resume", str(out / "model_best.pth.tar"),
+    code = main([str(data), *TINY18, "-a", ARCH, "-e", "--resume", str(out / "model_best.pth.tar"),
                  "--output-dir", str(out / "eval")])
     assert code == 0
     top1 = re.search(r" \* Acc@1 ([\d.]+)", capsys.readouterr().out)
     assert top1 and float(top1.group(1)) == pytest.approx(best["best_acc1"], abs=1e-3)
     capsys.readouterr()
-    code = main([str(data), *TINY, "-e", "--resume", str(out / "model_best.pth.tar"),
+    code = main([str(data), *TINY18, "-e", "--resume", str(out / "model_best.pth.tar"),
                  "--output-dir", str(out / "eval")])  # -a resnet18: not what was trained
     assert code == 1
     assert f"was saved for -a {ARCH}, but this run uses -a resnet18" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, TINY, child_env, run_main, write_image_folder
+from helpers import ROOT, TINY18, child_env, run_main, write_image_folder
 
 from imagenet.reporting.trackers import RUN_IDS, Trackers
 
@@ -27,7 +27,7 @@ def tracked(tmp_path_factory) -> dict:
     out = base / "out"
     env = child_env(MLFLOW_TRACKING_URI=f"file:{base / 'mlruns'}", MLFLOW_ALLOW_FILE_STORE="true",
                     WANDB_MODE="offline", WANDB_DIR=str(base / "wandb"), WANDB_SILENT="true")
-    common = [str(data), *TINY, "-p", "1", "--output-dir", str(out), "--model-ema"]
+    common = [str(data), *TINY18, "-p", "1", "--output-dir", str(out), "--model-ema"]
     runs = []
     for extra in (["--epochs", "1", "--log-to", "tensorboard,mlflow,wandb"],
                   ["--epochs", "2", "--log-to", "tensorboard,mlflow,wandb", "--resume", "auto"],
@@ -212,16 +212,17 @@ def test_unknown_tracker_is_a_usage_error(capsys):
            "tensorboard, mlflow, wandb, or none" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_log_to_none_writes_no_tensorboard_and_names_none(tmp_path, capsys):
     from imagenet.cli import main
 
     data = write_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=2)
     out, ev = tmp_path / "out", tmp_path / "ev"
-    assert main([str(data), *TINY, "--epochs", "1", "--log-to", "none", "--output-dir",
+    assert main([str(data), *TINY18, "--epochs", "1", "--log-to", "none", "--output-dir",
                  str(out)]) == 0
     text = capsys.readouterr().out
     assert "tensorboard --logdir" not in text and not (out / "tb").exists()
-    assert main([str(data), *TINY, "-e", "--resume", str(out / "checkpoint.pth.tar"),
+    assert main([str(data), *TINY18, "-e", "--resume", str(out / "checkpoint.pth.tar"),
                  "--log-to", "none", "--output-dir", str(ev)]) == 0
     assert (ev / "per_class.json").is_file() and not (ev / "tb").exists()
 
@@ -234,7 +235,7 @@ def test_evaluate_logs_to_mlflow_and_wandb_in_runs_of_its_own(tracked, monkeypat
     env = child_env(MLFLOW_TRACKING_URI=f"file:{base / 'mlruns'}", MLFLOW_ALLOW_FILE_STORE="true",
                     WANDB_MODE="offline", WANDB_DIR=str(base / "wandb-eval"), WANDB_SILENT="true")
     (base / "wandb-eval").mkdir()
-    proc = run_main(str(base / "data"), *TINY, "-e", "--resume", str(out / "checkpoint.pth.tar"),
+    proc = run_main(str(base / "data"), *TINY18, "-e", "--resume", str(out / "checkpoint.pth.tar"),
                     "--output-dir", str(out), "--log-to", "mlflow,wandb", env=env)
     assert proc.returncode == 0, proc.stderr
     assert json.loads((out / RUN_IDS).read_text()) == tracked["fresh_ids"]

@@ -309,6 +309,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("where", ["main process", "spawned child"])
+@pytest.mark.slow
 def test_a_process_left_before_its_loader_workers_stop_still_exits(tmp_path, where):
     # Chaos 18006:36: mp.spawn's parent SIGKILLed as training ended; a rank interrupted before
     # its workers were shut down sat forever in multiprocessing's exit handler, joining a worker
@@ -469,6 +470,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("parent", ["killed", "alive"])
+@pytest.mark.slow
 def test_a_workers_lost_connection_is_reported_only_while_its_process_lives(tmp_path, parent):
     # Chaos ci:6 in CI: SIGKILL to the training process; its loader worker's fd-sharing thread
     # (multiprocessing.resource_sharer) saw the socket close before PR_SET_PDEATHSIG's SIGKILL
