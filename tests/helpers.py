@@ -23,7 +23,8 @@ PRESTART = str(ROOT / "tests" / "prestart.py")
 # Tiny, fast runs: 32 px crops, no loader workers unless a test asks. SMALL_ARCH (checkpoints of
 # 3 MB) where a test's subject is not the model: a TINY run of 2 epochs is 9 s of process here,
 # 13-18 s with resnet18 (86 MB checkpoints, each hashed and synced). TINY18 (resnet18) where a test
-# reads resnet18's own parameters (conv1, layer1..4, fc of 512), or compiles (a known cost).
+# reads resnet18's own parameters, sizes a disk by its checkpoint, runs --dummy (shufflenet's
+# loss turns NaN on one repeated image) or compiles: docs/testing.md, "The model".
 SMALL_ARCH = "shufflenet_v2_x0_5"
 TINY = ["-a", SMALL_ARCH, "--train-crop-size", "32", "--val-resize-size", "36",
         "--val-crop-size", "32", "-b", "8", "-j", "0", "-p", "2", "--lr", "0.01"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, load_checkpoint, run_main
+from helpers import ROOT, TINY, load_checkpoint, run_main
 from PIL import Image
 
 from imagenet.data import jpeg
@@ -24,6 +24,7 @@ from imagenet.settings import decoders
 from imagenet.settings.flags import parse_config
 
 DECODERS = ("tensor", "torchcodec")
+RUN = [*TINY, "-b", "4", "-j", "1", "--epochs", "1", "--seed", "0"]  # a loader worker decodes
 NO_TORCHVISION_DECODERS = """
 import torchvision.io, torchvision.transforms.v2  # v2's JPEG augmentation binds decode_jpeg first
 for name in ("decode_jpeg", "decode_image", "ImageReadMode"):
@@ -131,9 +132,7 @@ def test_a_run_trains_the_same_bits_whichever_decoder_and_after_torchvisions_are
     are removed (auto then takes TorchCodec without a flag): the same weights, bit for bit; the
     start-up line says which decoder runs and why."""
     data = exif_folder(tmp_path / "data")
-    flags = [str(data), "-a", "shufflenet_v2_x0_5", "--train-crop-size", "32",
-             "--val-resize-size", "36", "--val-crop-size", "32", "-b", "4", "-j", "1",
-             "--epochs", "1", "--seed", "0", "--lr", "0.01"]
+    flags = [str(data), *RUN]
     runs = {"torchvision": run_main(*flags, "--output-dir", str(tmp_path / "tv")),
             "torchcodec": run_main(*flags, "--decoder", "torchcodec",
                                    "--output-dir", str(tmp_path / "tc")),
@@ -162,8 +161,7 @@ def test_evaluation_and_tar_shards_decode_after_torchvisions_decoders_are_gone(t
 
     data = exif_folder(tmp_path / "data")
     gone = site(tmp_path, "gone-site", NO_TORCHVISION_DECODERS)
-    flags = ["-a", "shufflenet_v2_x0_5", "--train-crop-size", "32", "--val-resize-size", "36",
-             "--val-crop-size", "32", "-b", "4", "-j", "1", "--epochs", "1", "--seed", "0"]
+    flags = RUN
     trained = run_main(str(data), *flags, "--output-dir", str(tmp_path / "run"))
     assert trained.returncode == 0, trained.stderr[-2000:]
     evaluated = run_main(str(data), *flags, "-e", "--resume",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import run_main, write_image_folder
+from helpers import TINY, run_main, write_image_folder
 
 from imagenet.errors import UsageError
 from imagenet.settings import devices
@@ -155,8 +155,7 @@ def test_a_classic_command_without_an_accelerator(tmp_path):
     naming torch.accelerator, not a silent CPU run; without it the run says it trains on the
     CPU, and --no-accel trains there without a word about devices."""
     data = write_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
-    small = ["-a", "shufflenet_v2_x0_5", "--train-crop-size", "32", "--val-resize-size", "36",
-             "--val-crop-size", "32", "-b", "2", "-j", "0", "--epochs", "1"]
+    small = [*TINY, "-b", "2", "--epochs", "1"]
     refused = run_main(str(data), *small, "--gpu", "0", "--output-dir", str(tmp_path / "a"))
     assert refused.returncode == 2, refused.stderr
     lines = [x for x in refused.stderr.splitlines() if x.strip()]
