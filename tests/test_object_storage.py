@@ -392,6 +392,7 @@ def test_evaluate_uploads_its_reports_and_predictions_to_urls(s3, folder_data, t
     assert train.returncode == 0, train.stderr
     fs = bucket()
     checkpoint = fs.cat_file("runs/ev0/checkpoint.pth.tar")
+    assert staged_files(tmp_path / "node") == [], "a finished run leaves its copies in $TMPDIR"
     flags = [str(folder_data), *FLAGS, "-e"]
     proc = run_main(*flags, "--resume", "s3://runs/ev0/model_best.pth.tar", "--output-dir",
                     "s3://runs/ev", "--predictions", "s3://runs/ev/sub/pred.csv", env=env,
@@ -413,6 +414,52 @@ def test_evaluate_uploads_its_reports_and_predictions_to_urls(s3, folder_data, t
     assert json.loads(fs.cat_file("runs/ev0/per_class.json"))["images"] == 9
     assert fs.cat_file("runs/ev0/checkpoint.pth.tar") == checkpoint  # read, not rewritten
     assert len(fs.cat_file("data/elsewhere/p.csv").decode().splitlines()) == 10
+    assert staged_files(tmp_path / "node") == []  # the downloaded checkpoints, the reports
+
+
+def staged_files(tmp: Path) -> list[str]:
+    """What the staging folders under ``tmp`` hold but the locks and the folder index."""
+    root = tmp / f"imagenet-trainer-{os.geteuid()}"
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()
+                  and p.name != rundir.LOCK and "cache" not in p.relative_to(root).parts[1:2])
+
+
+def test_the_end_of_a_run_frees_the_staging_folder_once_everything_is_up(tmp_path,
+                                                                        monkeypatch):
+    """The staging folders held a finished run's checkpoints (GBs in $TMPDIR) until the next
+    run on the same URL cleared them; they go once the last push has sent them, and stay when
+    it could not."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    store = tmp_path / "store"
+    (store / "elsewhere").mkdir(parents=True)
+    (store / "elsewhere" / files.CHECKPOINT).write_bytes(b"old")
+    cfg, remote = staged(parse_config([
+        "d", "--output-dir", f"local://{store}/run", "--resume",
+        f"local://{store}/elsewhere/{files.CHECKPOINT}", "--predictions",
+        f"local://{store}/preds/p.csv"]))
+    staging = Path(cfg.output_dir)
+    staging.mkdir(parents=True)
+    (staging / rundir.LOCK).write_text("")
+    (staging / "cache").mkdir()
+    (staging / "cache" / "index.json").write_text("{}")
+    remote.attach(continuing=False, training=True)
+    assert Path(cfg.resume).read_bytes() == b"old"
+    Path(cfg.predictions).parent.mkdir(parents=True, exist_ok=True)
+    Path(cfg.predictions).write_text("p\n")
+    (staging / files.CHECKPOINT).write_bytes(b"new")
+    (staging / "tb").mkdir()
+    (staging / "tb" / "events.out.tfevents.1").write_bytes(b"e")
+    remote.push()
+    (staging / "metrics.jsonl").write_text("{}\n")  # written after the push (it failed): kept
+    remote.release()
+    assert staged_files(tmp_path) == [f"{staging.name}/metrics.jsonl"]
+    remote.push()
+    remote.release()
+    assert staged_files(tmp_path) == []
+    assert (staging / rundir.LOCK).exists() and (staging / "cache" / "index.json").exists()
+    assert (store / "run" / files.CHECKPOINT).read_bytes() == b"new"
+    assert (store / "preds" / "p.csv").read_text() == "p\n"
+    assert (store / "elsewhere" / files.CHECKPOINT).read_bytes() == b"old"
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ for two checkpoints; the start-up space check covers it). Rank 0 uploads what ch
 - after every checkpoint save, before any rank goes on or exits: a preempted run's last
   checkpoint is in the bucket before the job ends (at the end of an epoch, once the epoch's
   metrics.jsonl line and TensorBoard events are written: ``outputs``);
-- once more when the run ends, however it ends.
+- once more when the run ends, however it ends; then the local copies the URLs hold are
+  removed (``release``): the staging folder keeps only what the upload could not send.
 
 Best files go up before checkpoint.pth.tar, the order they are written locally: a kill in
 between leaves a best file ahead of the checkpoint, which a resume adopts, never a checkpoint
@@ -194,6 +195,26 @@ class Remote:
             if rel != self._resume_key():
                 guarded(f"delete {self.output_url}/{rel}", lambda r=rel: fs.rm(f"{root}/{r}"))
             del self.sent[rel]
+
+    def release(self) -> None:
+        """Rank 0, after the last push: remove the local copies the URLs now hold (the
+        checkpoints, the record, the reports; a downloaded --resume file), which would otherwise
+        take room in $TMPDIR until the next run on this URL. A file the push could not send
+        stays, with the lock, the folder index and the demo data."""
+        if self.staging is not None and self.staging.is_dir():
+            for path in record_files(self.staging):
+                rel = path.relative_to(self.staging).as_posix()
+                if self.sent.get(rel) == signature(path):
+                    path.unlink()
+                    del self.sent[rel]  # the URL keeps it: no later push deletes it there
+            for folder in sorted(self.staging.rglob("*"), reverse=True):  # tb/, sub/ when empty
+                if folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir()):
+                    folder.rmdir()
+        for url, local in self.uploads.items():
+            if local.is_file() and self.uploaded.get(url) == signature(local):
+                local.unlink()
+        if self.resume_local is not None and self._resume_key() is None:
+            self.resume_local.unlink(missing_ok=True)  # a download from another URL
 
     def move_previous_run(self) -> str | None:
         """A fresh run: the URL's earlier record to URL/previous/<its start time>/; returns

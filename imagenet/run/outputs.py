@@ -88,7 +88,7 @@ class Outputs:
     @contextlib.contextmanager
     def uploading(self, dist: DistInfo) -> Iterator[None]:
         """Around the resume and the training: rank 0 uploads what is in the staging folder at
-        the end, however the run ends."""
+        the end, however the run ends, then frees the local copies the URLs now hold."""
         uploads = self.remote is not None and dist.is_main
         try:
             yield
@@ -96,9 +96,11 @@ class Outputs:
             if uploads:
                 with contextlib.suppress(Exception):  # the run's own error is the one to see
                     self.remote.push()  # type: ignore[union-attr]
+                    self.remote.release()  # type: ignore[union-attr]
             raise
         if uploads:
             self.remote.push()  # type: ignore[union-attr]
+            self.remote.release()  # type: ignore[union-attr]
 
     def prepare(self, cfg: Config, output_dir: Path, restarted: bool) -> None:
         """Rank 0: fill the staging folder from the URL, and adopt ``resume_from``."""
