@@ -230,6 +230,40 @@ def test_unshard_names_a_bad_output_and_damage_inside_a_shard(tmp_path, capsys):
     assert torch.load(tmp_path / "good.pth.tar", weights_only=True)["state_dict"]["b"].sum() == 3
 
 
+def test_a_flipped_byte_inside_a_shard_is_named_before_any_weight_is_used(tmp_path, capsys):
+    """A single file carries a checksum; a directory's shard files carried none, so a flipped
+    bit inside a tensor loaded as a silently different weight on resume, --finetune and
+    unshard. Each file's checksum is written with the directory and checked before reading."""
+    model = nn.Linear(64, 32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    path = tmp_path / "checkpoint.dcp"
+    with sharded.single_process_is_meant():
+        sharded.write(sharded.sharded_state(model, optimizer, None),
+                      {"state_dict": None, "epoch": 1, "arch": "linear"}, path, True)
+    whole = (path / SHARD).read_bytes()
+    middle = len(whole) // 2
+    (path / SHARD).write_bytes(whole[:middle] + bytes([whole[middle] ^ 0x10]) +
+                               whole[middle + 1:])
+    assert files.incomplete(path) is None  # every part there, at its length
+    expected = (f"{path} is damaged: its shard file {SHARD} does not match the checksum "
+                "written with it")
+    saved = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.zero_()
+    reads = {"resume": lambda p: sharded.load(model, optimizer, None, p, "linear", []),
+             "--finetune": read_weights,
+             "unshard": lambda p: sharded.to_single_file(p, tmp_path / "x.pth.tar")}
+    for name, read in reads.items():
+        assert refusal(read, path).startswith(expected), name
+    assert unshard.main([str(path)]) == 1
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {expected}")
+    (path / SHARD).write_bytes(whole)  # the same bytes again: it loads
+    assert model.weight.abs().sum() == 0  # nothing of the damaged directory was used
+    sharded.load(model, optimizer, None, path, "linear", [])
+    assert torch.equal(model.weight, saved)
+
+
 @pytest.mark.slow
 def test_resuming_a_damaged_directory_stops_every_rank_with_one_line(tmp_path):
     data = write_image_folder(tmp_path / "data", train_per_class=4, val_per_class=1)

@@ -2,9 +2,11 @@
 
 Every rank writes its own shards of the model, optimizer and EMA (nothing is gathered, so no host
 needs the whole state); rank 0 adds ``trainer_state.pth.tar`` with everything else a classic
-checkpoint holds. A directory is written under a temporary name and swapped into place, so a
-kill leaves the previous one whole. It resumes at any world size (torch reshards on load) and
-``python -m imagenet.tools.unshard`` turns it into the classic single file.
+checkpoint holds, and the SHA-256 of every file DCP wrote (``whole.SHARD_SUMS``), checked
+before a directory's weights are read. A directory is written under a temporary name and
+swapped into place, so a kill leaves the previous one whole. It resumes at any world size
+(torch reshards on load) and ``python -m imagenet.tools.unshard`` turns it into the classic
+single file.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel
 
 import imagenet.training.fsdp as fsdp
-from imagenet.checkpoint import dcpread, files, guard
+from imagenet.checkpoint import dcpread, files, guard, whole
 from imagenet.errors import CheckpointError, on_every_rank
-from imagenet.launching.collectives import barrier, raise_agreed
+from imagenet.launching.collectives import barrier, gathered, raise_agreed, share
 
 SHARDED = ("state_dict", "optimizer", "ema")  # the keys whose tensors DCP holds
 
@@ -71,8 +73,12 @@ def write(tensors: dict[str, Any], meta: dict[str, Any], path: Path, is_main: bo
     barrier()
     with single_process_is_meant():
         dcp.save(tensors, checkpoint_id=tmp)
+    rank, world_size = share()  # each rank sums its share of the files (all are written now)
+    sums: dict[str, str] = {}
+    for part in gathered(whole.file_sums(tmp, whole.dcp_files(tmp)[rank::world_size])):
+        sums.update(part)
     if is_main:
-        files.atomic_save(meta, tmp / files.SHARDED_META)
+        files.atomic_save({**meta, whole.SHARD_SUMS: sums}, tmp / files.SHARDED_META)
         for copy in copies:
             _link_copy(tmp, copy)
         files.replace_dir(tmp, path)
@@ -133,6 +139,9 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, ema: AveragedModel 
     problem = files.incomplete(path)  # each rank sees the directory it reads its shards from
     raise_agreed(CheckpointError(f"{path} is incomplete: {problem}; {files.RESUME_FIX}")
                  if problem else None)
+    bad = whole.damaged_file(path, meta.get(whole.SHARD_SUMS), *share())  # before any read
+    raise_agreed(CheckpointError(f"{path} is damaged: {bad}; {files.RESUME_FIX}")
+                 if bad else None)
     saved = {key.split(".")[0] for key in  # model_best_ema.dcp holds the weights only
              dcpread.read_metadata(path).state_dict_metadata}
     state = {k: v for k, v in sharded_state(model, optimizer, ema).items()
@@ -173,6 +182,9 @@ def to_single_file(src: Path, dst: Path) -> dict[str, Any]:
     """The classic checkpoint of directory ``src`` written to ``dst``: plain keys, optimizer
     state keyed by index, as ``--fsdp`` without --sharded-checkpoint would have saved it."""
     meta = load_meta(src)
+    bad = whole.damaged_file(src, meta.pop(whole.SHARD_SUMS, None))
+    if bad:
+        raise CheckpointError(f"{src} is damaged: {bad}; give another checkpoint directory")
     try:
         tensors = dcpread.load_everything(src)
     except (CheckpointException, RuntimeError, ValueError, EOFError) as exc:

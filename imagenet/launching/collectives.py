@@ -1,6 +1,6 @@
 """The ranks together: who this process is (``DistInfo``), one rank's error raised on every rank
-(also a check only rank 0 makes), rank 0's value on every rank, a barrier. Each works without a
-process group too (one process).
+(also a check only rank 0 makes), rank 0's value on every rank, every rank's value, a barrier.
+Each works without a process group too (one process).
 """
 
 from __future__ import annotations
@@ -64,6 +64,23 @@ def from_rank0(value: Any) -> Any:
     holder = [value]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]
+
+
+def share() -> tuple[int, int]:
+    """This rank and the world size ((0, 1) without a process group): a part of some work."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gathered(value: Any) -> list[Any]:
+    """Every rank's ``value``, by rank (``[value]`` without a process group). Collective."""
+    rank, world_size = share()
+    if world_size == 1:
+        return [value]
+    values: list[Any] = [None] * world_size
+    dist.all_gather_object(values, value)
+    return values
 
 
 def barrier() -> None:
