@@ -24,6 +24,10 @@ def test_env_check_passes_with_two_gloo_ranks_on_cpu():
     assert proc.returncode == 0, out + proc.stderr
     assert re.fullmatch(r"env-check: PASS \((\d+)/\1 checks\)", _last_line(out)), out
     assert "Devices     CPU:" in out and "Backends    gloo: yes" in out
+    import huggingface_hub
+    import pyarrow
+    assert (f"Parquet     pyarrow {pyarrow.__version__} (--data-format parquet); Hugging Face "
+            f"Hub client {huggingface_hub.__version__} (hf:// data)") in out, out
     assert "resnet18: 11,689,512 parameters" in out
     assert "PASS process group: 2 ranks joined" in out
     # 1 + 2 contributed by the two ranks, checked exactly on every rank.

@@ -520,3 +520,25 @@ def test_the_plan_resolves_the_urls_once_every_stage_reads_the_local_folder(tmp_
     StoppedChildren(1.0, plan.ranks, Path(plan.cfg.output_dir)).end(0, Stopped(), 40.0)
     assert (staging / "hang" / "report.json").is_file()
     assert not any(tmp_path.iterdir())  # nothing under the current folder
+
+
+def test_hub_parquet_in_a_bucket_reads_as_it_does_from_a_disk(s3, tmp_path):
+    """--data-format parquet on an S3-compatible store (where hf:// URLs go through the same
+    fsspec reader): the same files, counts, class names and validation rows as on disk."""
+    from test_parquet import hub_parquet, read_all
+
+    from imagenet.data.shards.parquet import resolve_parquet
+
+    local = hub_parquet(write_image_folder(tmp_path / "img", train_per_class=12,
+                                           val_per_class=4), tmp_path / "hub")
+    bucket().put(f"{local}/", "data/hub/", recursive=True)
+    remote, disk = resolve_parquet("s3://data/hub", None), resolve_parquet(str(local), None)
+    assert remote.train.urls[0] == \
+        "s3://data/hub/data/train-00000-of-00003.parquet"
+    assert (remote.train.counts, remote.val.counts, remote.classes) == \
+        (disk.train.counts, disk.val.counts, disk.classes)
+    for rank in range(2):
+        assert read_all(remote.val, world=2, rank=rank, train=False) == \
+            read_all(disk.val, world=2, rank=rank, train=False)
+        assert read_all(remote.train, world=2, rank=rank, train=True, first=2) == \
+            read_all(disk.train, world=2, rank=rank, train=True, first=2)

@@ -16,6 +16,7 @@ from imagenet.settings.flags import Config
 from imagenet.settings.plan import Plan
 
 log = logging.getLogger(__name__)
+STREAMED = ("shards", "parquet")  # read by the shard machinery (imagenet.data.shards)
 
 
 def data_root(cfg: Config, output_dir: Path) -> str:
@@ -47,7 +48,7 @@ def load_data(plan: Plan, dist: DistInfo, root: str, aug_seed: int,
     indexes = index_files(plan, dist)
     if dist.is_main and plan.data_format != "dummy":
         log.info("=> images decoded by %s (%s)", plan.decoding.name, plan.decoding.why)
-    if plan.data_format != "shards" and cfg.evaluate and cfg.val_data:  # -e: DIR is not read
+    if plan.data_format not in STREAMED and cfg.evaluate and cfg.val_data:  # DIR not read
         return eval_data.build_eval_data(plan, dist.rank, aug_seed, pin_memory, indexes,
                                          continues)
     if dist.is_main and plan.decode.on_device:
@@ -56,6 +57,6 @@ def load_data(plan: Plan, dist: DistInfo, root: str, aug_seed: int,
     elif dist.is_main and plan.data_format == "folder" and dist.device.type == "cuda":
         log.info("=> JPEGs decoded and cropped by the loader workers (--decode-on-device %s)",
                  plan.decode.why)
-    if plan.data_format == "shards":
+    if plan.data_format in STREAMED:
         return build_shard_data(plan, root, dist.rank, aug_seed, pin_memory=pin_memory)
     return build_data(plan, root, dist.rank, aug_seed, pin_memory=pin_memory, files=indexes)

@@ -24,7 +24,7 @@ from imagenet.settings.duration import parse_time_limit
 GROUPS = ("recipe", "data", "model", "optimisation", "distributed", "checkpointing", "logging")
 AUTO_AUGMENT = ("ra", "ta_wide", "augmix", "imagenet")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
-DATA_FORMATS = ("auto", "folder", "shards")
+DATA_FORMATS = ("auto", "folder", "shards", "parquet")
 CACHE = "cache"  # --cache-dir's default: OUTPUT_DIR/cache
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -92,9 +92,10 @@ class Config:
                            "'pipe:COMMAND' (default: %(default)s)")
     data_format: str = _flag("--data-format", group="data", default="auto",
                              choices=DATA_FORMATS,
-                             help="how to read DIR; auto = tar shards when DIR is a pattern, "
-                                  "URL, pipe: or holds _info.json, else ImageFolder "
-                                  "(default: %(default)s)")
+                             help="how to read DIR; auto = Parquet (Hugging Face's layout) "
+                                  "when DIR holds .parquet files or is an hf:// URL, tar shards "
+                                  "when DIR is a pattern, URL, pipe: or holds _info.json, else "
+                                  "ImageFolder (default: %(default)s)")
     val_data: str | None = _flag("--val-data", group="data", default=None, metavar="PATH",
                                  help="the validation images: with a shard pattern DIR, shards "
                                       "(default: the validation split of the _info.json beside "

@@ -46,7 +46,7 @@ class Plan:
     launch: Launch  # how the processes start, and why
     layout: Layout  # world size, images per process and micro-batch, accumulation, workers
     crops: CropSchedule  # the training crop of every epoch
-    data_format: str  # how DIR is read: "folder", "shards" or "dummy"
+    data_format: str  # how DIR is read: "folder", "shards", "parquet" or "dummy"
     device_type: str  # where the processes train: "cuda", "xpu", "mps", ... or "cpu"
     decode: Decode
     restarts: int  # torchrun's restarts of the worker group (TORCHELASTIC_RESTART_COUNT)
@@ -112,7 +112,8 @@ def process_start() -> float:
 
 
 def source_format(cfg: Config) -> str:
-    """How DIR is read: "dummy", "folder" (also the demo's data, written later) or "shards"."""
+    """How DIR is read: "dummy", "folder" (also the demo's data, written later), "shards" or
+    "parquet"."""
     if cfg.dummy:
         if cfg.val_data:
             raise UsageError("--val-data gives real validation images; --dummy has none: drop "
@@ -122,8 +123,10 @@ def source_format(cfg: Config) -> str:
         return "folder"
     found = data_format(cfg.data, cfg.data_format)
     if found != "shards" and cfg.num_classes:
-        raise UsageError(f"--num-classes applies to tar shards only; '{cfg.data}' is read as an "
-                         "ImageFolder")
+        what = "Parquet (its metadata names the classes)" if found == "parquet" else \
+            "an ImageFolder"
+        raise UsageError(f"--num-classes applies to tar shards only; '{cfg.data}' is read as "
+                         f"{what}")
     return found
 
 
@@ -133,6 +136,8 @@ def device_conflict(cfg: Config, fmt: str) -> str | None:
         return "--dummy data is not decoded"
     if fmt == "shards":
         return "tar shards are decoded by the loader workers (ImageFolder data only)"
+    if fmt == "parquet":
+        return "Parquet rows are decoded by the loader workers (ImageFolder data only)"
     if cfg.image_backend == "pil":
         return "--image-backend pil decodes with PIL"
     if cfg.auto_augment:

@@ -34,12 +34,18 @@ def is_shard_pattern(data: str) -> bool:
 
 
 def data_format(data: str, requested: str) -> str:
-    """"folder" or "shards": ``requested`` unless "auto", else what ``data`` looks like."""
+    """"folder", "shards" or "parquet": ``requested`` unless "auto", else what ``data`` looks
+    like."""
     if requested != "auto":
         return requested
+    if data.startswith("hf://") or data.endswith(".parquet"):
+        return "parquet"
     if is_remote(data) or is_shard_pattern(data):
         return "shards"
     root = Path(data)
+    if root.is_dir() and not any((root / name).is_file() for name in INFO_NAMES) and any(
+            next(root.glob(f"{'*/' * depth}*.parquet"), None) for depth in range(3)):
+        return "parquet"  # the Hub's layout: *.parquet, data/*.parquet, default/train/*.parquet
     folder = (root / "train").is_dir() and (root / "val").is_dir()
     shards = any((root / name).is_file() for name in INFO_NAMES)
     if folder and shards:

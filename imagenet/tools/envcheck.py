@@ -99,7 +99,22 @@ def library_lines(cfg: Config) -> list[str]:
             f"NCCL        {nccl}",
             f"Accelerator {devices.detect().describe()} (torch.accelerator)",
             f"Decoder     {decoding.name} ({decoding.why}); TorchCodec "
-            f"{'installed' if decoders.torchcodec_installed() else 'not installed'}"]
+            f"{'installed' if decoders.torchcodec_installed() else 'not installed'}",
+            f"Parquet     pyarrow {installed('pyarrow')} (--data-format parquet); Hugging Face Hub "
+            f"client {installed('huggingface_hub')} (hf:// data)"]
+
+
+def installed(module: str) -> str:
+    """"pyarrow 25.0.1" when ``module`` can be imported (its version), else "not installed"."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        return "not installed"
+    try:
+        return f"{importlib.metadata.version(module)}"
+    except importlib.metadata.PackageNotFoundError:
+        return "installed"
 
 
 def device_lines() -> list[str]:

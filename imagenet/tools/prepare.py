@@ -1,5 +1,6 @@
 """Turn the ILSVRC2012 archives into the ImageFolder layout ``OUT/{train,val}/<wnid>/*.JPEG``,
-or into WebDataset tar shards (``--format shards``, from the archives or ``--from-folder``).
+or into WebDataset tar shards (``--format shards``, from the archives or ``--from-folder``);
+an ImageFolder to Hugging Face Parquet and back (``imagenet.tools.parquetwrite``).
 
 Offline, streaming (each archive is read once, nothing is extracted twice), resumable and
 idempotent: every image is written to a temporary name and ``os.replace``d into place; an image
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import IO
 
 from imagenet.errors import INTERRUPTED_EXIT_CODE, RunError, TrainerError, UsageError, report
+from imagenet.tools.parquetwrite import folder_from_parquet, parquet_from_folder
 from imagenet.tools.prepfiles import (
     PART_SUFFIX,
     Progress,
@@ -55,13 +57,18 @@ def get_args_parser() -> argparse.ArgumentParser:
     labels.add_argument("--val-labels", type=Path, metavar="PATH",
                         help="text file of '<filename> <wnid>' lines (val labels)")
     p.add_argument("--from-folder", type=Path, metavar="DIR",
-                   help="write shards of an ImageFolder (DIR/train, DIR/val) instead of archives")
+                   help="write shards (or, with --format parquet, Hugging Face Parquet) of an "
+                        "ImageFolder (DIR/train, DIR/val) instead of archives")
+    p.add_argument("--from-parquet", metavar="DIR",
+                   help="write an ImageFolder (OUT/train, OUT/val) of a Hugging Face Parquet "
+                        "data set (a folder or URL in the Hub's layout)")
     p.add_argument("--out", type=Path, required=True, metavar="DIR",
                    help="output folder; train/ and val/ are created inside it (shards: "
                         "train-*.tar, val-*.tar and _info.json)")
-    p.add_argument("--format", choices=("folder", "shards"), default=None,
-                   help="ImageFolder or WebDataset tar shards (default: folder; shards with "
-                        "--from-folder)")
+    p.add_argument("--format", choices=("folder", "shards", "parquet"), default=None,
+                   help="ImageFolder, WebDataset tar shards or Hugging Face Parquet "
+                        "(OUT/data/<split>-*.parquet; with --from-folder) (default: folder; "
+                        "shards with --from-folder)")
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="shards: seed of the random order of the images (default: 0)")
     p.add_argument("--shard-size", type=float, default=1000.0, metavar="MB",
@@ -228,7 +235,12 @@ def counts_match(split: str, folder: Path, expected: int) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Prepare the requested splits; returns the exit code."""
-    shards = output_format(args) == "shards"
+    made = output_format(args)
+    shards = made == "shards"
+    if args.from_parquet is not None:
+        return folder_from_parquet(args)
+    if made == "parquet":
+        return parquet_from_folder(args)
     if args.from_folder is not None:
         return shards_from_folder(args)
     if args.train_tar is None and args.val_tar is None:
@@ -256,16 +268,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def output_format(args: argparse.Namespace) -> str:
-    """"folder" or "shards", checked against the other arguments."""
+    """"folder", "shards" or "parquet", checked against the other arguments."""
     if args.shard_size <= 0 or (args.shard_max_images or 1) < 1:
         raise UsageError("--shard-size and --shard-max-images must be positive")
+    if args.from_parquet is not None:
+        if args.from_folder or args.train_tar or args.val_tar or args.format not in (None,
+                                                                                    "folder"):
+            raise UsageError("--from-parquet writes an ImageFolder: drop the other inputs and "
+                             "--format")
+        return "folder"
+    if args.format == "parquet" and args.from_folder is None:
+        raise UsageError("--format parquet is written from an ImageFolder: give "
+                         "--from-folder DIR")
     if args.from_folder is not None:
         if args.format == "folder":
-            raise UsageError("--from-folder writes shards: drop --format folder")
+            raise UsageError("--from-folder writes shards or Parquet: drop --format folder")
         if args.train_tar or args.val_tar:
             raise UsageError("give --from-folder or the archives (--train-tar/--val-tar), "
                              "not both")
-        return "shards"
+        return args.format or "shards"
     return args.format or "folder"
 
 

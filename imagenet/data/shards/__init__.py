@@ -6,6 +6,7 @@
   plan       which samples each batch of a rank holds in an epoch: a pure function
   reader     ``ShardBatches`` (the DataLoader dataset) and ``ShardTrain`` (the trainer's view)
   check      before training: each rank's share of the validation shards is there and whole
+  parquet    Hugging Face Parquet files read as shards (``--data-format parquet``)
 
 Our own small reader of the format rather than the ``webdataset`` package, whose iteration model
 cannot give what the trainer promises: batches independent of the number of loader workers,
@@ -21,6 +22,7 @@ import logging
 import torch
 
 from imagenet.data.folder import Data, StopSafeLoader, build_transforms, loader_options
+from imagenet.data.shards.parquet import resolve_parquet
 from imagenet.data.shards.plan import STREAMS, train_batches_per_rank
 from imagenet.data.shards.reader import ShardBatchSampler, ShardSamples, ShardTrain
 from imagenet.data.shards.sources import resolve
@@ -41,7 +43,8 @@ def build_shard_data(plan: Plan, data: str, rank: int, aug_seed: int, pin_memory
         raise UsageError(f"--ra-reps {cfg.ra_reps} needs an ImageFolder: tar shards give each "
                          "process a contiguous stretch of the epoch, read once, so the copies "
                          "of an image cannot be spread over the processes; drop --ra-reps")
-    shards = resolve(data, cfg.val_data, cfg.num_classes)
+    shards = resolve_parquet(data, cfg.val_data) if plan.data_format == "parquet" else \
+        resolve(data, cfg.val_data, cfg.num_classes)
     batch, workers = layout.batch_size, layout.workers
     steps = train_batches_per_rank(shards.train.total, world_size, batch)
     if steps == 0 and not cfg.evaluate:
@@ -63,9 +66,11 @@ def build_shard_data(plan: Plan, data: str, rank: int, aug_seed: int, pin_memory
                               **loader_options(workers, prefetch=2))
                for split, tf, train in splits]
     left_out = shards.train.total - steps * batch * world_size
-    log.info("=> shards: %d training images in %d shards, %d batches of %d per process and "
-             "epoch (%d left out each epoch, different ones); %d validation images in %d shards",
-             shards.train.total, len(shards.train.urls), steps, batch, left_out,
-             shards.val.total, len(shards.val.urls))
+    kind = "Parquet files" if plan.data_format == "parquet" else "shards"
+    log.info("=> %s: %d training images in %d %s, %d batches of %d per process and epoch (%d "
+             "left out each epoch, different ones); %d validation images in %d %s",
+             "parquet" if plan.data_format == "parquet" else "shards", shards.train.total,
+             len(shards.train.urls), kind, steps, batch, left_out, shards.val.total,
+             len(shards.val.urls), kind)
     return Data(ShardTrain(loaders[0]), loaders[1], len(shards.classes), shards.classes,
                 shards.val.total)

@@ -10,9 +10,9 @@ all of it would download the validation set once more, so its length is checked 
 
 from __future__ import annotations
 
+from imagenet.data.shards.parquet import open_reader
 from imagenet.data.shards.sources import ShardList
-from imagenet.data.shards.streams import open_shard
-from imagenet.data.shards.tarreader import SampleReader, ShardError
+from imagenet.data.shards.tarreader import ShardError
 from imagenet.settings.sources import is_remote
 
 
@@ -31,7 +31,7 @@ def first_bad_shard(shards: ShardList, rank: int, world_size: int) -> ShardError
 
 def check_shard(url: str, count: int) -> None:
     """ShardError unless the shard at ``url`` holds ``count`` samples (remote: is readable)."""
-    reader = SampleReader(open_shard(url), url, frozenset())
+    reader = open_reader(url, frozenset())  # a Parquet file: its footer's row count
     try:
         found = reader.skip(1 if is_remote(url) else count + 1)
     finally:

@@ -22,9 +22,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 import imagenet.data.transforms as T
 from imagenet.data.resizing import follow_epoch
 from imagenet.data.samplers import seeded_call
+from imagenet.data.shards.parquet import ParquetReader, open_reader
 from imagenet.data.shards.plan import BLOCK, STREAMS, EpochPlan, train_batches_per_rank
 from imagenet.data.shards.sources import ShardList
-from imagenet.data.shards.streams import open_shard
 from imagenet.data.shards.tarreader import SampleReader, ShardError
 from imagenet.errors import RunError
 
@@ -61,7 +61,7 @@ class _Stream:
     def __init__(self, shards: ShardList, plan: EpochPlan, position: int,
                  stats: ReadStats) -> None:
         self.shards, self.plan, self.position, self.stats = shards, plan, position, stats
-        self.reader: SampleReader | None = None
+        self.reader: SampleReader | ParquetReader | None = None
         self.reader_shard = -1
         self.block: list[tuple[int, Raw]] = []
         self.block_at: tuple[int, int] = (-1, -1)  # (shard, block index) held in self.block
@@ -87,7 +87,7 @@ class _Stream:
         lo, hi = block * self.plan.block, min((block + 1) * self.plan.block, count)
         if self.reader is None or self.reader_shard != shard or self.reader.index != lo:
             self.close()
-            self.reader, self.reader_shard = SampleReader(open_shard(url), url, WANTED), shard
+            self.reader, self.reader_shard = open_reader(url, WANTED), shard
             self.stats.add(opened=1, skipped=self.reader.skip(lo))
         raw = [self._next(url, count) for _ in range(hi - lo)]
         self.stats.add(read=hi - lo)

@@ -1,0 +1,109 @@
+"""Hugging Face Parquet vs tar shards of the same images: loader speed per CPU core. Run by hand
+(not a test):
+
+    python benchmarks/bench_parquet.py                 # 2000 images, 3 passes each
+    python benchmarks/bench_parquet.py --images 5000 --passes 5
+
+The data: ``--images`` photo-like JPEGs of ImageNet sizes (~470x360, quality 90; 10 classes) in
+WORKDIR/folder, the tar shards and the Hub-layout Parquet that ``python -m imagenet.tools.prepare
+--from-folder`` writes of them (files of ``--shard-size`` MB); made once, reused. Both are read
+by the trainer's own shard reader (``ShardBatchSampler``: the epoch plan, two streams) and
+decoded and augmented by ``ShardSamples`` with the training transform (RandomResizedCrop 224 +
+flip) in batches of 64, in this process with one thread and no loader workers: images per
+CPU-second is what one loader core delivers. The two take turns over ``--passes`` epochs (a slow
+phase of the machine hits both); also the read alone (no decode). The target: Parquet within
+10 % of the shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+BATCH = 64
+
+
+def make_data(workdir: Path, images: int, shard_mb: float) -> tuple[Path, Path]:
+    """WORKDIR/shards-<MB>mb (``bench_shards``'s) and WORKDIR/parquet-<MB>mb of WORKDIR/folder."""
+    from bench_shards import make_data as folder_and_shards
+
+    folder, shards = folder_and_shards(workdir, images, shard_mb)
+    parquet = workdir / f"parquet-{shard_mb:g}mb"
+    if not (parquet / "done").is_file():
+        subprocess.run([sys.executable, "-m", "imagenet.tools.prepare", "--from-folder",
+                        str(folder), "--format", "parquet", "--out", str(parquet),
+                        "--shard-size", str(shard_mb)], check=True, cwd=ROOT)
+        (parquet / "done").touch()
+    return shards, parquet
+
+
+def loader(shards, decode: bool):
+    """The trainer's reader of ``shards`` (a ShardList): batches of decoded crops, or (without
+    ``decode``) the encoded samples the sampler reads."""
+    from torch.utils.data import DataLoader
+
+    import imagenet.data.transforms as T
+    from imagenet.data.shards.reader import ShardBatchSampler, ShardSamples
+
+    sampler = ShardBatchSampler(shards, world_size=1, rank=0, batch_size=BATCH, shuffle=True,
+                                seed=0, aug_seed=0)
+    if not decode:
+        return sampler
+    return DataLoader(ShardSamples(T.train_transform(224), "tensor", 10, True),
+                      batch_sampler=sampler, num_workers=0)
+
+
+def one_pass(reader, epoch: int) -> tuple[int, float]:
+    """(images, CPU seconds) of one epoch of ``reader``."""
+    sampler = getattr(reader, "batch_sampler", reader)
+    sampler.set_position(epoch, 0)
+    start, n = time.process_time(), 0
+    for batch in reader:  # decoded: (images, labels); read only: a list of samples
+        n += len(batch[1]) if reader is not sampler else len(batch)
+    return n, time.process_time() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/bench_parquet"))
+    p.add_argument("--images", type=int, default=2000, help="training JPEGs (default: 2000)")
+    p.add_argument("--shard-size", type=float, default=16.0, metavar="MB")
+    p.add_argument("--passes", type=int, default=3, help="epochs per reader (default: 3)")
+    args = p.parse_args()
+
+    import torch
+
+    from imagenet.data.shards.parquet import resolve_parquet
+    from imagenet.data.shards.sources import resolve
+
+    torch.set_num_threads(1)
+    shard_dir, parquet_dir = make_data(args.workdir, args.images, args.shard_size)
+    splits = {"shards": resolve(str(shard_dir), None, None).train,
+              "parquet": resolve_parquet(str(parquet_dir), None).train}
+    print(f"{args.images} images; shards: {len(splits['shards'].urls)} files, parquet: "
+          f"{len(splits['parquet'].urls)} files ({args.shard_size:g} MB each)")
+    for decode in (False, True):
+        what = "decode + crop" if decode else "read only"
+        rates: dict[str, list[float]] = {name: [] for name in splits}
+        readers = {name: loader(split, decode) for name, split in splits.items()}
+        for p_ in range(args.passes):
+            for name, reader in readers.items():  # take turns
+                n, cpu = one_pass(reader, p_)
+                rates[name].append(n / cpu)
+                print(f"{what:>13} pass {p_} {name:>7}: {n} images, {n / cpu:.0f} img/s per "
+                      "CPU-second", flush=True)
+        best = {name: max(r) for name, r in rates.items()}
+        print(f"{what:>13}: shards {best['shards']:.0f} img/s, parquet {best['parquet']:.0f} "
+              f"img/s per CPU-second: parquet/shards = {best['parquet'] / best['shards']:.3f} "
+              "(best pass of each)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Hugging Face image datasets in Parquet (``--data-format parquet``): each Parquet file is a shard.
+
+The Hub's layout, as the ``datasets`` library writes it: ``data/train-00000-of-00004.parquet``,
+``data/validation-00000-of-00001.parquet`` (or ``train/0000.parquet``, the Hub's converted
+branch; ``val``, ``valid`` or ``test`` where a set names its evaluation split so). Columns: an
+``Image`` feature (a struct of ``bytes`` and ``path``) and a ``ClassLabel`` (an integer), whose
+class names ``datasets`` stores in each file's schema metadata (key ``huggingface``).
+
+Each file's row count comes from its footer, so the files are shards with known counts and the
+tar-shard machinery (``plan``, ``reader``) gives the same guarantees: an epoch order fixed by
+the seed whatever the world size, every validation image once, mid-epoch resume. A reader holds
+one row group at a time (``iter_batches``): files are streamed, never loaded whole. Read with
+pyarrow, an optional extra (``pip install 'imagenet-trainer[parquet]'``), imported only here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import re
+from collections.abc import Iterator
+from itertools import accumulate
+from pathlib import Path
+from typing import Any
+
+from imagenet.data.shards.sources import ShardList, ShardSet
+from imagenet.data.shards.streams import open_shard
+from imagenet.data.shards.tarreader import SampleReader, ShardError
+from imagenet.errors import DataError, UsageError
+from imagenet.settings.sources import is_url
+
+PARQUET_EXTRA = "pip install 'imagenet-trainer[parquet]'"
+TRAIN_SPLIT = "train"
+VAL_SPLITS = ("validation", "val", "valid", "test")  # the first one present is validated on
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp")
+_SPLIT_IN_NAME = re.compile(r"^([A-Za-z]+)(?=[-_.])")
+READ_ROWS = 64  # rows per record batch read from a row group
+
+
+def is_parquet(url: str) -> bool:
+    return url.endswith(".parquet")
+
+
+def pyarrow_parquet() -> Any:
+    """``pyarrow.parquet``; UsageError naming the extra when pyarrow is missing."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UsageError(f"--data-format parquet reads Parquet with pyarrow: {PARQUET_EXTRA}"
+                         ) from None
+    return pq
+
+
+def open_parquet(url: str) -> Any:
+    """A ``pyarrow.parquet.ParquetFile`` of a local path or fsspec URL; ShardError naming the
+    file when it is missing, cut short or not Parquet."""
+    pq = pyarrow_parquet()
+    try:
+        if is_url(url):
+            from imagenet.data.objectstore import filesystem
+
+            fs, path = filesystem(url)
+            return pq.ParquetFile(fs.open(path, "rb"))
+        return pq.ParquetFile(url)
+    except FileNotFoundError:
+        raise ShardError(f"Parquet file {url} does not exist") from None
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise ShardError(f"Parquet file {url} cannot be read ({first_line(exc)}): it is cut "
+                         "short or damaged; copy it again") from None
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+# ---- which files, how many rows, which classes
+
+
+def list_files(root: str) -> list[str]:
+    """The .parquet files under a folder or URL (a file: itself), in stored (sorted) order."""
+    if is_parquet(root):
+        return [root]
+    if is_url(root):
+        from imagenet.data.objectstore import filesystem
+
+        fs, path = filesystem(root)
+        protocol = root.split("://", 1)[0]
+        found = sorted(fs.glob(f"{path.rstrip('/')}/**/*.parquet"))
+        return [f"{protocol}://{p}" for p in found]
+    if not Path(root).is_dir():
+        raise UsageError(f"data '{root}' does not exist: give a folder or URL of Parquet files "
+                         "in the Hugging Face Hub's layout (data/train-*.parquet, ...)")
+    return sorted(str(p) for p in Path(root).rglob("*.parquet"))
+
+
+def split_of_file(root: str, url: str) -> str | None:
+    """The split a file of the Hub's layout belongs to: a folder named for it (``train/``) or
+    its name's first word (``train-00000-of-00004.parquet``)."""
+    rel = url[len(root.rstrip("/")) + 1:] if url.startswith(root.rstrip("/") + "/") else url
+    parts = rel.split("/")
+    for part in parts[:-1]:
+        if part.lower() in (TRAIN_SPLIT, *VAL_SPLITS):
+            return part.lower()
+    match = _SPLIT_IN_NAME.match(parts[-1])
+    return match.group(1).lower() if match else None
+
+
+def features(file: Any, url: str) -> tuple[str, str, list[str]]:
+    """(image column, label column, class names) from a file's ``huggingface`` metadata."""
+    meta = (file.schema_arrow.metadata or {}).get(b"huggingface")
+    advice = ("write it with the datasets library (a ClassLabel feature) or with python -m "
+              "imagenet.tools.prepare --format parquet")
+    if meta is None:
+        raise DataError(f"Parquet file {url} has no Hugging Face features in its metadata "
+                        f"(no 'huggingface' key): its class names are unknown; {advice}")
+    try:
+        feats = json.loads(meta)["info"]["features"]
+        images = [k for k, v in feats.items() if isinstance(v, dict) and v.get("_type") == "Image"]
+        labels = [k for k, v in feats.items()
+                  if isinstance(v, dict) and v.get("_type") == "ClassLabel"]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise DataError(f"Parquet file {url}: its 'huggingface' metadata cannot be read "
+                        f"({first_line(exc)}); {advice}") from None
+    if not images or not labels:
+        missing = "an Image feature" if not images else "a ClassLabel feature (the label)"
+        raise DataError(f"Parquet file {url} has no {missing}; {advice}")
+    label = "label" if "label" in labels else labels[0]
+    names = feats[label].get("names")
+    if not names:
+        raise DataError(f"Parquet file {url}: its ClassLabel '{label}' lists no class names; "
+                        f"{advice}")
+    return images[0], label, [str(n) for n in names]
+
+
+def counted(urls: list[str], what: str) -> tuple[ShardList, tuple[str, str, list[str]]]:
+    """The files with their row counts (from their footers), and the features they share."""
+    counts, shared, first = [], None, ""
+    for url in urls:
+        file = open_parquet(url)
+        counts.append(file.metadata.num_rows)
+        found = features(file, url)
+        if shared is None:
+            shared, first = found, url
+        elif found != shared:
+            raise DataError(f"Parquet file {url} disagrees with {first} on its columns or class "
+                            f"names ({what}): the files of one data set must share them")
+    if shared is None:
+        raise UsageError(f"no Parquet files for {what}")
+    return ShardList(tuple(urls), tuple(counts)), shared
+
+
+def resolve_parquet(data: str, val_data: str | None) -> ShardSet:
+    """The Parquet files of a run (training and validation) and their class names."""
+    root = data.rstrip("/")
+    files = list_files(root)
+    by_split: dict[str | None, list[str]] = {}
+    for url in files:
+        by_split.setdefault(split_of_file(root, url), []).append(url)
+    if TRAIN_SPLIT not in by_split:
+        raise UsageError(f"'{data}' holds no training split in the Hub's layout (found "
+                         f"{len(files)} .parquet files; expected data/train-*.parquet or "
+                         "train/*.parquet)")
+    train, train_features = counted(by_split[TRAIN_SPLIT], f"{data} train")
+    if val_data:
+        val, val_features = counted(list_files(val_data.rstrip("/")), f"--val-data {val_data}")
+    else:
+        split = next((s for s in VAL_SPLITS if s in by_split), None)
+        if split is None:
+            raise UsageError(f"'{data}' holds no validation split ({', '.join(VAL_SPLITS)}): "
+                             "give the validation Parquet files with --val-data")
+        val, val_features = counted(by_split[split], f"{data} {split}")
+    if val_features[2] != train_features[2]:
+        raise DataError(f"Parquet file {val.urls[0]} lists other class names than "
+                        f"{train.urls[0]}: the splits disagree ({len(val_features[2])} vs "
+                        f"{len(train_features[2])} classes)")
+    return ShardSet(train, val, train_features[2])
+
+
+# ---- reading
+
+
+def open_reader(url: str, wanted: frozenset[str]) -> ParquetReader | SampleReader:
+    """The samples of one shard: a Parquet file's rows, or a tar shard's members."""
+    if is_parquet(url):
+        return ParquetReader(url)
+    return SampleReader(open_shard(url), url, wanted)
+
+
+class ParquetReader:
+    """The rows of one Parquet file as samples (``tarreader.SampleReader``'s interface):
+    ``{"jpg"|"png"|...: bytes, "cls": label, "__key__": ...}``. ``skip`` goes to a row group
+    by the footer and reads only the rest of that one group."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.file = url, open_parquet(url)
+        self.image, self.label, _ = features(self.file, url)
+        meta = self.file.metadata
+        self.starts = list(accumulate((meta.row_group(g).num_rows
+                                       for g in range(meta.num_row_groups)), initial=0))
+        self.total = self.starts[-1]
+        self.index = 0
+        self._rows: Iterator[tuple[bytes, str | None, int]] = iter(())
+
+    def next(self) -> dict[str, Any] | None:
+        if self.index >= self.total:
+            return None
+        try:
+            data, path, label = next(self._rows)
+        except StopIteration:
+            self._rows = self._read_from(self.index)
+            data, path, label = next(self._rows)
+        ext = (path or "").rsplit(".", 1)[-1].lower()
+        sample = {ext if ext in IMAGE_EXTENSIONS else "jpg": data, "cls": label,
+                  "__key__": f"row {self.index}" + (f" ({path})" if path else "")}
+        self.index += 1
+        return sample
+
+    def skip(self, n: int) -> int:
+        """Pass over ``n`` rows (fewer at the end); how many were passed over."""
+        target = min(self.index + n, self.total)
+        skipped, self.index = target - self.index, target
+        self._rows = iter(())  # the next ``next`` reads from the row group holding ``target``
+        return skipped
+
+    def close(self) -> None:
+        self._rows = iter(())
+
+    def _read_from(self, row: int) -> Iterator[tuple[bytes, str | None, int]]:
+        group = bisect.bisect_right(self.starts, row) - 1
+        drop = row - self.starts[group]
+        try:
+            batches = self.file.iter_batches(batch_size=READ_ROWS,
+                                             row_groups=range(group, len(self.starts) - 1),
+                                             columns=[self.image, self.label])
+            for batch in batches:
+                images = batch.column(0)
+                data, paths = images.field("bytes").to_pylist(), images.field("path").to_pylist()
+                labels = batch.column(1).to_pylist()
+                for i in range(min(drop, len(labels)), len(labels)):
+                    if data[i] is None or labels[i] is None:
+                        raise ShardError(f"Parquet file {self.url}: a row of row group {group} "
+                                         "has no image bytes or no label")
+                    yield data[i], paths[i], labels[i]
+                drop = max(0, drop - len(labels))
+        except (OSError, ValueError) as exc:
+            raise ShardError(f"Parquet file {self.url} cannot be read ({first_line(exc)}): it "
+                             "is damaged; copy it again") from None
