@@ -1,8 +1,9 @@
 """Hugging Face Parquet vs tar shards of the same images: loader speed per CPU core. Run by hand
 (not a test):
 
-    python benchmarks/bench_parquet.py                 # 2000 images, 3 passes each
-    python benchmarks/bench_parquet.py --images 5000 --passes 5
+    python benchmarks/bench_parquet.py speed           # 2000 images, 3 passes each
+    python benchmarks/bench_parquet.py speed --images 5000 --passes 5
+    python benchmarks/bench_parquet.py accuracy        # the demo recipe on both: top-1
 
 The data: ``--images`` photo-like JPEGs of ImageNet sizes (~470x360, quality 90; 10 classes) in
 WORKDIR/folder, the tar shards and the Hub-layout Parquet that ``python -m imagenet.tools.prepare
@@ -13,6 +14,11 @@ flip) in batches of 64, in this process with one thread and no loader workers: i
 CPU-second is what one loader core delivers. The two take turns over ``--passes`` epochs (a slow
 phase of the machine hits both); also the read alone (no decode). The target: Parquet within
 10 % of the shards.
+
+accuracy: the demo's procedural 10-class data set with 500 validation images (100 training
+and 50 validation images per class), as class folders and as Hub Parquet (``prepare --format
+parquet``); ``recipes/demo.toml`` trained on each (``--no-demo DIR``), one after the other; the
+final top-1 of both. The target: within 4 points.
 """
 
 from __future__ import annotations
@@ -69,15 +75,34 @@ def one_pass(reader, epoch: int) -> tuple[int, float]:
     return n, time.process_time() - start
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workdir", type=Path, default=Path("/tmp/bench_parquet"))
-    p.add_argument("--images", type=int, default=2000, help="training JPEGs (default: 2000)")
-    p.add_argument("--shard-size", type=float, default=16.0, metavar="MB")
-    p.add_argument("--passes", type=int, default=3, help="epochs per reader (default: 3)")
-    args = p.parse_args()
+def accuracy(args: argparse.Namespace) -> None:
+    import json
 
+    from imagenet.tools.demo import make_demo_dataset
+
+    folder, parquet = args.workdir / "demo", args.workdir / "demo-parquet"
+    make_demo_dataset(folder, train_per_class=100, val_per_class=50)
+    if not (parquet / "done").is_file():
+        subprocess.run([sys.executable, "-m", "imagenet.tools.prepare", "--from-folder",
+                        str(folder), "--format", "parquet", "--out", str(parquet)],
+                       check=True, cwd=ROOT)
+        (parquet / "done").touch()
+    top1 = {}
+    for name, data in (("folder", folder), ("parquet", parquet)):
+        out = args.workdir / f"run-{name}"
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "main.py", str(data), "--config", "recipes/demo.toml",
+                        "--no-demo", "--output-dir", str(out), "--log-to", "none"], check=True,
+                       cwd=ROOT, stdout=subprocess.DEVNULL)
+        last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+        top1[name] = last["val_acc1"]
+        print(f"{name:>7}: top-1 {last['val_acc1']:.2f} % of {last['val_count']} validation "
+              f"images after {last['epoch'] + 1} epochs ({time.perf_counter() - start:.0f} s)",
+              flush=True)
+    print(f"parquet - folder = {top1['parquet'] - top1['folder']:+.2f} points", flush=True)
+
+
+def speed(args: argparse.Namespace) -> None:
     import torch
 
     from imagenet.data.shards.parquet import resolve_parquet
@@ -103,6 +128,21 @@ def main() -> None:
         print(f"{what:>13}: shards {best['shards']:.0f} img/s, parquet {best['parquet']:.0f} "
               f"img/s per CPU-second: parquet/shards = {best['parquet'] / best['shards']:.3f} "
               "(best pass of each)", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=("speed", "accuracy"))
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/bench_parquet"))
+    p.add_argument("--images", type=int, default=2000, help="training JPEGs (default: 2000)")
+    p.add_argument("--shard-size", type=float, default=16.0, metavar="MB")
+    p.add_argument("--passes", type=int, default=3, help="epochs per reader (default: 3)")
+    args = p.parse_args()
+    if args.what == "speed":
+        speed(args)
+    else:
+        accuracy(args)
 
 
 if __name__ == "__main__":

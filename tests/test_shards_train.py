@@ -35,12 +35,17 @@ STEPS = 6  # 96 / 16
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> dict[str, Path]:
-    """The JPEG folder and its shards: 20 images per shard (5 train shards, the last of 16)."""
+    """The JPEG folder, its shards and its Hub Parquet: 20 images per file (5 train files,
+    the last of 16)."""
     root = tmp_path_factory.mktemp("learn")
     folder = write_folder(root / "folder", classes=3, train_per_class=32, val_per_class=10)
     proc = prepare_shards(folder, root / "shards", "--shard-max-images", "20")
     assert proc.returncode == 0, proc.stderr
-    return {"folder": folder, "shards": root / "shards", "root": root}
+    proc = prepare_shards(folder, root / "parquet", "--shard-max-images", "20", "--format",
+                          "parquet")
+    assert proc.returncode == 0, proc.stderr
+    return {"folder": folder, "shards": root / "shards", "parquet": root / "parquet",
+            "root": root}
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +91,14 @@ def test_shards_train_on_the_folders_samples_to_the_same_top1(data, shard_run, t
     assert abs(folder_run[-1]["val_acc1"] - shards_run[-1]["val_acc1"]) <= 20
 
 
+@pytest.mark.parametrize("fmt", ["shards", "parquet"])
 def test_sigkill_mid_epoch_on_shards_resumes_bitwise_with_other_workers(data, shard_run,
-                                                                        tmp_path):
+                                                                        tmp_path, fmt):
+    """Hub Parquet as well: ``prepare --format parquet`` puts the images in the files and
+    order of the shards, so the killed and resumed Parquet run ends as the shard run, bitwise
+    (each file's rows read from the middle of a row group on resume)."""
     out = tmp_path / "out"
-    cmd = main_cmd(str(data["shards"]), *LEARN, "-j", "2", "--output-dir", str(out))
+    cmd = main_cmd(str(data[fmt]), *LEARN, "-j", "2", "--output-dir", str(out))
     code, output = kill_at([*cmd, "--save-every", "2"], f"Epoch: [1][3/{STEPS}]", out=out,
                            saved=lambda at: at >= (1, 2))
     assert code == -signal.SIGKILL, output

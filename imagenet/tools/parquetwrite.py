@@ -28,7 +28,6 @@ from imagenet.tools.prepfiles import PART_SUFFIX, Progress, claim_folder
 from imagenet.tools.shardwrite import (
     ImageBytes,
     Item,
-    Limits,
     folder_items,
     limits_of,
     plan_shards,
@@ -73,9 +72,7 @@ def parquet_from_folder(args: argparse.Namespace) -> int:
     (out / "data").mkdir(exist_ok=True)
     read = ImageBytes()
     for split, items in (("train", train), ("validation", val)):
-        # validation in the folder's order; training shuffled so a file mixes the classes
-        parts = plan_shards(items, limits_of(args)) if split == "train" else \
-            _in_order(items, limits_of(args))
+        parts = plan_shards(items, limits_of(args))  # the shards' files: a file mixes classes
         names = [f"{split}-{i:05d}-of-{len(parts):05d}.parquet" for i in range(len(parts))]
         for stale in (out / "data").glob(f"{split}-*"):
             if stale.name not in names:
@@ -89,20 +86,6 @@ def parquet_from_folder(args: argparse.Namespace) -> int:
         progress.log(note=f" in {len(parts)} Parquet files")
     read.close()
     return 0
-
-
-def _in_order(items: list[Item], limits: Limits) -> list[list[Item]]:
-    """``items`` in their own order, cut where ``plan_shards`` would cut by count and size."""
-    parts: list[list[Item]] = [[]]
-    size = 0
-    for item in items:
-        if parts[-1] and (size + item.size > limits.max_bytes
-                          or len(parts[-1]) == limits.max_images):
-            parts.append([])
-            size = 0
-        parts[-1].append(item)
-        size += item.size
-    return parts if parts[0] else []
 
 
 def folder_from_parquet(args: argparse.Namespace) -> int:
