@@ -1,4 +1,5 @@
-"""Per-core data-pipeline speed: classic PIL vs our tensor and PIL backends vs decode alone.
+"""Per-core data-pipeline speed: classic PIL vs our tensor and PIL backends vs decode alone; the
+tensor pipeline with each decoder (torchvision's decode_jpeg, TorchCodec's when installed).
 
 Run by hand (not a test), e.g.::
 
@@ -88,6 +89,12 @@ def images_per_second(paths: Sequence[Path], steps: dict[str, Callable[[Path], o
     return {name: len(paths) / s.min(axis=0).sum() for name, s in seconds.items()}
 
 
+def installed_torchcodec() -> bool:
+    from imagenet.settings.decoders import torchcodec_installed
+
+    return torchcodec_installed()
+
+
 def pil_loader(path: Path) -> Image.Image:
     """torchvision ImageFolder's default loader, as the classic script uses it."""
     with open(path, "rb") as f:
@@ -115,6 +122,12 @@ def pipelines(crop: int, resize: int, interpolation: str) -> dict[str, dict[str,
     def ours(tf: Callable, backend: str) -> Callable:
         return lambda path: tf(T.load_image(path, backend))
 
+    def codec(tf: Callable) -> dict[str, Callable]:
+        """The tensor pipeline with TorchCodec decoding (--decoder torchcodec), if installed."""
+        if not installed_torchcodec():
+            return {}
+        return {"ours, tensor, --decoder torchcodec": ours(tf, "torchcodec")}
+
     train = {b: T.train_transform(crop, interpolation, backend=b) for b in T.BACKENDS}
     val = {b: T.val_transform(resize, crop, interpolation, backend=b) for b in T.BACKENDS}
     return {
@@ -122,12 +135,14 @@ def pipelines(crop: int, resize: int, interpolation: str) -> dict[str, dict[str,
             "classic PIL (float, normalised)": lambda p: classic_train(pil_loader(p)),
             "decode_jpeg + plain v2 (uint8)": plain_v2_packed,
             "ours, backend=tensor (uint8)": ours(train["tensor"], "tensor"),
+            **codec(train["tensor"]),
             "ours, backend=pil (uint8)": ours(train["pil"], "pil"),
             "decode_jpeg only (ceiling)": decode_only,
         },
         "val": {
             "classic PIL (float, normalised)": lambda p: classic_val(pil_loader(p)),
             "ours, backend=tensor (uint8)": ours(val["tensor"], "tensor"),
+            **codec(val["tensor"]),
             "ours, backend=pil (uint8)": ours(val["pil"], "pil"),
             "decode_jpeg only (ceiling)": decode_only,
         },
