@@ -91,7 +91,8 @@ def list_files(root: str) -> list[str]:
     if not Path(root).is_dir():
         raise UsageError(f"data '{root}' does not exist: give a folder or URL of Parquet files "
                          "in the Hugging Face Hub's layout (data/train-*.parquet, ...)")
-    return sorted(str(p) for p in Path(root).rglob("*.parquet"))
+    return sorted(str(p) for p in Path(root).rglob("*.parquet")  # not .cache/ (the Hub's)
+                  if not any(part.startswith(".") for part in p.relative_to(root).parts))
 
 
 def split_of_file(root: str, url: str) -> str | None:
@@ -225,6 +226,7 @@ class ParquetReader:
 
     def close(self) -> None:
         self._rows = iter(())
+        self.file.close()
 
     def _read_from(self, row: int) -> Iterator[tuple[bytes, str | None, int]]:
         group = bisect.bisect_right(self.starts, row) - 1
