@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import IO
 
 from imagenet.errors import INTERRUPTED_EXIT_CODE, RunError, TrainerError, UsageError, report
-from imagenet.tools.parquetwrite import folder_from_parquet, parquet_from_folder
 from imagenet.tools.prepfiles import (
     PART_SUFFIX,
     Progress,
@@ -237,10 +236,14 @@ def run(args: argparse.Namespace) -> int:
     """Prepare the requested splits; returns the exit code."""
     made = output_format(args)
     shards = made == "shards"
-    if args.from_parquet is not None:
-        return folder_from_parquet(args)
-    if made == "parquet":
-        return parquet_from_folder(args)
+    if args.from_parquet is not None or made == "parquet":
+        # Imported here: it reads through the trainer's shard reader (torch), which the other
+        # ways of this tool do without (a start of a second instead of several).
+        from imagenet.tools import parquetwrite
+
+        if args.from_parquet is not None:
+            return parquetwrite.folder_from_parquet(args)
+        return parquetwrite.parquet_from_folder(args)
     if args.from_folder is not None:
         return shards_from_folder(args)
     if args.train_tar is None and args.val_tar is None:
