@@ -23,6 +23,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
+from imagenet.data.objectstore import filesystem, first_line
 from imagenet.data.shards.sources import ShardList, ShardSet
 from imagenet.data.shards.streams import open_shard
 from imagenet.data.shards.tarreader import SampleReader, ShardError
@@ -57,8 +58,6 @@ def open_parquet(url: str) -> Any:
     pq = pyarrow_parquet()
     try:
         if is_url(url):
-            from imagenet.data.objectstore import filesystem
-
             fs, path = filesystem(url)
             return pq.ParquetFile(fs.open(path, "rb"))
         return pq.ParquetFile(url)
@@ -69,11 +68,6 @@ def open_parquet(url: str) -> Any:
                          "short or damaged; copy it again") from None
 
 
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__
-
-
 # ---- which files, how many rows, which classes
 
 
@@ -82,8 +76,6 @@ def list_files(root: str) -> list[str]:
     if is_parquet(root):
         return [root]
     if is_url(root):
-        from imagenet.data.objectstore import filesystem
-
         fs, path = filesystem(root)
         protocol = root.split("://", 1)[0]
         found = sorted(fs.glob(f"{path.rstrip('/')}/**/*.parquet"))
