@@ -89,6 +89,22 @@ def prestarted_cmd(*args: str) -> list[str]:
     return [sys.executable, PRESTART, "run", str(_prestart["socket"]), *args]
 
 
+def run_group(proc: subprocess.Popen, pidfile: Path, within: float = 60) -> int:
+    """The process group of the run that ``proc`` started (in a session of its own): ``proc``'s
+    own for a plain start; for a ``prestarted_cmd``, the forked run's, whose pid the client
+    writes to ``pidfile`` (given to it as ``IMAGENET_TEST_RUN_PIDFILE``). Signals meant for the
+    run's group (SIGKILL, SIGSTOP, SLURM's SIGTERM) go there; the client is left alone."""
+    if PRESTART not in proc.args:
+        return proc.pid
+    deadline = time.monotonic() + within
+    while not pidfile.exists():
+        if proc.poll() is not None:
+            return proc.pid
+        assert time.monotonic() < deadline, f"no pid in {pidfile} after {within} s"
+        time.sleep(0.01)
+    return int(pidfile.read_text())
+
+
 def run_main(*args: str, timeout: float = 300, env: dict[str, str] | None = None,
              cwd: Path | None = None, plain: bool = False) -> subprocess.CompletedProcess:
     """Run main.py with ``args``; returns the completed process (output captured as text).

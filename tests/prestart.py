@@ -13,7 +13,9 @@ Importing torch and torchvision costs a process ~5 s of CPU before it does anyth
   stdio set as a fresh start would have them) and runs to its end as a whole interpreter does
   (atexit, thread joins). The client exits with the child's exit status, or dies of its signal.
   The signals the client gets (SIGTERM, SIGINT, SIGUSR1, SIGHUP) are passed on; when the client
-  dies (a test's timeout kills it) the child's process group is killed.
+  dies (a test's timeout kills it) the child's process group is killed. A test that signals
+  the run's whole process group (SIGKILL, SIGSTOP, a group SIGTERM as SLURM sends it) reads the
+  run's pid from ``IMAGENET_TEST_RUN_PIDFILE`` (``helpers.run_group``).
 
 A run whose environment differs from the server's in anything but ``RUNTIME_ONLY`` (variables
 read only while running, never while importing) is started as a plain ``python main.py``: the
@@ -37,7 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 MAIN = str(ROOT / "main.py")
 # Read by the trainer while it runs, never at import: a run that sets them can be pre-imported.
 RUNTIME_ONLY = {"TMPDIR", "TORCH_HOME", "HF_HOME", "HF_HUB_OFFLINE", "IMAGENET_NOTICE_AFTER",
-                "PYTHONUNBUFFERED", "XDG_CACHE_HOME", "HOME", "PWD", "OLDPWD", "_"}
+                "PYTHONUNBUFFERED", "XDG_CACHE_HOME", "HOME", "PWD", "OLDPWD", "_",
+                "FT_TOKEN", "IMAGENET_TEST_RUN_PIDFILE"}
+# Where the client writes the pid of the run it started (its process group's id): a plain
+# start's own pid (exec keeps it), a forked run's as the server reports it. Tests that signal
+# the run's process group (as SLURM or a terminal does) read it (helpers.run_group).
+PIDFILE = "IMAGENET_TEST_RUN_PIDFILE"
 FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 
 
@@ -67,36 +74,53 @@ def _receive(conn: socket.socket) -> tuple[bytes, list[int]]:
 # ---------------------------------------------------------------- the client
 
 
+def _tell_pid(pid: int) -> None:
+    """Write the run's pid where the caller asked (PIDFILE), in one step."""
+    path = os.environ.get(PIDFILE)
+    if path:
+        with open(path + ".new", "w") as f:
+            f.write(str(pid))
+        os.replace(path + ".new", path)
+
+
+def _plain(args: list[str]) -> None:
+    _tell_pid(os.getpid())  # exec keeps the pid: this process becomes the run
+    os.execv(sys.executable, [sys.executable, MAIN, *args])
+
+
 def run(sock: str, args: list[str]) -> None:
     """Have the server at ``sock`` start ``main.py args`` for this process; exit as it did."""
-    plain = [sys.executable, MAIN, *args]
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(sock)
         with open(sock + ".env") as f:
             served = json.load(f)
     except OSError:
-        os.execv(sys.executable, plain)
+        _plain(args)
     mine = dict(os.environ)
     differ = {k for k in served.keys() | mine.keys() if served.get(k) != mine.get(k)}
     if differ - RUNTIME_ONLY:
         conn.close()
-        os.execv(sys.executable, plain)
+        _plain(args)
     request = {"args": args, "env": mine, "cwd": os.getcwd()}
     _send(conn, json.dumps(request).encode(), [0, 1, 2])
     for sig in FORWARD:
         signal.signal(sig, lambda signum, _f: conn.sendall(struct.pack("!I", signum)))
-    reply = b""
-    while len(reply) < 8:
-        try:
-            chunk = conn.recv(8 - len(reply))
-        except InterruptedError:
-            continue
-        if not chunk:
-            sys.stderr.write("prestart: the server went away\n")
-            os._exit(70)
-        reply += chunk
-    kind, value = struct.unpack("!ii", reply)
+    while True:
+        reply = b""
+        while len(reply) < 8:
+            try:
+                chunk = conn.recv(8 - len(reply))
+            except InterruptedError:
+                continue
+            if not chunk:
+                sys.stderr.write("prestart: the server went away\n")
+                os._exit(70)
+            reply += chunk
+        kind, value = struct.unpack("!ii", reply)
+        if kind != 2:
+            break
+        _tell_pid(value)  # the run started: its pid (kind 2), then how it ended
     if kind == 1:  # killed by a signal: die of it too (subprocess reports -signal)
         for sig in FORWARD:
             signal.signal(sig, signal.SIG_DFL)
@@ -183,6 +207,14 @@ def serve(sock: str) -> dict:
         if child != 0:
             for fd in fds:
                 os.close(fd)
+            try:  # its own group before anyone can signal it (it sets the same itself)
+                os.setpgid(child, child)
+            except OSError:
+                pass
+            try:
+                conn.sendall(struct.pack("!ii", 2, child))  # the run's pid, for PIDFILE
+            except OSError:
+                pass
             _watch(conn, child)
         conn.close()  # the run
         os.setpgid(0, 0)

@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -29,7 +30,8 @@ from helpers import (
     child_env,
     hold_until_saved,
     load_checkpoint,
-    main_cmd,
+    prestarted_cmd,
+    run_group,
     write_image_folder,
 )
 
@@ -49,10 +51,15 @@ PROGRESS = re.compile(r"Epoch: \[(\d+)\]\[\s*(\d+)/(\d+)\]")
 
 
 class Live:
-    """main.py (or torchrun) in its own process group, stdout and stderr read line by line."""
+    """main.py (or torchrun) in its own process group, stdout and stderr read line by line.
+
+    A ``prestarted_cmd`` runs forked from the pre-imported trainer, in a process group of its
+    own: ``signal_group`` and ``group`` reach the run's group, as they reach a plain start's."""
 
     def __init__(self, cmd: list[str], timeout: float = 600, **env: str) -> None:
         self.token = uuid.uuid4().hex  # finds this run's processes in /proc
+        self.pidfile = Path(tempfile.gettempdir()) / f"imagenet-run-{self.token}.pid"
+        self._group: int | None = None
         # SIGINT as in a terminal, even when the tests run as a background job (a
         # non-interactive shell starts those with SIGINT ignored, and children inherit it).
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -60,6 +67,7 @@ class Live:
                                      preexec_fn=lambda: signal.signal(signal.SIGINT,
                                                                       signal.SIG_DFL),
                                      env=child_env(PYTHONUNBUFFERED="1", FT_TOKEN=self.token,
+                                                   IMAGENET_TEST_RUN_PIDFILE=str(self.pidfile),
                                                    **env))
         self.lines: list[str] = []
         self._watchdog = threading.Timer(timeout, self.kill_all)
@@ -73,10 +81,17 @@ class Live:
                 return
         raise AssertionError(f"'{text}' never printed:\n{self.output}")
 
+    @property
+    def group(self) -> int:
+        """The run's process group (``helpers.run_group``)."""
+        if self._group is None:
+            self._group = run_group(self.proc, self.pidfile)
+        return self._group
+
     def signal_group(self, sig: int) -> None:
         """Send ``sig`` to every process of the run (as SLURM or a terminal does)."""
         try:
-            os.killpg(self.proc.pid, sig)
+            os.killpg(self.group, sig)
         except ProcessLookupError:
             pass
 
@@ -87,6 +102,11 @@ class Live:
         hold the output pipe, so without this a hung worker would block ``finish`` forever.
         """
         self.signal_group(signal.SIGKILL)
+        for group in {self.proc.pid, self._group or self.proc.pid}:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for pid in _tagged_pids(self.token):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -98,6 +118,7 @@ class Live:
         self.lines.extend(self.proc.stdout)  # type: ignore[arg-type]
         code = self.proc.wait()
         self._watchdog.cancel()
+        self.pidfile.unlink(missing_ok=True)
         return code
 
     @property
@@ -106,8 +127,10 @@ class Live:
 
 
 def run_cmd(data: Path, out: Path, *extra: str, flags: list[str] = FLAGS) -> list[str]:
-    """main.py with the resume-test flags on ``data``, writing to ``out``."""
-    return main_cmd(str(data), *flags, "--output-dir", str(out), *extra)
+    """main.py with the resume-test flags on ``data``, writing to ``out``. Forked from the
+    pre-imported trainer: these runs are signalled once they train, never while they start
+    (the tests of signals during start-up build their own plain commands)."""
+    return prestarted_cmd(str(data), *flags, "--output-dir", str(out), *extra)
 
 
 def run_to_end(cmd: list[str]) -> str:
@@ -128,7 +151,7 @@ def kill_at(cmd: list[str], line: str, sig: int = signal.SIGKILL,
     live.wait_for(line)
     if saved is not None:
         assert out is not None
-        hold_until_saved(live.proc.pid, out / "checkpoint.pth.tar", saved)
+        hold_until_saved(live.group, out / "checkpoint.pth.tar", saved)
     live.signal_group(sig)
     if saved is not None:
         live.signal_group(signal.SIGCONT)  # held: a signal but SIGKILL waits for it

@@ -26,13 +26,15 @@ import os
 import re
 import signal
 import subprocess
+import tempfile
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import child_env, hold_once_saved, load_checkpoint, main_cmd
+from helpers import child_env, hold_once_saved, load_checkpoint, prestarted_cmd, run_group
 
 IMAGES = 96
 SCHEDULE = ["--epochs", "4", "--lr", "0.05", "--lr-scheduler", "cosine", "--lr-warmup-epochs", "2"]
@@ -83,8 +85,9 @@ FLAG_STOPS = [("mid", 1), ("boundary", 3), None]
 
 def command(out: Path, layout: Layout, extra: tuple[str, ...] = (), resume: bool = False
             ) -> list[str]:
-    return main_cmd(*BASE, *SCHEDULE, *layout.flags, "--save-every", str(layout.save_every),
-                    *extra, "--output-dir", str(out), *(["--resume", "auto"] if resume else []))
+    return prestarted_cmd(*BASE, *SCHEDULE, *layout.flags, "--save-every",
+                          str(layout.save_every), *extra, "--output-dir", str(out),
+                          *(["--resume", "auto"] if resume else []))
 
 
 def stop_line(stop: tuple[str, int] | None, layout: Layout) -> str | None:
@@ -99,22 +102,28 @@ def run_leg(cmd: list[str], stop: str | None, log: Path,
             saved: tuple[Path, tuple[int, int]] | None = None) -> str:
     """Run ``cmd``; SIGKILL its process group when a line matches ``stop`` and (``saved``) the
     checkpoint file holds that (epoch, step_in_epoch): checkpoints are written in the
-    background, and a kill before the write is in place would leave the previous one."""
+    background, and a kill before the write is in place would leave the previous one. A
+    ``prestarted_cmd`` is signalled in the forked run's process group (``helpers.run_group``)."""
+    pidfile = Path(tempfile.gettempdir()) / f"imagenet-run-{uuid.uuid4().hex}.pid"
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=child_env(PYTHONUNBUFFERED="1"), start_new_session=True)
+                            env=child_env(PYTHONUNBUFFERED="1",
+                                          IMAGENET_TEST_RUN_PIDFILE=str(pidfile)),
+                            start_new_session=True)
     lines = []
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
             lines.append(line)
             if stop and re.search(stop, line):
+                group = run_group(proc, pidfile)
                 if saved is not None:
-                    hold_once_saved(proc.pid, saved[0], [saved[1]])
-                os.killpg(proc.pid, signal.SIGKILL)
+                    hold_once_saved(group, saved[0], [saved[1]])
+                os.killpg(group, signal.SIGKILL)
                 stop = None
         code = proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)  # the client: a forked run follows it
+        pidfile.unlink(missing_ok=True)
     output = "".join(lines)
     log.write_text(output)
     assert code in (0, -signal.SIGKILL) and stop is None, output
@@ -269,13 +278,14 @@ def test_shards_start_an_epoch_over_when_another_layout_resumes_it(tmp_path):
     flags = ["-a", "squeezenet1_1", "--train-crop-size", "32", "--val-resize-size", "36",
              "--val-crop-size", "32", "-j", "0", "-p", "1", "--seed", "0", *SCHEDULE]
     out = tmp_path / "out"
-    run_leg(main_cmd(str(tmp_path / "shards"), *flags, "-b", "8", "--save-every", "3",
-                     "--output-dir", str(out)), r"Epoch: \[0\]\[\s*4/", tmp_path / "leg0.log",
-            (out / "checkpoint.pth.tar", (0, 3)))
+    run_leg(prestarted_cmd(str(tmp_path / "shards"), *flags, "-b", "8", "--save-every", "3",
+                           "--output-dir", str(out)), r"Epoch: \[0\]\[\s*4/",
+            tmp_path / "leg0.log", (out / "checkpoint.pth.tar", (0, 3)))
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["sampler"]["images"]) == (0, 3, 24)
-    output = run_leg(main_cmd(str(tmp_path / "shards"), *flags, "-b", "12", "--output-dir",
-                              str(out), "--resume", "auto"), None, tmp_path / "leg1.log")
+    output = run_leg(prestarted_cmd(str(tmp_path / "shards"), *flags, "-b", "12",
+                                    "--output-dir", str(out), "--resume", "auto"),
+                     None, tmp_path / "leg1.log")
     assert "=> approximated: epoch 0 was left after 2.00 steps of this layout's global batch " \
         "12; tar shards can only continue an epoch in the layout that began it" in output
     assert re.search(r"^Epoch: \[0\]\[1/4\]", output, flags=re.M), output

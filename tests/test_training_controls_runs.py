@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import hold_once_saved, load_checkpoint, main_cmd, write_image_folder
+from helpers import hold_once_saved, load_checkpoint, prestarted_cmd, write_image_folder
 from test_fault_tolerance import RUN_STATE, Live, assert_equal
 from test_training_controls import fake_squeue
 
@@ -33,7 +33,7 @@ SIZES = [24, 28, 32]
 
 
 def cmd(data: Path, out: Path, *extra: str) -> list[str]:
-    return main_cmd(str(data), *FLAGS, "--output-dir", str(out), *extra)
+    return prestarted_cmd(str(data), *FLAGS, "--output-dir", str(out), *extra)
 
 
 def run(command: list[str], **env: str) -> tuple[int, str]:
@@ -48,7 +48,7 @@ def kill_after(command: list[str], line: str, saved: tuple[Path, list[tuple[int,
     ``saved`` names holds one of its positions (it is written in the background)."""
     live = Live(command, **env)
     live.wait_for(line)
-    hold_once_saved(live.proc.pid, *saved)
+    hold_once_saved(live.group, *saved)
     live.signal_group(signal.SIGKILL)
     assert live.finish() == -signal.SIGKILL, live.output
     return live.output
