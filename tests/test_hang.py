@@ -303,6 +303,30 @@ def test_a_rank_stopped_after_the_run_ended_does_not_hold_the_job(data, tmp_path
 
 
 @pytest.mark.slow
+def test_a_rank_that_dies_while_its_loader_worker_starts_leaves_no_worker_behind(data, tmp_path):
+    """Chaos seed 29013, scenario 23: a rank ended (its hang watch's exit) just after it had
+    started its validation loader's workers. An mp.spawn rank's workers are spawned too, each
+    ~5 s of imports before its first line of the trainer's; one whose training process died
+    meanwhile ran forever: Linux sends PR_SET_PDEATHSIG only while the parent lives, and
+    torch's worker loop took its new parent (init) for its training process. Such a worker
+    now exits as soon as it starts."""
+    live = Live(main(str(data), "-b", "4", "-j", "1", "--epochs", "1", "--output-dir",
+                     str(tmp_path / "out"), "--multiprocessing-distributed",
+                     "--nproc-per-node", "1"), timeout=300)
+    rank = rank_pid(live.token, 0, within=120)
+    deadline = time.monotonic() + 120
+    while not any(parent(pid) == rank for pid in _tagged_pids(live.token)):
+        assert time.monotonic() < deadline and live.proc.poll() is None, live.output
+        time.sleep(0.05)
+    os.kill(rank, signal.SIGKILL)  # the worker is still importing torch
+    live.proc.wait(timeout=60)  # the launcher; a worker left behind holds the output open
+    left = not gone(live.token, within=60)
+    live.kill_all()
+    live.finish()
+    assert not left, "a loader worker outlived its training process"
+
+
+@pytest.mark.slow
 def test_a_rank_stuck_after_its_run_exits_with_its_stacks(tmp_path):
     """After the watch closes (the run ended), a rank that has not exited within --hang-timeout
     (stuck in its teardown: a process group's destroy, a thread that never ends) writes its

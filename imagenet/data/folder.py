@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.util
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -182,15 +183,17 @@ def loader_options(workers: int, prefetch: int = 4) -> dict[str, Any]:
     # Workers ignore SIGTERM/SIGUSR1/SIGINT sent to the whole process group (SLURM, Ctrl-C): the
     # training process saves first and then shuts them down.
     return {"persistent_workers": True, "prefetch_factor": prefetch,
-            "worker_init_fn": partial(init_worker, stacks=stacks_dir())} if workers > 0 else {}
+            "worker_init_fn": partial(init_worker, stacks=stacks_dir(), parent=os.getpid())
+            } if workers > 0 else {}
 
 
-def init_worker(worker_id: int, stacks: str | None = None) -> None:
-    """A loader worker's start: deaf to the stop signals (the training process stops it), and
-    ready to write its Python stacks into ``stacks`` when a hang is reported
+def init_worker(worker_id: int, stacks: str | None = None, parent: int | None = None) -> None:
+    """A loader worker's start: deaf to the stop signals (the training process stops it), dying
+    with its training process ``parent`` (or at once, if that ended while this worker started),
+    and ready to write its Python stacks into ``stacks`` when a hang is reported
     (``launching.processes``; passed along, not inherited: workers may be spawned)."""
     ignore_stop_signals(worker_id)
-    worker_stacks(stacks)
+    worker_stacks(stacks, parent)
 
 
 def check_folder(root: Path, need_val: bool = True) -> tuple[Path, Path]:

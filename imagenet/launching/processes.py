@@ -17,11 +17,11 @@ from typing import Any
 STACKS_SIGNAL = signal.SIGUSR2  # a process asked for its Python stacks (faulthandler)
 
 
-def worker_stacks(folder: str | None) -> None:
-    """In a loader worker (``worker_init_fn``): die with the training process (even blocked on
-    a read that never returns), and write Python's stacks into ``folder`` when asked (SIGUSR2),
-    so that a hang report shows where the worker was stuck."""
-    die_with_parent()
+def worker_stacks(folder: str | None, parent: int | None = None) -> None:
+    """In a loader worker (``worker_init_fn``): die with the training process ``parent`` (even
+    blocked on a read that never returns), and write Python's stacks into ``folder`` when asked
+    (SIGUSR2), so that a hang report shows where the worker was stuck."""
+    die_with_parent(parent)
     if folder is None:
         return
     with contextlib.suppress(OSError):  # no stacks, but the worker runs
@@ -29,9 +29,15 @@ def worker_stacks(folder: str | None) -> None:
         faulthandler.register(STACKS_SIGNAL, file=open(path, "w"), all_threads=True)
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int | None = None) -> None:
     """Ask Linux to SIGKILL this process when the thread that started it exits (prctl
-    PR_SET_PDEATHSIG; nothing elsewhere), and keep quiet about a connection lost as it dies."""
+    PR_SET_PDEATHSIG; nothing elsewhere), and keep quiet about a connection lost as it dies.
+
+    Linux sends that signal only for a parent that exits later: a spawned worker imports torch
+    for seconds before it gets here, and a training process killed meanwhile (chaos 29013:23)
+    left it running forever, adopted by init, which torch's worker loop then takes for its
+    parent. So a worker whose parent is no longer ``parent`` (the training process that made
+    the loader) exits here, at once."""
     try:
         import ctypes
 
@@ -39,6 +45,8 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    if parent is not None and os.getppid() != parent:  # after the prctl: no gap left
+        os._exit(0)
     _report_lost_connections_if_parent_lives(os.getppid())
 
 
