@@ -305,11 +305,12 @@ def test_a_rank_stopped_after_the_run_ended_does_not_hold_the_job(data, tmp_path
 @pytest.mark.slow
 def test_a_rank_that_dies_while_its_loader_worker_starts_leaves_no_worker_behind(data, tmp_path):
     """Chaos seed 29013, scenario 23: a rank ended (its hang watch's exit) just after it had
-    started its validation loader's workers. An mp.spawn rank's workers are spawned too, each
+    started its validation loader's workers. An mp.spawn rank's workers were spawned too, each
     ~5 s of imports before its first line of the trainer's; one whose training process died
     meanwhile ran forever: Linux sends PR_SET_PDEATHSIG only while the parent lives, and
     torch's worker loop took its new parent (init) for its training process. Such a worker
-    now exits as soon as it starts."""
+    now exits as soon as it starts (the test below), and on Linux workers are forked under
+    every launcher (``data.folder.WORKER_START``)."""
     live = Live(main(str(data), "-b", "4", "-j", "1", "--epochs", "1", "--output-dir",
                      str(tmp_path / "out"), "--multiprocessing-distributed",
                      "--nproc-per-node", "1"), timeout=300)
@@ -324,6 +325,40 @@ def test_a_rank_that_dies_while_its_loader_worker_starts_leaves_no_worker_behind
     live.kill_all()
     live.finish()
     assert not left, "a loader worker outlived its training process"
+
+
+def test_a_worker_whose_training_process_ended_before_it_started_exits(tmp_path):
+    """The mechanism of the test above, whatever the start method: a spawned process that gets
+    to its ``worker_init_fn`` after its parent ended exits there instead of running on."""
+    script = tmp_path / "worker.py"
+    script.write_text("""
+import multiprocessing, os, sys, time
+from imagenet.launching.processes import die_with_parent
+
+def worker(parent, path):
+    while os.getppid() == parent:  # still importing when its training process ended
+        time.sleep(0.01)
+    die_with_parent(parent)  # a loader worker's first call (worker_init_fn)
+    open(path, "w").write("still running")
+    time.sleep(60)
+
+if __name__ == "__main__":
+    child = multiprocessing.get_context("spawn").Process(target=worker,
+                                                         args=(os.getpid(), sys.argv[1]))
+    child.start()
+    print(child.pid, flush=True)
+    os._exit(0)  # the training process ends (its hang exit) before the worker is ready
+""")
+    ran = subprocess.run([sys.executable, str(script), str(tmp_path / "ran")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, env=child_env())
+    worker = int(ran.stdout)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{worker}").exists() and parent(worker) != 0:
+        if time.monotonic() > deadline:
+            os.kill(worker, signal.SIGKILL)
+            raise AssertionError("the worker ran on after its training process ended")
+        time.sleep(0.05)
+    assert not (tmp_path / "ran").exists()
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import logging
 import multiprocessing
 import multiprocessing.util
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -177,12 +178,20 @@ class StopSafeLoader(DataLoader):
             return super()._get_iterator()
 
 
+# How loader workers start: forked on Linux under every launcher. A process that mp.spawn
+# started has "spawn" as its default, and each of its workers imported torch and the trainer
+# again (seconds of CPU per worker and loader) where a single process's and torchrun's ranks'
+# are forked; elsewhere (macOS, Windows) the platform's default.
+WORKER_START = "fork" if sys.platform.startswith("linux") else None
+
+
 def loader_options(workers: int, prefetch: int = 4) -> dict[str, Any]:
     """DataLoader options shared by every loader with worker processes (``prefetch``: batches
     queued per worker)."""
     # Workers ignore SIGTERM/SIGUSR1/SIGINT sent to the whole process group (SLURM, Ctrl-C): the
     # training process saves first and then shuts them down.
     return {"persistent_workers": True, "prefetch_factor": prefetch,
+            "multiprocessing_context": WORKER_START,
             "worker_init_fn": partial(init_worker, stacks=stacks_dir(), parent=os.getpid())
             } if workers > 0 else {}
 

@@ -26,14 +26,13 @@ from typing import Any
 from imagenet.data.objectstore import filesystem, first_line
 from imagenet.data.shards.sources import ShardList, ShardSet
 from imagenet.data.shards.streams import open_shard
-from imagenet.data.shards.tarreader import SampleReader, ShardError
+from imagenet.data.shards.tarreader import IMAGE_EXTENSIONS, SampleReader, ShardError
 from imagenet.errors import DataError, UsageError
 from imagenet.settings.sources import is_url
 
 PARQUET_EXTRA = "pip install 'imagenet-trainer[parquet]'"
 TRAIN_SPLIT = "train"
 VAL_SPLITS = ("validation", "val", "valid", "test")  # the first one present is validated on
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp")
 _SPLIT_IN_NAME = re.compile(r"^([A-Za-z]+)(?=[-_.])")
 READ_ROWS = 64  # rows per record batch read from a row group
 

@@ -25,10 +25,9 @@ from imagenet.data.samplers import seeded_call
 from imagenet.data.shards.parquet import ParquetReader, open_reader
 from imagenet.data.shards.plan import BLOCK, STREAMS, EpochPlan, train_batches_per_rank
 from imagenet.data.shards.sources import ShardList
-from imagenet.data.shards.tarreader import SampleReader, ShardError
+from imagenet.data.shards.tarreader import IMAGE_EXTENSIONS, SampleReader, ShardError
 from imagenet.errors import RunError
 
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp")  # first one present is used
 WANTED = frozenset((*IMAGE_EXTENSIONS, "cls"))
 AHEAD = 4  # batches each stream reads ahead
 

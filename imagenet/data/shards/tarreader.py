@@ -19,6 +19,9 @@ from imagenet.errors import DataError
 BLOCK = 512
 _ZERO_BLOCK = bytes(BLOCK)
 _REGULAR = (b"0", b"\0", b"7")  # regular file, old-style regular file, contiguous file
+# A sample's image member, by extension (a tar member's, a Parquet row's path): the first one
+# present is used.
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp")
 
 
 class ShardError(DataError):
