@@ -37,14 +37,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = str(ROOT / "main.py")
-# Read by the trainer while it runs, never at import: a run that sets them can be pre-imported.
-RUNTIME_ONLY = {"TMPDIR", "TORCH_HOME", "HF_HOME", "HF_HUB_OFFLINE", "IMAGENET_NOTICE_AFTER",
-                "PYTHONUNBUFFERED", "XDG_CACHE_HOME", "HOME", "PWD", "OLDPWD", "_",
-                "FT_TOKEN", "IMAGENET_TEST_RUN_PIDFILE"}
 # Where the client writes the pid of the run it started (its process group's id): a plain
 # start's own pid (exec keeps it), a forked run's as the server reports it. Tests that signal
 # the run's process group (as SLURM or a terminal does) read it (helpers.run_group).
 PIDFILE = "IMAGENET_TEST_RUN_PIDFILE"
+# Read by the trainer while it runs, never at import: a run that sets them can be pre-imported.
+RUNTIME_ONLY = {"TMPDIR", "TORCH_HOME", "HF_HOME", "HF_HUB_OFFLINE", "IMAGENET_NOTICE_AFTER",
+                "PYTHONUNBUFFERED", "XDG_CACHE_HOME", "HOME", "PWD", "OLDPWD", "_",
+                "FT_TOKEN", PIDFILE}
 FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 
 
