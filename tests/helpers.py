@@ -378,3 +378,65 @@ def gloo_rank_saving(rank: int, world: int, port: int, out: Path, compute) -> No
         dist.barrier(timeout=datetime.timedelta(seconds=60))
     finally:
         cleanup()
+
+
+def device_images_match(shards, batch: int = 8) -> tuple[int, int]:
+    """--decode-on-device on tar shards or Parquet (a ``ShardSet``): the workers ship each
+    sample's JPEG bytes with the crop box the CPU path draws from the same per-sample seed;
+    decoded and cropped on the device (the CPU here), every image of two training epochs and of
+    validation must equal the CPU path's, with its label. Returns the images compared (train,
+    val)."""
+    import torch
+
+    from imagenet.data import device
+    from imagenet.data.folder import build_transforms
+    from imagenet.data.shards.reader import ShardBatchSampler, ShardSamples
+    from imagenet.settings.crops import crop_schedule
+    from imagenet.settings.flags import parse_config
+
+    cfg = parse_config(["data", "--train-crop-size", "24", "--val-resize-size", "30",
+                        "--val-crop-size", "24", "--train-crop-scale", "0.2"])
+    crops = crop_schedule(cfg)
+    cpu_tfs, enc_tfs, finish = build_transforms(cfg, crops), device.item_transforms(cfg, crops), \
+        device.device_crops(cfg)
+    classes = len(shards.classes)
+    seen = []
+    for i, (split, train) in enumerate(((shards.train, True), (shards.val, False))):
+        cpu = ShardSamples(cpu_tfs[i], "tensor", classes, train=train)
+        enc = ShardSamples(enc_tfs[i], "tensor", classes, train=train, encoded=True)
+        count = 0
+        for epoch in (0, 1) if train else (0,):
+            sampler = ShardBatchSampler(split, world_size=1, rank=0, batch_size=batch,
+                                        shuffle=train, seed=3, aug_seed=5)
+            sampler.set_position(epoch, 0)
+            for items in sampler:
+                want = [cpu[item] for item in items]
+                encoded = device.collate([enc[item] for item in items])
+                assert encoded[0].boxes[:, 0].min() >= 0  # JPEG bytes, not finished images
+                got, labels = finish[i](encoded, torch.device("cpu"))
+                assert got.shape == (len(items), 3, 24, 24)
+                assert torch.equal(got, torch.stack([image for image, _ in want])), (epoch,
+                                                                                     split.urls)
+                assert labels.tolist() == [label for _, label in want]
+                count += len(items)
+        seen.append(count)
+    return seen[0], seen[1]
+
+
+def device_path_trains_the_same(data: Path, out: Path, *flags: str) -> None:
+    """Seeded runs of main.py on ``data`` through the CPU path and the device path (on the CPU:
+    2 loader workers shipping JPEG bytes, decoded and cropped in the training process) end
+    with the same weights and accuracy."""
+    import torch
+
+    got = {}
+    for mode, workers in (("off", "0"), ("on", "2")):
+        proc = run_main(str(data), *flags, "--epochs", "2", "--seed", "3", "-j", workers,
+                        "--decode-on-device", mode, "--output-dir", str(out / mode))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert ("decoded and cropped on cpu" in proc.stdout) == (mode == "on"), proc.stdout
+        assert "waiting for data" in proc.stdout  # the epoch summary
+        got[mode] = load_checkpoint(out / mode / "checkpoint.pth.tar")
+    for name, value in got["off"]["state_dict"].items():
+        assert torch.equal(value, got["on"]["state_dict"][name]), name
+    assert got["off"]["best_acc1"] == got["on"]["best_acc1"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY18, load_checkpoint, run_main, write_image_folder
+from helpers import TINY18, device_path_trains_the_same, write_image_folder
 from PIL import Image
 from torchvision.transforms.v2 import functional as F
 
@@ -98,7 +98,7 @@ def test_what_nvjpeg_gets_and_what_the_workers_decode(folder: Path, tmp_path: Pa
 @pytest.mark.parametrize("argv, device, shards, on", [
     ([], "cuda", False, True), ([], "cpu", False, False), (["--image-backend", "pil"], "cuda",
      False, False), (["--auto-augment", "ta_wide"], "cuda", False, False), ([], "cuda", True,
-     False), (["--dummy"], "cuda", False, False), (["--decode-on-device", "on"], "cpu", False,
+     True), (["--dummy"], "cuda", False, False), (["--decode-on-device", "on"], "cpu", False,
      True), (["--decode-on-device", "off"], "cuda", False, False)])
 def test_when_the_device_decodes(argv, device, shards, on):
     fmt = "shards" if shards else "dummy" if "--dummy" in argv else "folder"
@@ -119,8 +119,7 @@ def test_auto_leaves_decoding_to_enough_workers(workers, on):
 
 @pytest.mark.parametrize("argv, shards, words", [
     (["--image-backend", "pil"], False, "--image-backend pil decodes with PIL"),
-    (["--random-erase", "0.25"], False, "--random-erase runs per image on the CPU"),
-    ([], True, "tar shards are decoded by the loader workers")])
+    (["--random-erase", "0.25"], True, "--random-erase runs per image on the CPU")])
 def test_impossible_requests_name_the_flag(argv, shards, words):
     cfg = parse_config(["data", "--decode-on-device", "on", *argv])
     with pytest.raises(UsageError, match=f"--decode-on-device on: {words}"):
@@ -138,19 +137,8 @@ def test_batches_on_the_cpu_pass_through_or_are_finished():
 @pytest.mark.slow
 def test_main_trains_the_same_weights_with_the_device_path(folder: Path, tmp_path: Path):
     """Seeded runs through the CPU path and the device path (on the CPU, 2 workers shipping
-    JPEG bytes) end with the same weights and accuracy."""
-    outputs = {}
-    for mode, workers in (("off", "0"), ("on", "2")):
-        out = tmp_path / mode
-        proc = run_main(str(folder), *TINY18, "--epochs", "2", "--seed", "3", "-j", workers,
-                        "--decode-on-device", mode, "--output-dir", str(out))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert ("decoded and cropped on cpu" in proc.stdout) == (mode == "on")
-        assert "waiting for data" in proc.stdout  # the epoch summary
-        outputs[mode] = load_checkpoint(out / "checkpoint.pth.tar")
-    for name, value in outputs["off"]["state_dict"].items():
-        assert torch.equal(value, outputs["on"]["state_dict"][name]), name
-    assert outputs["off"]["best_acc1"] == outputs["on"]["best_acc1"]
+    JPEG bytes, the odd files decoded by the workers) end with the same weights and accuracy."""
+    device_path_trains_the_same(folder, tmp_path, *TINY18)
 
 
 # ---------------------------------------------------------------- one batched resampling

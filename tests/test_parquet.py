@@ -15,7 +15,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import TINY, run_main, write_image_folder
+from helpers import (
+    TINY,
+    device_images_match,
+    device_path_trains_the_same,
+    run_main,
+    write_image_folder,
+)
 from torch.utils.data import DataLoader
 
 import imagenet.data.transforms as T
@@ -162,6 +168,19 @@ def test_rows_whose_images_are_paths_not_bytes_are_named(hub, tmp_path):
     shards = resolve_parquet(str(out.parent), None)
     with pytest.raises(ShardError, match="has no image bytes"):
         read_all(shards.val, world=1, rank=0, train=False)
+
+
+def test_the_device_path_gives_the_cpu_path_s_images_from_parquet(hub):
+    """--decode-on-device on Parquet rows: every training image of two epochs and every
+    validation image equals the CPU path's (helpers.device_images_match)."""
+    assert device_images_match(resolve_parquet(str(hub), None)) == (64, 12)
+
+
+@pytest.mark.slow
+def test_main_trains_the_same_weights_with_the_device_path_on_parquet(hub, tmp_path):
+    """Seeded runs on Parquet rows through the CPU path and the device path end with the same
+    weights (helpers.device_path_trains_the_same)."""
+    device_path_trains_the_same(hub, tmp_path, *TINY)
 
 
 @pytest.mark.slow

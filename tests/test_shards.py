@@ -17,7 +17,16 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, TINY, child_env, main_cmd, run_main, run_parallel, write_image_folder
+from helpers import (
+    ROOT,
+    TINY,
+    child_env,
+    device_images_match,
+    main_cmd,
+    run_main,
+    run_parallel,
+    write_image_folder,
+)
 from torch.utils.data import DataLoader
 
 from imagenet.data import transforms as T
@@ -278,6 +287,11 @@ def test_batches_do_not_depend_on_the_number_of_loader_workers(shard_dir):
     for workers in (1, 2):  # real worker processes
         assert batches(shards.train, world=2, rank=1, batch=4, epoch=2,
                        workers=workers) == reference
+
+
+def test_the_device_path_gives_the_cpu_path_s_images_from_shards(shard_dir):
+    """--decode-on-device on tar shards: every image as the CPU path gives it."""
+    assert device_images_match(resolve(str(shard_dir), None, None)) == (112, 15)  # 7 steps of 8
 
 
 def test_a_resumed_epoch_continues_exactly_without_decoding_the_samples_before(shard_dir):

@@ -96,9 +96,16 @@ def read_encoded(path: str | Path) -> tuple[torch.Tensor, str]:
         data = Path(path).read_bytes()
     except OSError as exc:
         raise DataError(f"cannot read image {path}: {exc.strerror or exc}") from None
+    return encoded(data, str(path))
+
+
+def encoded(data: bytes, name: str, backend: str | None = None) -> tuple[torch.Tensor, str]:
+    """(image, name) of an image's bytes (a file's, a tar shard member's, a Parquet row's): the
+    bytes (1-D uint8) when the device can decode them, else the image decoded here (uint8 CHW,
+    with ``backend``); DataError naming ``name`` if it cannot be decoded."""
     if device_decodable(data):
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8), str(path)
-    return T.decode_image(data, path), str(path)  # type: ignore[return-value]
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8), name
+    return T.decode_image(data, name, backend), name  # type: ignore[return-value]
 
 
 BOX = ("top", "left", "height", "width", "flip", "size")  # a row of EncodedBatch.boxes

@@ -179,7 +179,8 @@ class Config:
                                   choices=("auto", "on", "off"),
                                   help="decode JPEGs (nvJPEG, batched) and crop, resize and flip "
                                        "them on the training device, the loader workers only "
-                                       "reading files; auto = on with CUDA for ImageFolder data "
+                                       "reading files (ImageFolder, tar shards, Parquet); "
+                                       "auto = on with CUDA and fewer than 8 loader workers, "
                                        "without --image-backend pil, --auto-augment or "
                                        "--random-erase (default: %(default)s)")
     auto_augment: str | None = _flag("--auto-augment", group="data", default=None,

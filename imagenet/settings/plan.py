@@ -134,10 +134,6 @@ def device_conflict(cfg: Config, fmt: str) -> str | None:
     """What rules out decoding on the device, or None."""
     if fmt == "dummy":
         return "--dummy data is not decoded"
-    if fmt == "shards":
-        return "tar shards are decoded by the loader workers (ImageFolder data only)"
-    if fmt == "parquet":
-        return "Parquet rows are decoded by the loader workers (ImageFolder data only)"
     if cfg.image_backend == "pil":
         return "--image-backend pil decodes with PIL"
     if cfg.auto_augment:

@@ -21,6 +21,7 @@ import logging
 
 import torch
 
+from imagenet.data import device
 from imagenet.data.folder import Data, StopSafeLoader, build_transforms, loader_options
 from imagenet.data.shards.parquet import resolve_parquet
 from imagenet.data.shards.plan import STREAMS, train_batches_per_rank
@@ -50,10 +51,17 @@ def build_shard_data(plan: Plan, data: str, rank: int, aug_seed: int, pin_memory
     if steps == 0 and not cfg.evaluate:
         raise DataError(f"the training shards hold {shards.train.total} images, fewer than one "
                         f"global batch ({world_size} process(es) x {batch}); lower -b")
-    train_tf, val_tf = build_transforms(cfg, plan.crops)
+    on_device = plan.decode.on_device
+    train_tf, val_tf = device.item_transforms(cfg, plan.crops) if on_device else \
+        build_transforms(cfg, plan.crops)
+    finish = device.device_crops(cfg) if on_device else None
+    # encoded bytes: nvJPEG reads them from pageable memory itself
+    extra = {"collate_fn": device.collate} if on_device else {}
+    pin_memory = pin_memory and not on_device
     where = {"world_size": world_size, "rank": rank, "batch_size": batch}
     splits = ((shards.train, train_tf, True), (shards.val, val_tf, False))
-    loaders = [StopSafeLoader(ShardSamples(tf, image_backend(cfg), len(shards.classes), train),
+    loaders = [StopSafeLoader(ShardSamples(tf, image_backend(cfg), len(shards.classes), train,
+                                           encoded=on_device),
                               # validation needs no mixing: one stream, fewer starts in shards
                               batch_sampler=ShardBatchSampler(
                                   split, shuffle=train, seed=cfg.seed or 0, aug_seed=aug_seed,
@@ -63,7 +71,7 @@ def build_shard_data(plan: Plan, data: str, rank: int, aug_seed: int, pin_memory
                               generator=torch.Generator().manual_seed(aug_seed),
                               # 2, not 4: an "index" here is a read batch, and a new epoch's
                               # first batch waits until all of them are queued
-                              **loader_options(workers, prefetch=2))
+                              **loader_options(workers, prefetch=2), **extra)
                for split, tf, train in splits]
     left_out = shards.train.total - steps * batch * world_size
     kind = "Parquet files" if plan.data_format == "parquet" else "shards"
@@ -72,5 +80,6 @@ def build_shard_data(plan: Plan, data: str, rank: int, aug_seed: int, pin_memory
              "parquet" if plan.data_format == "parquet" else "shards", shards.train.total,
              len(shards.train.urls), kind, steps, batch, left_out, shards.val.total,
              len(shards.val.urls), kind)
-    return Data(ShardTrain(loaders[0]), loaders[1], len(shards.classes), shards.classes,
-                shards.val.total)
+    return Data(ShardTrain(loaders[0], finish and finish[0]), loaders[1], len(shards.classes),
+                shards.classes, shards.val.total, train_finish=finish and finish[0],
+                val_finish=finish and finish[1])

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 import imagenet.data.transforms as T
+from imagenet.data import device
 from imagenet.data.resizing import follow_epoch
 from imagenet.data.samplers import seeded_call
 from imagenet.data.shards.parquet import ParquetReader, open_reader
@@ -200,12 +201,14 @@ class ShardBatchSampler(Sampler):
 
 
 class ShardSamples(Dataset):
-    """Decodes and transforms the items ``ShardBatchSampler`` yields: (image, label[, key])."""
+    """Decodes and transforms the items ``ShardBatchSampler`` yields: (image, label[, key]).
+    ``encoded`` (--decode-on-device): the transform gets (JPEG bytes or decoded image, name), as
+    ``device.read_encoded`` gives it for a file, and the device decodes the JPEGs."""
 
     def __init__(self, transform: Callable, backend: str, num_classes: int, train: bool,
-                 keys: bool = False) -> None:
+                 keys: bool = False, encoded: bool = False) -> None:
         self.transform, self.backend, self.num_classes = transform, backend, num_classes
-        self.train, self.keys = train, keys
+        self.train, self.keys, self.encoded = train, keys, encoded
         self.stats = ReadStats()
 
     def __getitem__(self, item: Item) -> tuple:
@@ -225,6 +228,8 @@ class ShardSamples(Dataset):
                              f"member (.{', .'.join(IMAGE_EXTENSIONS)})")
         self.stats.decoded += 1
         name = f"{raw['__key__']}.{ext} in shard {raw['__url__']}"
+        if self.encoded:
+            return self.transform(device.encoded(raw[ext], name, self.backend))
         return self.transform(T.decode_image(raw[ext], name, self.backend))  # type: ignore
 
     def _label(self, raw: Raw) -> int:
@@ -243,8 +248,9 @@ class ShardSamples(Dataset):
 class ShardTrain:
     """``TrainData`` (see ``imagenet.data.folder``) of tar shards."""
 
-    def __init__(self, loader: DataLoader) -> None:
+    def __init__(self, loader: DataLoader, finish: Callable | None = None) -> None:
         self.loader = loader
+        self.finish = finish  # a loader batch -> device tensors (--decode-on-device)
         self.sampler: ShardBatchSampler = loader.batch_sampler  # type: ignore[assignment]
         self.dataset: ShardSamples = loader.dataset  # type: ignore[assignment]
 
@@ -285,5 +291,7 @@ class ShardTrain:
         self.sampler.seed, self.sampler.aug_seed = order_seed, aug_seed
 
     def preview(self, epoch: int, count: int) -> torch.Tensor:
-        return torch.stack([self.dataset[item][0]
-                            for item in self.sampler.first_items(epoch, count)])
+        items = [self.dataset[item] for item in self.sampler.first_items(epoch, count)]
+        if self.finish is None:
+            return torch.stack([image for image, *_ in items])
+        return self.finish(self.loader.collate_fn(items), torch.device("cpu"))[0]
