@@ -16,10 +16,11 @@ import torch.multiprocessing as mp
 from helpers import gloo_rank_saving, tiny_engine, uint8_batches
 from torch import nn
 
+from imagenet.evaluation.validate import evaluate
 from imagenet.launching.collectives import DistInfo
 from imagenet.settings.flags import parse_config
 from imagenet.settings.rendezvous import free_port
-from imagenet.training.engine import Step, evaluate, train_one_epoch
+from imagenet.training.engine import Step, train_one_epoch
 from imagenet.training.models import for_evaluation, unwrap, wrap
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -23,12 +23,13 @@ from torchvision.transforms import v2
 from imagenet.checkpoint.source import Decided
 from imagenet.data import transforms as T
 from imagenet.errors import UsageError
+from imagenet.evaluation.validate import evaluate
 from imagenet.launching.collectives import DistInfo
 from imagenet.run.build import Run, build_run
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import Layout
 from imagenet.settings.plan import fixed_plan
-from imagenet.training.engine import Step, evaluate, train_one_epoch
+from imagenet.training.engine import Step, train_one_epoch
 from imagenet.training.models import unwrap, wrap
 from imagenet.training.optim import build_criterion, build_optimizer, build_scheduler
 

@@ -10,10 +10,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from helpers import StripedImages, gloo_rank_saving, tiny_net
 
+from imagenet.evaluation.validate import evaluate
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import Layout
 from imagenet.training.assembly import build_engine
-from imagenet.training.engine import Step, evaluate, train_one_epoch
+from imagenet.training.engine import Step, train_one_epoch
 from imagenet.training.optim import build_optimizer, build_scheduler, class_weights
 from imagenet.training.position import rebuild_schedule
 

@@ -1,10 +1,11 @@
 """Validation that says what is wrong: --tta-flip, the per-image predictions (--predictions) and
 the per-class report, with -e and after the last epoch.
 
-``Report`` takes each batch's outputs from ``engine.evaluate`` (``on_output``), keeps only the top-5
-on the device, and after the pass gathers every rank's rows to rank 0, which checks that every
-validation image is there exactly once and writes the files (``imagenet.reporting.results``). The
-predictions are the same outputs the printed top-1 counts, so the file's accuracy is that top-1.
+``Report`` takes each batch's outputs from ``validate.evaluate`` (``on_output``), keeps only
+the top-5 on the device, and after the pass gathers every rank's rows to rank 0, which checks
+that every validation image is there exactly once and writes the files
+(``imagenet.reporting.results``). The predictions are the same outputs the printed top-1
+counts, so the file's accuracy is that top-1.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class Report:
         self.parts: list[tuple[torch.Tensor, ...]] = []  # per batch, on the device
 
     def add(self, output: torch.Tensor, target: torch.Tensor) -> None:
-        """``engine.evaluate``'s ``on_output``: keep the batch's top classes (no host sync)."""
+        """``validate.evaluate``'s ``on_output``: keep the batch's top classes (no host
+        sync)."""
         top = output.topk(min(results.TOPK, output.shape[1]), dim=1)  # as topk_correct
         prob = output.float().softmax(dim=1).gather(1, top.indices)
         self.parts.append((target, top.indices, prob))

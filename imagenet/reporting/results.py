@@ -41,7 +41,7 @@ class Predictions:
         return self.top[:, 0]
 
     def acc1(self) -> float:
-        """Top-1 in percent, as ``engine.evaluate`` computes it."""
+        """Top-1 in percent, as ``evaluation.validate.evaluate`` computes it."""
         return 100 * int((self.pred == self.target).sum()) / max(len(self.target), 1)
 
 

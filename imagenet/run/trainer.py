@@ -29,6 +29,7 @@ from imagenet.data.folder import shutdown_workers
 from imagenet.data.prefetch import device_batches
 from imagenet.errors import NonFiniteLossError, Preempted, on_every_rank
 from imagenet.evaluation.report import Report, for_validation
+from imagenet.evaluation.validate import evaluate
 from imagenet.launching.collectives import DistInfo
 from imagenet.launching.preemption import StopBetweenBatches, StopFlag, StopRequested
 from imagenet.reporting.logger import RunLogger, print_val_progress
@@ -46,14 +47,7 @@ from imagenet.settings.flags import get_args_parser
 from imagenet.settings.plan import Plan
 from imagenet.training.compile_cache import graph_cache_counts
 from imagenet.training.compiling import graphs_compiled, new_graphs
-from imagenet.training.engine import (
-    EpochTotals,
-    Hooks,
-    Step,
-    epoch_metrics,
-    evaluate,
-    train_one_epoch,
-)
+from imagenet.training.engine import EpochTotals, Hooks, Step, epoch_metrics, train_one_epoch
 from imagenet.training.models import for_evaluation
 
 log = logging.getLogger(__name__)
