@@ -38,10 +38,11 @@ from imagenet.errors import UsageError
 from imagenet.launching.failures import stop_together
 from imagenet.launching.rendezvous import cleanup, init_distributed, owns_group
 from imagenet.run.outputs import Outputs, Saved
+from imagenet.run.start import check_start
 from imagenet.settings import devices
 from imagenet.settings.devices import Accelerator
 from imagenet.settings.flags import Config, parse_config
-from imagenet.settings.launch import Launch, check_sync_bn, plan_launch
+from imagenet.settings.launch import Launch, plan_launch
 from imagenet.settings.plan import make_plan
 
 __all__ = ["Saved", "train"]
@@ -65,10 +66,10 @@ def train(argv: Sequence[str], *, on_checkpoint: Callable[[Saved], None] | None 
         if dist.is_available() and dist.is_initialized() else None
     plan = make_plan(cfg, os.environ, accel, plan_in_process(cfg, accel), group,
                      started=called)
-    check_sync_bn(cfg.sync_bn, plan.device_type)
-    from imagenet.run.trainer import run_training  # heavy imports only where training happens
-
     with console_logging(plan.ranks().rank, cfg.debug):
+        check_start(plan)  # main.py's checks
+        from imagenet.run.trainer import run_training  # heavy imports only where training happens
+
         info = init_distributed(plan)
         try:
             outputs = Outputs(on_checkpoint=on_checkpoint,

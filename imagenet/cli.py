@@ -22,10 +22,10 @@ from imagenet.launching.preemption import (
 from imagenet.launching.rendezvous import cleanup, init_distributed
 from imagenet.launching.teardown import LOOK, StoppedChildren, exit_within
 from imagenet.reporting.logger import preload_writers, setup_logging, startup_notes
+from imagenet.run.start import check_start
 from imagenet.settings import devices
 from imagenet.settings.flags import parse_config
 from imagenet.settings.plan import Plan, make_plan
-from imagenet.training.inputsize import check_crop_sizes
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PREEMPTED_BY = {sig.name for sig in FORWARDED_SIGNALS}  # a child dead of these: preempted
@@ -258,9 +258,7 @@ def _main(argv: Sequence[str] | None, own_process: bool) -> int:
             return run_env_check(cfg)
         setup_logging(0, cfg.debug)  # each training process sets its own rank's
         plan = make_plan(cfg, os.environ, devices.detect())  # every decision, once
-        for note in plan.notes:
-            log.warning("%s", note)
-        check_crop_sizes(cfg.arch, plan.crop_flags)  # before any data is read or process started
+        check_start(plan)  # before any data is read or process started
         if plan.launch.mode != "spawn":
             _worker(0, plan, {}, own_process=own_process)
             return 0

@@ -17,8 +17,10 @@ from helpers import TINY18, load_checkpoint, write_image_folder
 
 import imagenet
 from imagenet.errors import UsageError
+from imagenet.settings import devices
 from imagenet.settings.flags import parse_config
-from imagenet.settings.launch import plan_launch, plan_layout, resolve_ranks
+from imagenet.settings.launch import Launch, plan_launch, plan_layout, resolve_ranks
+from imagenet.settings.plan import make_plan
 from imagenet.settings.rendezvous import free_port
 
 RUN = [*TINY18, "-j", "0"]
@@ -100,6 +102,39 @@ def test_pet_variables_under_torchrun_or_by_default_are_fine():
 def test_train_raises_usage_errors_instead_of_exiting(argv, words):
     with pytest.raises(UsageError, match=words):
         imagenet.train(argv)
+
+
+def test_train_makes_main_py_s_start_checks(tmp_path, capsys):
+    """imagenet.train checks what main.py checks before any data is read (one start check,
+    ``run.start.check_start``): crops too small for the model (the data folder does not even
+    exist here), and it says the plan's notes (srun tasks that SLURM did not launch)."""
+    missing = str(tmp_path / "no-data")
+    with pytest.raises(UsageError, match="too small for -a alexnet, which needs crops of at "
+                                         "least 63 px"):
+        imagenet.train([missing, "-a", "alexnet", "--train-crop-size", "32",
+                        "--val-crop-size", "32"])
+    env = {"SLURM_NTASKS": "2", "SLURM_JOB_ID": "7"}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        with pytest.raises(UsageError, match="too small"):
+            imagenet.train([missing, "-a", "alexnet", "--train-crop-size", "32",
+                            "--val-crop-size", "32"])
+    notes = make_plan(parse_config([missing]), env, devices.detect()).notes
+    assert notes and notes[0] in capsys.readouterr().out
+
+
+def test_sync_bn_is_checked_in_a_callers_process_group_too():
+    """--sync-bn on the CPU is refused for every job of several processes, the group a caller
+    (Ray) made included; a single process has no SyncBatchNorm to run (main.py and
+    imagenet.train alike)."""
+    cfg = parse_config(["data", "--sync-bn"])
+    ray = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # what Ray Train sets
+    with pytest.raises(UsageError, match="--sync-bn needs CUDA"):
+        make_plan(cfg, ray, devices.Accelerator("cpu", 0), Launch("env", reason="a group"),
+                  (0, 2))
+    assert make_plan(cfg, {}, devices.Accelerator("cpu", 0)).launch.mode == "single"
 
 
 @pytest.mark.slow

@@ -9,4 +9,6 @@
                  checkpoint.rundir).
   outputs        where files go besides OUTPUT_DIR (object storage, imagenet.train's caller).
   announce       what a run says about itself: derived settings, what -e evaluates, the end.
+  start          what main.py and imagenet.train check before any data or process: the plan's
+                 notes, crops the model can take.
 """

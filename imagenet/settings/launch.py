@@ -474,8 +474,9 @@ def plan_job(cfg: Config, env: Mapping[str, str], accel: Accelerator | int,
     check_gpu_flag(cfg.gpu, cfg.no_accel, accel)
     launch = launch or plan_launch(cfg, env, accel)
     device_type = device_type_of(cfg, accel)
-    if launch.mode != "single" and group is None:  # impossible requests fail here, once
-        choose_backend(cfg.dist_backend, device_type)
+    if launch.mode != "single":  # impossible requests fail here, once
+        if group is None:  # a caller's group (Ray) has its backend
+            choose_backend(cfg.dist_backend, device_type)
         check_sync_bn(cfg.sync_bn, device_type)
     process = process_ranks(cfg, launch, env, group)
     ranks = process or Ranks(launch.node_rank * launch.nprocs, 0, launch.nnodes * launch.nprocs,
