@@ -126,6 +126,62 @@ def test_impossible_requests_name_the_flag(argv, shards, words):
         decode_path(cfg, "shards" if shards else "folder", "cuda")
 
 
+def variants_of_every_data_flag() -> list[list[str]]:
+    """A command line per value of each data flag other than its default: every choice, or a
+    number changed (those the flag's own checks refuse are left out)."""
+    import dataclasses
+
+    from imagenet.settings.flags import Config
+
+    found = []
+    for f in dataclasses.fields(Config):
+        meta = f.metadata
+        if meta.get("group") != "data" or not meta["names"][0].startswith("--"):
+            continue
+        flag, kwargs = meta["names"][-1], meta["kwargs"]
+        if kwargs.get("action") in ("store_true", "store_false"):
+            values = [[]]
+        elif "choices" in kwargs:
+            values = [[str(c)] for c in kwargs["choices"] if c != f.default]
+        elif isinstance(f.default, bool) or not isinstance(f.default, (int, float)):
+            continue  # paths, names, lists: not an augmentation
+        else:
+            changed = (f.default + 1) / 2 if isinstance(f.default, float) and f.default < 1 \
+                else f.default + 1  # a probability or scale stays within (0, 1]
+            values = [[str(changed)]]
+        for value in values:
+            argv = ["data", flag, *value]
+            try:
+                parse_config(argv)
+            except (UsageError, SystemExit):
+                continue
+            found.append(argv[1:])
+    return found
+
+
+def test_no_data_flag_is_left_out_by_the_device_path():
+    """The device path crops, resizes and flips; any other per-image step of the CPU path's
+    training transform must rule the device path out (``settings.plan.device_conflict``), or
+    --decode-on-device would silently train without it. Every data flag, every value."""
+    from imagenet.data.folder import build_transforms
+
+    plain = {type(step) for step in build_transforms(parse_config(["data"]),
+                                                     crop_schedule(parse_config(["data"])))[0]
+             .transforms}
+    checked = []
+    for argv in variants_of_every_data_flag():
+        cfg = parse_config(["data", *argv])
+        if not decode_path(cfg, "folder", "cuda").on_device:
+            continue
+        train = build_transforms(cfg, crop_schedule(cfg))[0]
+        steps = getattr(train, "transforms", None) or train.build(cfg.train_crop_size).transforms
+        assert {type(step) for step in steps} <= plain, (argv, steps)
+        checked.append(argv)
+    assert ["--interpolation", "bicubic"] in checked and ["--train-crop-scale", "0.54"] in checked
+    # (the test sees the flags: what device_conflict refuses is not checked above)
+    assert ["--auto-augment", "ra"] not in checked and ["--random-erase", "0.5"] not in checked
+
+
 def test_batches_on_the_cpu_pass_through_or_are_finished():
     batches = [(torch.zeros(2, 3, 4, 4, dtype=torch.uint8), torch.tensor([0, 1]))]
     assert prefetch.device_batches(batches, CPU, None) is batches
