@@ -88,23 +88,37 @@ def test_a_loader_worker_blocked_on_a_read_ends_the_run_with_its_stacks(tmp_path
     assert gone(live.token)  # the worker blocked in open() too
 
 
+def two_processes(launcher: str, data: Path, out: Path, *extra: str) -> list[str]:
+    """A 2-process run of 2 x 2 images per step and one loader worker each, the same training
+    under mp.spawn (-b and -j per node) and torchrun (per process)."""
+    args = main(str(data), "-b", "4" if launcher == "spawn" else "2", "-j", "1", "--seed", "0",
+                "--epochs", "2", "--output-dir", str(out), *extra)
+    if launcher == "spawn":
+        return [*args, "--nproc-per-node", "2"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            "2", *args[1:]]
+
+
+@pytest.fixture(scope="module")
+def whole(data, tmp_path_factory) -> Path:
+    """The uninterrupted run both launchers' stopped and resumed runs must end as."""
+    out = tmp_path_factory.mktemp("whole")
+    ran = Live(two_processes("spawn", data, out), timeout=600)
+    assert ran.finish() == 0, ran.output
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
-def test_a_stopped_rank_is_named_and_every_process_ends(data, tmp_path, launcher):
+def test_a_stopped_rank_is_named_and_every_process_ends(data, whole, tmp_path, launcher):
     """Two processes; rank 1 stopped with SIGSTOP in the middle of epoch 1: rank 0 waits in the
-    gradient all-reduce. Then --resume auto ends as an uninterrupted run does."""
-    flags = ["-b", "4", "-j", "1", "--seed", "0", "--epochs", "2"]
+    gradient all-reduce. Then --resume auto ends as an uninterrupted run does (mp.spawn's: the
+    launcher does not change what is trained)."""
 
     def command(out: Path, *extra: str) -> list[str]:
-        args = main(str(data), *flags, "--output-dir", str(out), *extra)
-        if launcher == "spawn":
-            return [*args, "--nproc-per-node", "2"]
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2", *args[1:]]
+        return two_processes(launcher, data, out, *extra)
 
-    whole, out = tmp_path / "whole", tmp_path / "out"
-    ran = Live(command(whole), timeout=600)
-    assert ran.finish() == 0, ran.output
+    out = tmp_path / "out"
     live = Live(command(out), timeout=LIMIT + 120)
     rank1 = rank_pid(live.token, 1, within=120)  # found first: the stop follows the line at once
     live.wait_for("Epoch: [1][")  # its first step (the epoch's rest is under a second)
