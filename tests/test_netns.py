@@ -116,19 +116,33 @@ def _catch_a_save(out: Path, within: float = 120) -> bool:
     return False
 
 
+@pytest.fixture(scope="module")
+def lost_link_data(tmp_path_factory) -> tuple[Path, Path]:
+    """The lost-link tests' data, and the uninterrupted two-host run on it (in namespaces of its
+    own, gone before each test makes its own) that both tests' resumed runs must end as."""
+    base = tmp_path_factory.mktemp("lost-link")
+    data = write_image_folder(base / "data", classes=2, train_per_class=24, val_per_class=2)
+    try:
+        with TwoHosts() as hosts:
+            for live in _both(hosts.names, data, base / "whole", 29510):
+                assert live.finish() == 0, live.output
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+    return data, base / "whole"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("when", ["mid-step", "mid-save"])
-def test_a_lost_link_ends_both_hosts_and_the_resume_matches(two_hosts, tmp_path: Path, when):
+def test_a_lost_link_ends_both_hosts_and_the_resume_matches(lost_link_data, two_hosts,
+                                                            tmp_path: Path, when):
     """The veth link taken down in the middle of epoch 1 (mid-step), or while rank 0 writes a
     checkpoint (mid-save: rank 0 held with SIGSTOP while its writer's file is half written):
     each host's --hang-timeout watch ends its rank with one line and the requeue code within
     the timeout + 60 s, the checkpoint on disk is whole, and --resume auto on the link brought
     back up ends exactly as an uninterrupted run."""
     names, ends = two_hosts
-    data = write_image_folder(tmp_path / "data", classes=2, train_per_class=24, val_per_class=2)
-    whole, out = tmp_path / "whole", tmp_path / "out"
-    for live in _both(names, data, whole, 29510):
-        assert live.finish() == 0, live.output
+    data, whole = lost_link_data
+    out = tmp_path / "out"
     ranks = _both(names, data, out, 29511)
     ranks[0].wait_for("Epoch: [1][")
     if when == "mid-save":
