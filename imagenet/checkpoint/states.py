@@ -21,6 +21,7 @@ from imagenet.errors import CheckpointError
 from imagenet.settings.flags import Config
 from imagenet.settings.launch import Layout
 from imagenet.training.models import unwrap
+from imagenet.training.position import ResumePoint, resume_point
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,16 @@ def layout_kept(layout: Layout, ckpt: dict[str, Any]) -> bool:
 def same_order(ckpt: dict[str, Any], cfg: Config) -> bool:
     """True when the checkpoint's epochs have this run's order (the same --ra-reps)."""
     return int((ckpt.get("config") or {}).get("ra_reps", 1)) == cfg.ra_reps
+
+
+def data_resume_point(ckpt: dict[str, Any], cfg: Config, layout: Layout, steps_per_epoch: int,
+                      train: Any) -> ResumePoint:
+    """Where a resume of ``ckpt`` puts the training data ``train`` (a ``TrainData``) under this
+    run's flags and layout: the one answer the early start of the loader (``run.startup``) and
+    the resume itself (``run.checkpointing``) both use."""
+    kept = same_order(ckpt, cfg)
+    return resume_point(ckpt, steps_per_epoch, layout, layout_kept(layout, ckpt) and kept,
+                        train.order_size if train.continues_any_layout and kept else None)
 
 
 def resumed_best(ckpt: dict[str, Any], path: Path, output_dir: Path, key: str = "best_acc1",

@@ -22,6 +22,7 @@ from imagenet.checkpoint import files, guard, history, rng, sharded
 from imagenet.checkpoint.changes import check_ranks_agree, log_changes
 from imagenet.checkpoint.source import agreed_checkpoint, broadcast_weights
 from imagenet.checkpoint.states import (
+    data_resume_point,
     ema_state,
     flags_kept,
     layout_kept,
@@ -43,7 +44,6 @@ from imagenet.training.position import (
     EpochStart,
     ResumePoint,
     rebuild_schedule,
-    resume_point,
     schedule_steps,
 )
 
@@ -292,9 +292,7 @@ def resume(run: Run) -> Path | None:
     if run.best_ema is not None:
         run.best_ema.acc1 = resumed_best(ckpt, path, run.output_dir, "best_ema_acc1",
                                          run.best_ema.path.name)
-    train, order_kept = run.data.train, same_order(ckpt, run.cfg)
-    point = resume_point(ckpt, steps_per_epoch, run.layout, same_layout(run, ckpt) and order_kept,
-                         train.order_size if train.continues_any_layout and order_kept else None)
+    point = data_resume_point(ckpt, run.cfg, run.layout, steps_per_epoch, run.data.train)
     global_step = int(ckpt.get("global_step", point.epoch * steps_per_epoch))
     run.step = Step(point.epoch, point.step_in_epoch, global_step)
     run.epoch_start = EpochStart(point.epoch, point.images, point.step_in_epoch)
@@ -316,7 +314,7 @@ def resume(run: Run) -> Path | None:
     log.info("=> loaded checkpoint '%s' (epoch %d, step %d, best Acc@1 %.3f)", path,
              run.step.epoch, run.step.step_in_epoch, run.best.acc1)
     if point.approximated:
-        log_approximation(run, point, order_kept)
+        log_approximation(run, point, same_order(ckpt, run.cfg))
     return path
 
 

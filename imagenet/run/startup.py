@@ -20,11 +20,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from imagenet.checkpoint import files
-from imagenet.checkpoint.states import layout_kept, same_order
+from imagenet.checkpoint.states import data_resume_point
 from imagenet.data.folder import Data, FolderTrain, stop_workers
 from imagenet.reporting.stages import FirstBatch
 from imagenet.settings.plan import Plan
-from imagenet.training.position import resume_point
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +91,7 @@ def expected_start(plan: Plan, train: FolderTrain, path: Path | None) -> Key | N
     meta = path / files.SHARDED_META if path.is_dir() else path
     ckpt = torch.load(meta, map_location="cpu", weights_only=True, mmap=True)
     steps = -(-train.batches // layout.grad_accum_steps)
-    kept = same_order(ckpt, cfg)
-    point = resume_point(ckpt, steps, layout, layout_kept(layout, ckpt) and kept,
-                         train.order_size if train.continues_any_layout and kept else None)
+    point = data_resume_point(ckpt, cfg, layout, steps, train)
     order_seed = int(ckpt["sampler"]["seed"]) if ckpt.get("sampler") else train.order_seed
     aug_seed = int(ckpt.get("aug_seed", train.aug_seed))
     if point.step_in_epoch < steps:
