@@ -1,8 +1,9 @@
 """Distributed building blocks: launch planning (pure functions) and DDP maths with real processes.
 
 The maths tests start two real processes on gloo (torch.multiprocessing.spawn) that drive
-imagenet.training.engine.train_one_epoch / evaluate with imagenet.data.folder's samplers, and
-compare them with one process doing the same work on the same data order in this process.
+imagenet.training.engine.train_one_epoch and imagenet.evaluation.validate.evaluate with
+imagenet.data.folder's samplers, and compare them with one process doing the same work on the
+same data order in this process.
 """
 
 from __future__ import annotations
@@ -268,11 +269,12 @@ def train_weights(rank: int, world: int, batch: int, accum: int, size: int = 48
 
 
 def evaluate_counts(rank: int, world: int, size: int, batch: int) -> dict[str, float]:
-    """engine.evaluate of a BatchNorm model over a ShardSampler shard (uneven batch counts)."""
+    """evaluation.validate.evaluate of a BatchNorm model over a ShardSampler shard (uneven
+    batch counts)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from imagenet.data.samplers import ShardSampler
-    from imagenet.training.engine import evaluate
+    from imagenet.evaluation.validate import evaluate
 
     raw = tiny_model(bn=True)
     raw.train()

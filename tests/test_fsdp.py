@@ -68,9 +68,10 @@ def train(info, name: str, mode: str) -> dict:
     """``STEPS`` optimizer steps of run ``name`` under DDP or FSDP; the gathered states."""
     from imagenet.checkpoint.states import ema_state, model_state, optimizer_state
     from imagenet.data.samplers import ShardSampler
+    from imagenet.evaluation.validate import evaluate
     from imagenet.settings.launch import Layout
     from imagenet.training.assembly import build_engine
-    from imagenet.training.engine import Step, evaluate, train_one_epoch
+    from imagenet.training.engine import Step, train_one_epoch
     from imagenet.training.fsdp import broadcast_buffers
     from imagenet.training.models import wrap
     from imagenet.training.optim import build_ema
