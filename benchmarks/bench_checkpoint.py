@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from imagenet.checkpoint import files  # noqa: E402
-from imagenet.checkpoint.source import Decided  # noqa: E402
+from imagenet.checkpoint.resume_from import Decided  # noqa: E402
 from imagenet.launching.collectives import DistInfo  # noqa: E402
 from imagenet.launching.preemption import StopFlag  # noqa: E402
 from imagenet.run import (

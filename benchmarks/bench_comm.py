@@ -147,7 +147,7 @@ def worker(args: argparse.Namespace) -> None:
     import torchvision
 
     from imagenet.launching.collectives import DistInfo
-    from imagenet.launching.rendezvous import set_socket_interface
+    from imagenet.launching.process_group import set_socket_interface
     from imagenet.settings.flags import parse_config
     from imagenet.training.models import wrap
 

@@ -48,9 +48,9 @@ def worker(args: argparse.Namespace) -> None:
     from imagenet.launching.collectives import DistInfo
     from imagenet.settings.flags import parse_config
     from imagenet.settings.launch import Layout
-    from imagenet.training.assembly import build_engine
     from imagenet.training.engine import Step, train_one_epoch
     from imagenet.training.models import wrap
+    from imagenet.training.parts import build_engine
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)

@@ -37,9 +37,9 @@ from imagenet.settings.flags import parse_config  # noqa: E402
 from imagenet.settings.launch import Layout  # noqa: E402
 from imagenet.settings.rendezvous import free_port  # noqa: E402
 from imagenet.training import fsdp  # noqa: E402
-from imagenet.training.assembly import build_engine  # noqa: E402
 from imagenet.training.engine import Step, train_one_epoch  # noqa: E402
 from imagenet.training.models import wrap  # noqa: E402
+from imagenet.training.parts import build_engine  # noqa: E402
 
 
 def async_prefetch(model: torch.nn.Module) -> None:

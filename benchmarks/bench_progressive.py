@@ -27,9 +27,9 @@ from imagenet.evaluation.validate import evaluate  # noqa: E402
 from imagenet.settings.flags import parse_config  # noqa: E402
 from imagenet.settings.launch import Layout  # noqa: E402
 from imagenet.settings.plan import fixed_plan  # noqa: E402
-from imagenet.training.assembly import build_engine  # noqa: E402
 from imagenet.training.compiling import compile_model  # noqa: E402
 from imagenet.training.engine import Step, train_one_epoch  # noqa: E402
+from imagenet.training.parts import build_engine  # noqa: E402
 
 
 def batches(n: int, batch: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -26,7 +26,6 @@ import contextlib
 import io
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -36,7 +35,8 @@ import torch.distributed as dist
 
 from imagenet.errors import UsageError
 from imagenet.launching.failures import stop_together
-from imagenet.launching.rendezvous import cleanup, init_distributed, owns_group
+from imagenet.launching.process_group import cleanup, init_distributed, owns_group
+from imagenet.reporting.logger import console
 from imagenet.run.outputs import Outputs, Saved
 from imagenet.run.start import check_start
 from imagenet.settings import devices
@@ -123,12 +123,10 @@ def console_logging(rank: int, debug: bool) -> Iterator[None]:
     """The trainer's log lines on the console (rank 0: progress; others: warnings), through
     the ``imagenet`` logger only: the caller's logging stays as it was."""
     logger = logging.getLogger("imagenet")
-    handler = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
-    handler.setFormatter(logging.Formatter(
-        "%(message)s" if rank == 0 else f"[rank {rank}] %(levelname)s: %(message)s"))
+    handler, level = console(rank, debug)  # main.py's console
     saved = logger.level, logger.propagate
     logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG if debug else logging.INFO if rank == 0 else logging.WARNING)
+    logger.setLevel(level)
     logger.propagate = False
     try:
         yield

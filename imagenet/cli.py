@@ -19,7 +19,7 @@ from imagenet.launching.preemption import (
     ignore_interrupts_after_training,
     stop_when_orphaned,
 )
-from imagenet.launching.rendezvous import cleanup, init_distributed
+from imagenet.launching.process_group import cleanup, init_distributed
 from imagenet.launching.teardown import LOOK, StoppedChildren, exit_within
 from imagenet.reporting.logger import preload_writers, setup_logging, startup_notes
 from imagenet.run.start import check_start
@@ -53,7 +53,9 @@ def _worker(local_index: int, plan: Plan, master: dict[str, str],
             start: SpawnStart | None = None, own_process: bool = True) -> None:
     """One training process: join the others, then train (the body of every mp.spawn child).
     ``own_process``: the process ends with the run (not an in-process caller of ``main``)."""
-    show_crash_stacks()
+    if plan.launch.mode == "spawn":  # a process of its own: its crash stacks and console, once
+        show_crash_stacks()
+        setup_logging(plan.ranks(local_index).rank, plan.cfg.debug)
     try:
         _train_here(local_index, plan, master, start, own_process)
     except KeyboardInterrupt:
@@ -102,7 +104,6 @@ def _train_here(local_index: int, plan: Plan, master: dict[str, str],
         os.environ.update(RANK=str(ranks.rank), WORLD_SIZE=str(ranks.world_size),
                           LOCAL_RANK=str(ranks.local_rank),
                           LOCAL_WORLD_SIZE=str(ranks.local_world_size))
-    setup_logging(ranks.rank, cfg.debug)
     for note in startup_notes(cfg):
         log.info("%s", note)
     hold_interrupts()  # heavy imports only where training happens
@@ -256,8 +257,9 @@ def _main(argv: Sequence[str] | None, own_process: bool) -> int:
 
             take_interrupts()
             return run_env_check(cfg)
-        setup_logging(0, cfg.debug)  # each training process sets its own rank's
         plan = make_plan(cfg, os.environ, devices.detect())  # every decision, once
+        # This process's console, set once: a spawned child sets its own rank's (_worker).
+        setup_logging(0 if plan.launch.mode == "spawn" else plan.ranks(0).rank, cfg.debug)
         check_start(plan)  # before any data is read or process started
         if plan.launch.mode != "spawn":
             _worker(0, plan, {}, own_process=own_process)

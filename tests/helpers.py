@@ -329,11 +329,11 @@ def uint8_batches(n: int, batch: int, size: int = 16, seed: int = 0
 
 def tiny_engine(model: nn.Module, *flags: str, steps: int, world: int = 1, batch: int = 8,
                 classes: int = 3, device: str = "cpu"):
-    """The trainer's own engine (assembly.build_engine) for ``model`` from main.py ``flags``."""
+    """The trainer's own engine (parts.build_engine) for ``model`` from main.py ``flags``."""
     from imagenet.settings.flags import parse_config
     from imagenet.settings.launch import Layout
-    from imagenet.training.assembly import build_engine
     from imagenet.training.models import unwrap
+    from imagenet.training.parts import build_engine
 
     cfg = parse_config(["data", *flags])
     layout = Layout(world, batch, cfg.grad_accum_steps, 0)
@@ -344,11 +344,11 @@ def tiny_engine(model: nn.Module, *flags: str, steps: int, world: int = 1, batch
 
 
 def join_gloo(rank: int, world: int, port: int):
-    """Join a real gloo process group on loopback through imagenet.launching.rendezvous (as main.py
-    does); returns its DistInfo. For the body of mp.spawn'ed test processes."""
+    """Join a real gloo process group on loopback through imagenet.launching.process_group (as
+    main.py does); returns its DistInfo. For the body of mp.spawn'ed test processes."""
     import torch
 
-    from imagenet.launching.rendezvous import init_distributed
+    from imagenet.launching.process_group import init_distributed
     from imagenet.settings.flags import parse_config
     from imagenet.settings.plan import make_plan
 
@@ -370,7 +370,7 @@ def gloo_rank_saving(rank: int, world: int, port: int, out: Path, compute) -> No
     import torch
     import torch.distributed as dist
 
-    from imagenet.launching.rendezvous import cleanup
+    from imagenet.launching.process_group import cleanup
 
     info = join_gloo(rank, world, port)
     try:

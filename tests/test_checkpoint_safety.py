@@ -18,7 +18,7 @@ import torch
 import torchvision
 from helpers import TINY, TINY18, run_main
 
-from imagenet.checkpoint import files, source
+from imagenet.checkpoint import files, resume_from
 from imagenet.checkpoint.states import resumed_best
 from imagenet.errors import CheckpointError, UsageError
 
@@ -435,9 +435,9 @@ def test_a_fallback_is_one_of_this_runs_own_checkpoints(tmp_path):
         os.utime(path, (time.time() - 60 * age,) * 2)
     damaged = tmp_path / files.CHECKPOINT
     flip_a_bit_in_the_weights(damaged)
-    used, ckpt = source.load_decided(damaged, "auto", tmp_path)
+    used, ckpt = resume_from.load_decided(damaged, "auto", tmp_path)
     assert used == tmp_path / "checkpoint_epoch001.pth.tar" and ckpt["epoch"] == 1
     (tmp_path / "checkpoint_epoch001.pth.tar").unlink()
     with pytest.raises(CheckpointError, match=f"^{re.escape(str(damaged))} is damaged.*no "
                                               "intact checkpoint to fall back to.*this run's"):
-        source.load_decided(damaged, "auto", tmp_path)
+        resume_from.load_decided(damaged, "auto", tmp_path)

@@ -22,10 +22,9 @@ from imagenet.settings.launch import (
     Launch,
     check_sync_bn,
     choose_backend,
-    choose_device,
     plan_launch,
 )
-from imagenet.settings.plan import make_plan
+from imagenet.settings.plan import choose_device, make_plan
 
 XPU, MPS = Accelerator("xpu", 2), Accelerator("mps", 1)
 

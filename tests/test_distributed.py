@@ -18,19 +18,19 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from imagenet.errors import UsageError
-from imagenet.launching.rendezvous import interface_to, set_socket_interface
+from imagenet.launching.process_group import interface_to, set_socket_interface
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import (
     Launch,
     auto_workers,
     check_sync_bn,
     choose_backend,
-    choose_device,
     per_process_batch,
     per_process_workers,
     plan_launch,
     resolve_ranks,
 )
+from imagenet.settings.plan import choose_device
 from imagenet.settings.rendezvous import Rendezvous, free_port, rendezvous
 from imagenet.settings.slurm import first_slurm_host
 

@@ -204,7 +204,7 @@ def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
 
 def ema_after_an_epoch(info, data: Path, out: Path) -> dict:
     """One epoch through the trainer with an EMA that follows the model closely."""
-    from imagenet.checkpoint.source import Decided
+    from imagenet.checkpoint.resume_from import Decided
     from imagenet.reporting.logger import RunLogger
     from imagenet.run.build import build_run
     from imagenet.run.checkpointing import resume

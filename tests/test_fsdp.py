@@ -70,11 +70,11 @@ def train(info, name: str, mode: str) -> dict:
     from imagenet.data.samplers import ShardSampler
     from imagenet.evaluation.validate import evaluate
     from imagenet.settings.launch import Layout
-    from imagenet.training.assembly import build_engine
     from imagenet.training.engine import Step, train_one_epoch
     from imagenet.training.fsdp import broadcast_buffers
     from imagenet.training.models import wrap
     from imagenet.training.optim import build_ema
+    from imagenet.training.parts import build_engine
 
     arch, flags, fsdp_flags = RUNS[name]
     cfg = parse_config(["data", "--lr", "0.02", "--train-crop-size", str(IMAGE), *flags,

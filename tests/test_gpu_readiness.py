@@ -19,7 +19,7 @@ from helpers import ROOT, TINY, child_env, main_cmd
 
 from imagenet.data import shm
 from imagenet.errors import DistributedError
-from imagenet.launching import rendezvous as distributed
+from imagenet.launching import process_group as distributed
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import Launch, plan_launch, plan_layout, resolve_ranks
 from imagenet.settings.plan import make_plan

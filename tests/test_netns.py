@@ -4,7 +4,8 @@ link between them lost mid-step and mid-save.
 
 Neither process gets GLOO_SOCKET_IFNAME: gloo would advertise this machine's hostname address,
 which does not exist inside the namespaces, so the run only works because
-imagenet.launching.rendezvous picks the interface that routes to the master (10.200.0.1) by itself.
+imagenet.launching.process_group picks the interface that routes to the master (10.200.0.1) by
+itself.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import torch
 from helpers import TINY, write_image_folder
 
 import imagenet.run.trainer as trainer
-from imagenet.checkpoint.source import Decided
+from imagenet.checkpoint.resume_from import Decided
 from imagenet.data.prefetch import DeviceBatches, device_batches
 from imagenet.errors import DataError
 from imagenet.launching.collectives import DistInfo

@@ -20,7 +20,7 @@ from helpers import (
 from torch import nn
 from torchvision.transforms import v2
 
-from imagenet.checkpoint.source import Decided
+from imagenet.checkpoint.resume_from import Decided
 from imagenet.data import transforms as T
 from imagenet.errors import UsageError
 from imagenet.evaluation.validate import evaluate

@@ -13,9 +13,9 @@ from helpers import StripedImages, gloo_rank_saving, tiny_net
 from imagenet.evaluation.validate import evaluate
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import Layout
-from imagenet.training.assembly import build_engine
 from imagenet.training.engine import Step, train_one_epoch
 from imagenet.training.optim import build_optimizer, build_scheduler, class_weights
+from imagenet.training.parts import build_engine
 from imagenet.training.position import rebuild_schedule
 
 COUNTS = [12, 3, 1]  # training images per class: weights far apart

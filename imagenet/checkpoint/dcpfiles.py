@@ -14,8 +14,6 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from imagenet.checkpoint import dcpread
-
 SHARD_SUMS = "shard_sha256"  # the trainer state's entry: DCP's file name -> its SHA-256
 
 
@@ -28,6 +26,8 @@ def missing_part(path: Path, meta_name: str) -> str | None:
         return "it is not a directory"
     if not (path / meta_name).is_file():
         return f"it has no {meta_name} (not written with --sharded-checkpoint?)"
+    from imagenet.checkpoint import dcpread  # torch.distributed.checkpoint: when one is read
+
     try:
         metadata = dcpread.read_metadata(path)
     except FileNotFoundError:
@@ -54,6 +54,8 @@ def missing_part(path: Path, meta_name: str) -> str | None:
 
 def dcp_files(path: Path) -> list[str]:
     """The files torch.distributed.checkpoint wrote in ``path``: .metadata and the shards."""
+    from imagenet.checkpoint import dcpread
+
     return sorted(p.name for p in path.iterdir()
                   if p.name == dcpread.METADATA or p.suffix == ".distcp")
 
@@ -77,6 +79,8 @@ def damaged_file(path: Path, written: dict[str, str] | None, rank: int = 0,
     directory predates the checksums. Each rank checks its share of the files."""
     if not written:
         return None
+    from imagenet.checkpoint import dcpread
+
     for name in sorted(written)[rank::world_size]:
         what = name if name == dcpread.METADATA else f"shard file {name}"
         if not (path / name).is_file():

@@ -24,7 +24,7 @@ import torch
 import imagenet.checkpoint.disk as disk
 import imagenet.launching.watchdog as watchdog
 import imagenet.training.fsdp as fsdp
-from imagenet.checkpoint import whole
+from imagenet.checkpoint import dcpfiles
 from imagenet.errors import CheckpointError, UsageError
 from imagenet.training.models import without_dropped_aux
 
@@ -232,8 +232,8 @@ def is_checkpoint_dir(path: Path) -> bool:
 
 
 def incomplete(path: Path) -> str | None:
-    """What keeps sharded checkpoint directory ``path`` from loading; None when it is whole."""
-    return whole.missing_part(path, SHARDED_META)
+    """What keeps sharded checkpoint directory ``path`` from loading; None when it is dcpfiles."""
+    return dcpfiles.missing_part(path, SHARDED_META)
 
 
 def aside(path: Path) -> Path:
@@ -306,30 +306,36 @@ def load_file(path: Path, advice: str = "use an older copy or start without --re
     saying why not (``advice``: what to do about a damaged file)."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if not magic:
-        raise CheckpointError(f"{path} is empty (truncated); {advice}")
-    if not magic.startswith((ZIP_MAGIC, PICKLE_MAGIC)):
-        raise CheckpointError(f"{path} is not a checkpoint: it was not written by torch.save "
-                              f"(starts with {magic!r})")
-    try:
+    try:  # one open: the file's first bytes are read only to say why it failed
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # our error below says what is wrong
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        if "weights only" in str(exc).lower():
-            raise CheckpointError(
-                f"refusing {path}: it contains Python objects that could run code when loaded "
-                f"(only tensors and plain containers are accepted; {_blocked(str(exc))})"
-            ) from None
-        raise CheckpointError(f"{path} is not a checkpoint (cannot unpickle: "
-                              f"{_first_line(exc)})") from None
     except Exception as exc:  # torch raises many types for damaged files (EOF, zip, KeyError)
-        raise CheckpointError(f"{path} is truncated or damaged ({_first_line(exc)}); "
-                              f"{advice}") from None
+        raise _unreadable(path, exc, advice) from None
     check_checksum(ckpt, path, advice)
     return ckpt
+
+
+def _unreadable(path: Path, exc: Exception, advice: str) -> CheckpointError:
+    """Why torch.load could not load ``path`` (``exc``), said for the user."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as err:
+        return CheckpointError(f"cannot read {path}: {err.strerror or err}")
+    if not magic:
+        return CheckpointError(f"{path} is empty (truncated); {advice}")
+    if not magic.startswith((ZIP_MAGIC, PICKLE_MAGIC)):
+        return CheckpointError(f"{path} is not a checkpoint: it was not written by torch.save "
+                               f"(starts with {magic!r})")
+    if isinstance(exc, pickle.UnpicklingError):
+        if "weights only" in str(exc).lower():
+            return CheckpointError(
+                f"refusing {path}: it contains Python objects that could run code when loaded "
+                f"(only tensors and plain containers are accepted; {_blocked(str(exc))})")
+        return CheckpointError(f"{path} is not a checkpoint (cannot unpickle: "
+                               f"{_first_line(exc)})")
+    return CheckpointError(f"{path} is truncated or damaged ({_first_line(exc)}); {advice}")
 
 
 def _first_line(exc: Exception) -> str:

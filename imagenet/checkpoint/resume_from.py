@@ -31,20 +31,43 @@ log = logging.getLogger(__name__)
 Found = tuple[Path, dict[str, Any]]
 
 
-@dataclass(frozen=True)
+@dataclass
 class Decided:
-    """The checkpoint a run resumes, decided once (``decide``); ``path`` None: a fresh start."""
+    """The checkpoint a run continues, decided and read once, before anything is built
+    (``decide``): ``path`` None is a fresh start; ``ckpt`` its entries (a --sharded-checkpoint
+    directory: its trainer state; the shards are read by the resume), the same on every rank,
+    held until the resume takes them (``take``). The check for a finished run, the early start
+    of the loader, -e --val-data's classes and the resume all read this one copy."""
 
-    path: Path | None
+    path: Path | None = None
+    ckpt: dict[str, Any] | None = None
+
+    def take(self) -> Found | None:
+        """The checkpoint for the resume to apply (None: a fresh start); this stops holding it
+        (the run holds the weights from then on)."""
+        if self.path is None:
+            return None
+        if self.ckpt is None:
+            raise RuntimeError(f"{self.path} was already applied by the resume")
+        found, self.ckpt = (self.path, self.ckpt), None
+        return found
 
 
 def decide(resume: str | None, output_dir: Path, info: DistInfo, sharded: bool = False,
+           restarted: bool = False, repair: bool = False) -> Decided:
+    """The checkpoint this run continues, decided once by rank 0 (``chosen``) and read once
+    on every rank (``agreed_checkpoint``; ``repair``: see ``load_decided``). Collective, but
+    for a fresh start (no --resume, no torchrun restart: the same on every rank)."""
+    found = agreed_checkpoint(chosen(resume, output_dir, info, sharded, restarted), resume,
+                              output_dir, info, restarted, repair)
+    return Decided() if found is None else Decided(*found)
+
+
+def chosen(resume: str | None, output_dir: Path, info: DistInfo, sharded: bool = False,
            restarted: bool = False) -> Path | None:
-    """The checkpoint this run continues (None: a fresh start), decided once, by rank 0
-    (``files.resolve_resume``), and the same on every rank: every later stage (the check for a
-    finished run, the early start, -e --val-data's classes, the resume) reads this. Rank 0's
-    error (a --resume path that does not exist) is raised on every rank. Collective, but for
-    a fresh start (no --resume, no torchrun restart: the same on every rank)."""
+    """The checkpoint this run continues (None: a fresh start), chosen by rank 0
+    (``files.resolve_resume``), the same on every rank. Rank 0's error (a --resume path that
+    does not exist) is raised on every rank."""
     if resume is None and not restarted:
         return None
     if not info.distributed:

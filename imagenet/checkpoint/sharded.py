@@ -2,9 +2,9 @@
 
 Every rank writes its own shards of the model, optimizer and EMA (nothing is gathered, so no host
 needs the whole state); rank 0 adds ``trainer_state.pth.tar`` with everything else a classic
-checkpoint holds, and the SHA-256 of every file DCP wrote (``whole.SHARD_SUMS``), checked
+checkpoint holds, and the SHA-256 of every file DCP wrote (``dcpfiles.SHARD_SUMS``), checked
 before a directory's weights are read. A directory is written under a temporary name and
-swapped into place, so a kill leaves the previous one whole. It resumes at any world size
+swapped into place, so a kill leaves the previous one dcpfiles. It resumes at any world size
 (torch reshards on load) and ``python -m imagenet.tools.unshard`` turns it into the classic
 single file.
 """
@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel
 
 import imagenet.training.fsdp as fsdp
-from imagenet.checkpoint import dcpread, files, guard, whole
+from imagenet.checkpoint import dcpfiles, dcpread, files, good_state
 from imagenet.errors import CheckpointError, on_every_rank
 from imagenet.launching.collectives import barrier, gathered, raise_agreed, share
 
@@ -75,10 +75,10 @@ def write(tensors: dict[str, Any], meta: dict[str, Any], path: Path, is_main: bo
         dcp.save(tensors, checkpoint_id=tmp)
     rank, world_size = share()  # each rank sums its share of the files (all are written now)
     sums: dict[str, str] = {}
-    for part in gathered(whole.file_sums(tmp, whole.dcp_files(tmp)[rank::world_size])):
+    for part in gathered(dcpfiles.file_sums(tmp, dcpfiles.dcp_files(tmp)[rank::world_size])):
         sums.update(part)
     if is_main:
-        files.atomic_save({**meta, whole.SHARD_SUMS: sums}, tmp / files.SHARDED_META)
+        files.atomic_save({**meta, dcpfiles.SHARD_SUMS: sums}, tmp / files.SHARDED_META)
         for copy in copies:
             _link_copy(tmp, copy)
         files.replace_dir(tmp, path)
@@ -135,11 +135,11 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, ema: AveragedModel 
     if meta.get("arch") and meta["arch"] != arch:
         raise CheckpointError(f"{path} was saved for -a {meta['arch']}, but this run uses "
                               f"-a {arch}; pass -a {meta['arch']} or another checkpoint")
-    guard.check_resumable(meta, path, classes)  # the class names (no weights here)
+    good_state.check_resumable(meta, path, classes)  # the class names (no weights here)
     problem = files.incomplete(path)  # each rank sees the directory it reads its shards from
     raise_agreed(CheckpointError(f"{path} is incomplete: {problem}; {files.RESUME_FIX}")
                  if problem else None)
-    bad = whole.damaged_file(path, meta.get(whole.SHARD_SUMS), *share())  # before any read
+    bad = dcpfiles.damaged_file(path, meta.get(dcpfiles.SHARD_SUMS), *share())  # before any read
     raise_agreed(CheckpointError(f"{path} is damaged: {bad}; {files.RESUME_FIX}")
                  if bad else None)
     saved = {key.split(".")[0] for key in  # model_best_ema.dcp holds the weights only
@@ -154,7 +154,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, ema: AveragedModel 
         except CheckpointException as exc:  # raised on every rank: damage inside a shard
             raise on_every_rank(CheckpointError(
                 f"{path} is damaged ({first_failure(exc)}); {files.RESUME_FIX}")) from None
-    bad = guard.non_finite(local_tensors(state))
+    bad = good_state.non_finite(local_tensors(state))
     raise_agreed(CheckpointError(f"{path} holds NaN/infinite values ({bad[0]} and maybe more): "
                                  "it was saved by a run that diverged; use an earlier "
                                  "checkpoint") if bad else None)
@@ -182,7 +182,7 @@ def to_single_file(src: Path, dst: Path) -> dict[str, Any]:
     """The classic checkpoint of directory ``src`` written to ``dst``: plain keys, optimizer
     state keyed by index, as ``--fsdp`` without --sharded-checkpoint would have saved it."""
     meta = load_meta(src)
-    bad = whole.damaged_file(src, meta.pop(whole.SHARD_SUMS, None))
+    bad = dcpfiles.damaged_file(src, meta.pop(dcpfiles.SHARD_SUMS, None))
     if bad:
         raise CheckpointError(f"{src} is damaged: {bad}; give another checkpoint directory")
     try:

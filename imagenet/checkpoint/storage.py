@@ -53,7 +53,7 @@ from imagenet.checkpoint import files
 from imagenet.errors import RunError, UsageError
 from imagenet.reporting.logger import METRICS
 from imagenet.reporting.trackers import RUN_IDS
-from imagenet.settings.flags import CACHE
+from imagenet.settings.flags import CACHE, DEMO_DATA
 from imagenet.settings.staging import Staging
 
 log = logging.getLogger(__name__)
@@ -61,10 +61,9 @@ log = logging.getLogger(__name__)
 # What a resume of the URL's run reads (with --keep-checkpoints' epoch files, RECORD_PATTERNS).
 RESUME_RECORD = (files.BEST, files.BEST_EMA, files.HISTORY_INDEX, RUN_IDS, files.CHECKPOINT,
                  METRICS, rundir.CONFIG)
-DEMO = "demo-data"  # --demo builds its data set in OUTPUT_DIR
 # Top-level names that stay local. The default --cache-dir (folder index, compiled graphs)
 # is rebuilt where it is missing: it stays on this node, kept between runs.
-NOT_UPLOADED = {rundir.PREVIOUS, DEMO, CACHE}
+NOT_UPLOADED = {rundir.PREVIOUS, DEMO_DATA, CACHE}
 
 
 @dataclass
@@ -267,7 +266,7 @@ def clear_staging(staging: Path) -> None:
     cache (built before, and no part of the record): what a previous run on this node left may
     be older than the URL's record."""
     for path in staging.iterdir():
-        if path.name in (rundir.LOCK, DEMO, CACHE):
+        if path.name in (rundir.LOCK, DEMO_DATA, CACHE):
             continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)

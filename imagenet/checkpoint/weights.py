@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from imagenet.checkpoint import files, whole
+from imagenet.checkpoint import dcpfiles, files
 from imagenet.errors import CheckpointError, TrainerError, UsageError
 from imagenet.launching.collectives import raise_agreed
 from imagenet.training.finetune import Weights
@@ -26,7 +26,7 @@ def read_weights(path: Path, flag: str = "--finetune") -> Weights:
             raise UsageError(f"{flag} {path} is a folder but not a --sharded-checkpoint "
                              f"directory (no {files.SHARDED_META} in it); give a file")
         meta = files.load_checkpoint(path / files.SHARDED_META)
-        bad = whole.damaged_file(path, meta.get(whole.SHARD_SUMS))
+        bad = dcpfiles.damaged_file(path, meta.get(dcpfiles.SHARD_SUMS))
         if bad:
             raise CheckpointError(f"{path} is damaged: {bad}; give another checkpoint")
         return _weights(_dcp_model_state(path), meta, path, flag)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import BatchSampler, Dataset, Sampler, get_worker_info
@@ -180,3 +181,13 @@ class ShardSampler(Sampler):
 
     def __len__(self) -> int:
         return len(range(self.rank, self.size, self.world_size))
+
+
+def shard_batches(loader: Any) -> Any:
+    """``loader``'s ShardBatchSampler (tar shards, Parquet rows); None for any other loader.
+    Looked up, not imported: a run that reads no shards never imports imagenet.data.shards
+    (and no ShardBatchSampler can exist then)."""
+    reader = sys.modules.get("imagenet.data.shards.reader")
+    batches = getattr(loader, "batch_sampler", None)
+    return batches if reader is not None and isinstance(batches, reader.ShardBatchSampler) \
+        else None

@@ -8,10 +8,8 @@ import logging
 import os
 from pathlib import Path
 
-import torch
-
 import imagenet.checkpoint.rundir as rundir
-from imagenet.checkpoint import files
+from imagenet.checkpoint.resume_from import Decided
 from imagenet.data.folder import Data, build_transforms, folder_loaders, other_val_folder
 from imagenet.data.index import IndexFiles
 from imagenet.errors import TrainerError, UsageError
@@ -52,28 +50,25 @@ def check_predictions_path(path: Path) -> None:
         raise UsageError(f"--predictions {path}: its folder is not writable")
 
 
-def checkpoint_classes(path: Path | None) -> tuple[Path, list[str] | None, list[int] | None]:
-    """-e's checkpoint (``path``, decided once), its class names and training images per class
-    (either None when it does not record them)."""
-    if path is None:
+def checkpoint_classes(continues: Decided | None
+                       ) -> tuple[Path, list[str] | None, list[int] | None]:
+    """-e's checkpoint (``continues``, decided and read once), its class names and training
+    images per class (either None when it does not record them)."""
+    if continues is None or continues.path is None:
         raise UsageError("-e --val-data FOLDER evaluates a checkpoint and labels the folder's "
                          "images with its class names: give --resume PATH")
-    meta_path = path / files.SHARDED_META if path.is_dir() else path
-    try:  # mmap: only the small entries are read, not the weights
-        meta = torch.load(meta_path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # an older file format, or a damaged one: the full load says which
-        meta = files.load_checkpoint(meta_path)
-    meta = meta if isinstance(meta, dict) else {}
+    meta = continues.ckpt or {}
     classes, counts = meta.get("classes"), meta.get("train_class_counts")
-    return path, list(classes) if classes else None, list(counts) if counts else None
+    return continues.path, list(classes) if classes else None, list(counts) if counts else None
 
 
 def build_eval_data(plan: Plan, rank: int, aug_seed: int, pin_memory: bool,
-                    indexes: IndexFiles | None = None, continues: Path | None = None) -> Data:
+                    indexes: IndexFiles | None = None, continues: Decided | None = None
+                    ) -> Data:
     """-e --val-data FOLDER: that folder's images labelled with the checkpoint's classes; DIR
     is not read (nothing trains: the images stand in as the training set, which no step
     reads); ``indexes``: where its folder index is kept; ``continues``: the checkpoint -e
-    evaluates (decided once)."""
+    evaluates (decided and read once)."""
     cfg = plan.cfg
     path, classes, counts = checkpoint_classes(continues)
     folder = Path(cfg.val_data)  # type: ignore[arg-type]

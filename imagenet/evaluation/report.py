@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 import imagenet.reporting.results as results
 from imagenet.checkpoint import disk
 from imagenet.data.folder import Data
-from imagenet.data.shards.reader import ShardBatchSampler
+from imagenet.data.samplers import shard_batches
 from imagenet.errors import RunError, TrainerError
 from imagenet.launching.collectives import DistInfo, raise_agreed
 from imagenet.reporting.logger import RunLogger
@@ -58,8 +58,8 @@ def for_validation(model: nn.Module, cfg: Config) -> nn.Module:
 
 def sample_ids(loader: DataLoader) -> list[int]:
     """The dataset indices of this rank's validation images, in the loader's order."""
-    batches = loader.batch_sampler
-    if isinstance(batches, ShardBatchSampler):  # one stream, stored order: ids are positions
+    batches = shard_batches(loader)
+    if batches is not None:  # one stream, stored order: ids are positions
         plan = batches.plan(0)
         first = plan.stream_start[0]
         return list(range(first, first + sum(plan.sizes)))
@@ -72,8 +72,8 @@ def sample_names(loader: DataLoader) -> Callable[[int], str]:
     samples = getattr(loader.dataset, "samples", None)
     if samples is not None:
         return lambda i: str(samples[i][0])
-    batches = loader.batch_sampler
-    if isinstance(batches, ShardBatchSampler):
+    batches = shard_batches(loader)
+    if batches is not None:
         urls, starts = batches.shards.urls, list(accumulate(batches.shards.counts, initial=0))
 
         def shard_member(i: int) -> str:

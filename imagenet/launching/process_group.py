@@ -25,7 +25,6 @@ from imagenet.errors import DistributedError
 from imagenet.launching.collectives import DistInfo
 from imagenet.reporting.stages import notice_after
 from imagenet.settings import devices
-from imagenet.settings.launch import choose_backend, choose_device
 from imagenet.settings.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -89,11 +88,12 @@ def init_distributed(plan: Plan, local_index: int = 0) -> DistInfo:
     if dist.is_available() and dist.is_initialized():
         return join_existing_group(plan)
     rank, local_rank, world, local_world = astuple(plan.ranks(local_index))
-    device = choose_device(cfg, launch, local_rank, devices.detect())
+    device = plan.device(local_index)
     if launch.mode == "single":
         set_device(device)
         return DistInfo(device=device)
-    backend = choose_backend(cfg.dist_backend, device.type)
+    backend = plan.backend
+    assert backend is not None  # the plan's for a group of its own
     init_method, host, port = plan.meet.init_method, plan.meet.host, plan.meet.port
     ifname = set_socket_interface(host, os.environ)
     if ifname and rank == 0:
@@ -129,7 +129,7 @@ def init_distributed(plan: Plan, local_index: int = 0) -> DistInfo:
 def join_existing_group(plan: Plan) -> DistInfo:
     """Who this process is in the caller's process group; its device from its local rank."""
     rank, local, world, local_world = astuple(plan.ranks())
-    device = choose_device(plan.cfg, plan.launch, local, devices.detect())
+    device = plan.device()
     backend = str(dist.get_backend())
     if "nccl" in backend and device.type != "cuda":
         raise DistributedError(f"the process group this process joined uses {backend}, which "

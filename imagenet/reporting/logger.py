@@ -31,14 +31,18 @@ METRICS = "metrics.jsonl"
 CONFIG = "config.json"
 
 
-def setup_logging(rank: int, debug: bool = False) -> None:
-    """Rank 0 logs INFO to stdout; other ranks log warnings and errors only, tagged."""
-    level = logging.DEBUG if debug else logging.INFO
-    if rank != 0:
-        level = logging.DEBUG if debug else logging.WARNING
-    fmt = "%(message)s" if rank == 0 else f"[rank {rank}] %(levelname)s: %(message)s"
+def console(rank: int, debug: bool = False) -> tuple[logging.Handler, int]:
+    """The console's handler and level: rank 0 logs INFO to stdout; other ranks log warnings
+    and errors only, tagged, to stderr (--debug: everything)."""
     handler = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
-    handler.setFormatter(logging.Formatter(fmt))
+    handler.setFormatter(logging.Formatter(
+        "%(message)s" if rank == 0 else f"[rank {rank}] %(levelname)s: %(message)s"))
+    return handler, logging.DEBUG if debug else logging.INFO if rank == 0 else logging.WARNING
+
+
+def setup_logging(rank: int, debug: bool = False) -> None:
+    """A process of its own logs to the console (``console``), through the root logger."""
+    handler, level = console(rank, debug)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
@@ -53,7 +57,7 @@ def _flag(name: str) -> str:
 def startup_notes(cfg: Config) -> list[str]:
     """What a person reads before a run starts: the demo's own settings, and outputs in the
     current folder (start-up stages that take a while: ``stages``; what a run says about
-    itself: ``run.announce``)."""
+    itself: ``run.describe``)."""
     notes = []
     if cfg.demo:
         settings = " ".join(f"{_flag(k)} {getattr(cfg, k)}" for k, v in DEMO_DEFAULTS.items()

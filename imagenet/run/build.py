@@ -15,27 +15,26 @@ from torch import nn
 import imagenet.data.shm as shm
 import imagenet.evaluation.eval_data as eval_data
 from imagenet.checkpoint import files
-from imagenet.checkpoint.source import Decided
+from imagenet.checkpoint.resume_from import Decided
 from imagenet.checkpoint.weights import read_agreed
 from imagenet.checkpoint.writer import Writer
 from imagenet.data.folder import Data
-from imagenet.data.valcheck import ImageCheck, image_check
+from imagenet.data.valcheck import ImageCheck
 from imagenet.errors import UsageError
 from imagenet.launching.collectives import DistInfo, from_rank0
 from imagenet.reporting.stages import StartClock, slow_stage
 from imagenet.run.loading import data_root, load_data
 from imagenet.run.outputs import Outputs
-from imagenet.run.startup import EarlyBatches, start_early
-from imagenet.settings.decoders import image_backend
+from imagenet.run.startup import EarlyBatches
 from imagenet.settings.flags import Config
 from imagenet.settings.launch import Layout
 from imagenet.settings.plan import Plan
-from imagenet.training.assembly import build_engine
-from imagenet.training.compile_cache import CompileCache, graph_signature, open_cache
+from imagenet.training.compile_cache import CompileCache
 from imagenet.training.engine import Engine, EpochTotals, Step
 from imagenet.training.finetune import prepare_model
 from imagenet.training.models import build_model, wrap
 from imagenet.training.optim import build_ema
+from imagenet.training.parts import build_engine
 from imagenet.training.position import EpochStart, images_trained
 
 
@@ -70,7 +69,7 @@ class Run:
     best: Best
     best_ema: Best | None  # --model-ema: the EMA weights' best top-1
     aug_seed: int  # augmentation randomness is a function of (aug_seed, epoch, sample)
-    continues: Path | None = None  # the checkpoint the run resumes, decided once (None: fresh)
+    continues: Decided = field(default_factory=Decided)  # the checkpoint it resumes, read once
     # Which run OUTPUT_DIR's record and checkpoints are (config.json and every checkpoint say):
     # new for a fresh run, the checkpoint's when the run continues one of OUTPUT_DIR
     # (``checkpointing.resume``); rank 0's is the one written.
@@ -118,30 +117,30 @@ def seed_process(seed: int | None) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def build_run(plan: Plan, dist: DistInfo, continues: Decided,
-              clock: StartClock | None = None) -> Run:
-    """Data, model and engine for this process (no resume yet).
+@dataclass
+class Inputs:
+    """What a run trains on: this rank's data and the job's augmentation seed."""
 
-    ``clock``: a run's start (``run.trainer``), timed by it: the training loader also starts
-    at once, before the model is built (``start_early``), and --compile reuses the compiled
-    graphs a previous start kept (``training.compile_cache``). ``continues``: the checkpoint
-    the run resumes, decided once (``checkpoint.source.decide``; ``Decided(None)``: a fresh
-    run).
-    """
+    data: Data
+    aug_seed: int  # rank 0's (unseeded: its draw): a sample's augmentation is the same anywhere
+
+
+def build_inputs(plan: Plan, dist: DistInfo, continues: Decided) -> Inputs:
+    """This process's data (listed, its loaders made; no worker started), seeded first.
+    ``continues``: the checkpoint the run resumes (-e --val-data reads its classes)."""
     cfg, layout = plan.cfg, plan.layout
-    output_dir = Path(cfg.output_dir)  # made, checked and locked by checkpoint.rundir.claim_folder
     # Model init uses the same seed on every rank; augmentation gets its own per-sample seeds.
     seed_process(cfg.seed)
     eval_data.check_outputs(cfg, dist)  # -e's report folder, --predictions
     # Rank 0's seed (unseeded: its draw) is the job's augmentation seed: a sample's
     # augmentation does not depend on the rank that loads it, and the checkpoint's seed is
     # every rank's. Every rank broadcasts, seeded or not, so that flags differing across ranks
-    # are reported (checkpoint.changes), not stuck in a collective only some ranks call.
+    # are reported (checkpoint.flag_changes), not stuck in a collective only some ranks call.
     aug_seed = from_rank0(cfg.seed if cfg.seed is not None else
                           random.SystemRandom().randrange(2**31))
-    root = data_root(cfg, output_dir)
+    root = data_root(cfg, Path(cfg.output_dir))
     with slow_stage(f"reading the data set {root} (listing every image)") as stage:
-        data = load_data(plan, dist, root, aug_seed, continues.path)
+        data = load_data(plan, dist, root, aug_seed, continues)
         stage.done = (f"found {data.num_classes} classes, {data.train.images} training images "
                       f"per epoch and {data.val_size} validation images")
     if cfg.fsdp and data.val_size < dist.world_size:  # every rank joins every sharded forward
@@ -152,14 +151,22 @@ def build_run(plan: Plan, dist: DistInfo, continues: Decided,
                              dist.local_world_size)
     if no_room:
         raise UsageError(no_room)
-    early, val_check = None, None
-    if clock is not None:
-        clock.mark("data", data.listed)
-        early = start_early(plan, data, continues.path)
-        if not cfg.evaluate:  # checked before training (preflight), meanwhile in the background
-            val_check = image_check(data.val_loader.dataset, dist.rank, dist.world_size,
-                                    image_backend(cfg))
-            val_check = val_check.start() if val_check is not None else None
+    return Inputs(data, aug_seed)
+
+
+def build_run(plan: Plan, dist: DistInfo, continues: Decided, inputs: Inputs | None = None,
+              compile_cache: CompileCache | None = None) -> Run:
+    """Data (``inputs``; None: built now), model and engine for this process (no resume yet).
+
+    ``continues``: the checkpoint the run resumes, decided and read once
+    (``checkpoint.resume_from.decide``; ``Decided()``: a fresh run). ``compile_cache``: opened by
+    the start (``run.trainer.start_run``) before anything compiles.
+    """
+    cfg, layout = plan.cfg, plan.layout
+    output_dir = Path(cfg.output_dir)  # made, checked and locked by checkpoint.rundir.claim_folder
+    if inputs is None:
+        inputs = build_inputs(plan, dist, continues)
+    data = inputs.data
     raw = build_model(cfg.arch, data.num_classes, cfg.pretrained, cfg.weights).to(dist.device)
     weights = read_agreed(Path(cfg.finetune)) if cfg.finetune else None
     prepare_model(raw, cfg, data.classes, weights)  # --finetune, --freeze-backbone: unwrapped
@@ -170,23 +177,14 @@ def build_run(plan: Plan, dist: DistInfo, continues: Decided,
         # where most of the speed comes from; cuDNN converts the small weights per conv.
         raw = raw.to(memory_format=torch.channels_last)
     ema = build_ema(raw, cfg, layout)  # a copy of the whole model: before --fsdp shards it
-    compiled = None
-    if clock is not None and cfg.compile:  # before anything compiles
-        compiled = open_cache(plan.cache_dir, graph_signature(cfg, layout, data.num_classes,
-                                                                dist.device), dist.is_main)
     model = wrap(raw, cfg, dist, ema, sizes=plan.train_sizes)
     if cfg.seed is not None:  # per-rank stream for dropout / MixUp in the training step
         torch.manual_seed(cfg.seed + dist.rank)
-    steps = -(-data.train.batches // layout.grad_accum_steps)
+    steps = layout.optimizer_steps(data.train.batches)
     engine = build_engine(cfg, raw, model, dist.device, layout, steps, data.num_classes, ema,
                           data.train_counts)
     name = files.dcp_name if cfg.sharded_checkpoint else str  # best: a file or a directory
     best_ema = Best(output_dir / name(files.BEST_EMA)) if cfg.model_ema else None
-    run = Run(plan, dist, output_dir, data, raw, engine, Step(epoch=cfg.start_epoch),
-              Best(output_dir / name(files.BEST)), best_ema, aug_seed, continues.path, clock=clock,
-              early=early, compile_cache=compiled, val_check=val_check)
-    if clock is not None:
-        clock.mark("model", "compiled graphs from the cache" if compiled and compiled.reused
-                   else "")
-    return run
-
+    return Run(plan, dist, output_dir, data, raw, engine, Step(epoch=cfg.start_epoch),
+               Best(output_dir / name(files.BEST)), best_ema, inputs.aug_seed, continues,
+               compile_cache=compile_cache)

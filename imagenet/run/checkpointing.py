@@ -18,9 +18,9 @@ import torch
 import imagenet.launching.watchdog as watchdog
 import imagenet.training.comm_hooks as comm_hooks
 import imagenet.training.fsdp as fsdp
-from imagenet.checkpoint import files, guard, history, rng, sharded
-from imagenet.checkpoint.changes import check_ranks_agree, log_changes
-from imagenet.checkpoint.source import agreed_checkpoint, broadcast_weights
+from imagenet.checkpoint import files, good_state, history, rng
+from imagenet.checkpoint.flag_changes import check_ranks_agree, log_changes
+from imagenet.checkpoint.resume_from import broadcast_weights
 from imagenet.checkpoint.states import (
     data_resume_point,
     ema_state,
@@ -142,7 +142,7 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
         run.outputs.saved(saved_record(run, epoch_done))
         return time.perf_counter() - start
     payload = to_host(checkpoint_state(run, epoch_done))  # training may go on from here
-    guard.refuse_non_finite(payload, run.dist.is_main, run.output_dir, run.step.epoch,
+    good_state.refuse_non_finite(payload, run.dist.is_main, run.output_dir, run.step.epoch,
                             run.step.step_in_epoch, settle=run.writer.wait_quietly)
     written = None
     if run.dist.is_main:
@@ -192,12 +192,15 @@ def saved_record(run: Run, epoch_done: bool) -> Saved:
 def save_sharded(run: Run, is_best: bool, epoch_done: bool, is_best_ema: bool,
                  score: float | None) -> None:
     """``save`` for --sharded-checkpoint: directories of shards instead of files. Collective."""
+    from imagenet.checkpoint import sharded  # torch.distributed.checkpoint: only for these
+
     out = run.output_dir
     meta = checkpoint_state(run, epoch_done, weights=False)
     # Each rank checks the shards it is about to write; all stop if one holds NaN/inf.
     parts, is_main = run.engine.parts, run.dist.is_main
     local = sharded.local_tensors(sharded.sharded_state(run.raw_model, parts.optimizer, parts.ema))
-    guard.refuse_non_finite({**meta, **local}, True, out, run.step.epoch, run.step.step_in_epoch)
+    good_state.refuse_non_finite({**meta, **local}, True, out, run.step.epoch,
+                                 run.step.step_in_epoch)
     if is_best_ema:
         assert parts.ema is not None
         sharded.save_ema_weights(parts.ema, {**ema_weights_state(run, {}), "state_dict": None},
@@ -235,12 +238,14 @@ def load_weights(run: Run, ckpt: dict[str, Any], path: Path) -> None:
     the same checkpoint: none fails alone."""
     parts = run.engine.parts
     if path.is_dir():  # resharded to this run
+        from imagenet.checkpoint import sharded  # torch.distributed.checkpoint: only for these
+
         with flags_kept(parts.optimizer):
             sharded.load(run.raw_model, parts.optimizer, parts.ema, path, run.cfg.arch,
                           run.data.classes, with_optimizer=same_optimizer(ckpt, run.cfg))
         return
     files.load_model_state(run.raw_model, ckpt, path, run.cfg.arch)
-    guard.check_resumable(ckpt, path, run.data.classes)
+    good_state.check_resumable(ckpt, path, run.data.classes)
     restore_optimizer(run.raw_model, parts.optimizer, ckpt, run.cfg)
     if parts.ema is None:
         return
@@ -259,8 +264,7 @@ def resume(run: Run) -> Path | None:
     checkpoint's path (None: a fresh start).
     """
     check_ranks_agree(run.cfg, run.dist.world_size)
-    found = agreed_checkpoint(run.continues, run.cfg.resume, run.output_dir, run.dist,
-                              run.plan.restarted, repair=not run.cfg.evaluate)
+    found = run.continues.take()  # decided and read before the run was built
     if found is None:
         if run.cfg.evaluate and run.cfg.resume == "auto":
             remote = run.outputs.remote

@@ -8,11 +8,11 @@ import logging
 from pathlib import Path
 
 import imagenet.evaluation.eval_data as eval_data
+from imagenet.checkpoint.resume_from import Decided
 from imagenet.data.folder import Data, build_data
 from imagenet.data.index import IndexFiles
-from imagenet.data.shards import build_shard_data
 from imagenet.launching.collectives import DistInfo
-from imagenet.settings.flags import Config
+from imagenet.settings.flags import DEMO_DATA, Config
 from imagenet.settings.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ def data_root(cfg: Config, output_dir: Path) -> str:
         return cfg.data
     from imagenet.tools.demo import make_demo_dataset
 
-    return str(make_demo_dataset(output_dir / "demo-data"))
+    return str(make_demo_dataset(output_dir / DEMO_DATA))
 
 
 def index_files(plan: Plan, dist: DistInfo) -> IndexFiles:
@@ -39,7 +39,7 @@ def index_files(plan: Plan, dist: DistInfo) -> IndexFiles:
 
 
 def load_data(plan: Plan, dist: DistInfo, root: str, aug_seed: int,
-              continues: Path | None = None) -> Data:
+              continues: Decided | None = None) -> Data:
     """This rank's data: an ImageFolder (or --dummy data) or tar shards, as the plan says;
     ``continues``: the checkpoint of the run (-e --val-data labels its folder with its
     classes)."""
@@ -58,5 +58,7 @@ def load_data(plan: Plan, dist: DistInfo, root: str, aug_seed: int,
         log.info("=> JPEGs decoded and cropped by the loader workers (--decode-on-device %s)",
                  plan.decode.why)
     if plan.data_format in STREAMED:
+        from imagenet.data.shards import build_shard_data  # imported only for shards
+
         return build_shard_data(plan, root, dist.rank, aug_seed, pin_memory=pin_memory)
     return build_data(plan, root, dist.rank, aug_seed, pin_memory=pin_memory, files=indexes)

@@ -17,9 +17,9 @@ import torch.distributed as dist
 import imagenet.checkpoint.disk as disk
 import imagenet.checkpoint.rundir as rundir
 from imagenet.checkpoint import files
+from imagenet.checkpoint.resume_from import Decided
 from imagenet.checkpoint.storage import Remote
-from imagenet.data.shards.check import first_bad_shard
-from imagenet.data.shards.reader import ShardBatchSampler
+from imagenet.data.samplers import shard_batches
 from imagenet.data.valcheck import image_check
 from imagenet.errors import DataError, RunError
 from imagenet.launching.collectives import DistInfo, on_rank0, raise_agreed
@@ -109,9 +109,11 @@ def check_room(run: Run, resumed: Path | None) -> None:
 
 def first_bad_val_shard(run: Run) -> DataError | None:
     """The first missing, truncated or miscounted validation shard of this rank's share."""
-    sampler = run.data.val_loader.batch_sampler
-    if not isinstance(sampler, ShardBatchSampler):
+    sampler = shard_batches(run.data.val_loader)
+    if sampler is None:
         return None
+    from imagenet.data.shards.check import first_bad_shard
+
     start = time.perf_counter()
     bad = first_bad_shard(sampler.shards, run.dist.rank, run.dist.world_size)
     log.debug("checked the validation shards in %.2f s", time.perf_counter() - start)
@@ -136,11 +138,11 @@ def first_bad_val_image(run: Run) -> DataError | None:
                      "fix or remove the file")
 
 
-def nothing_left(cfg: Config, info: DistInfo, continues: Path | None) -> str | None:
-    """The line that ends a job whose checkpoint to resume (``continues``, decided once), one
-    of OUTPUT_DIR (a chain's), has trained every epoch (None: there is training to do, or the
-    resume decides). Rank 0 reads the checkpoint's position only. Collective."""
-    if cfg.evaluate or continues is None:  # the same on every rank
+def nothing_left(cfg: Config, info: DistInfo, continues: Decided) -> str | None:
+    """The line that ends a job whose checkpoint to resume (``continues``, decided and read
+    once), one of OUTPUT_DIR (a chain's), has trained every epoch (None: there is training to
+    do, or the resume decides). Rank 0 decides. Collective."""
+    if cfg.evaluate or continues.path is None:  # the same on every rank
         return None
     line = _finished(cfg, continues) if info.is_main else None
     if info.distributed:
@@ -150,22 +152,13 @@ def nothing_left(cfg: Config, info: DistInfo, continues: Path | None) -> str | N
     return line
 
 
-def _finished(cfg: Config, path: Path) -> str | None:
+def _finished(cfg: Config, continues: Decided) -> str | None:
     """``nothing_left``'s answer on rank 0: never an error (the resume reports those)."""
-    try:
-        if path.resolve().parent != Path(cfg.output_dir).resolve():
-            return None  # a checkpoint from elsewhere: the resume checks it as usual
-        meta = path / files.SHARDED_META if path.is_dir() else path
-        ckpt = torch.load(meta, map_location="cpu", weights_only=True, mmap=True)
-        epoch, best = int(ckpt.get("epoch", 0)), files.best_acc1_of(ckpt)
-    except Exception:  # the resume itself says what is wrong with the file
-        return None
+    path, ckpt = continues.path, continues.ckpt or {}
+    if path is None or path.resolve().parent != Path(cfg.output_dir).resolve():
+        return None  # a checkpoint from elsewhere: the resume checks it as usual
+    epoch, best = int(ckpt.get("epoch", 0)), files.best_acc1_of(ckpt)
     if epoch < cfg.epochs or ckpt.get("arch", cfg.arch) != cfg.arch:  # another -a: the resume
         return None  # refuses it with its own message
-    if not path.is_dir():  # its position is read unchecked: whole, or the resume names it
-        try:
-            files.load_file(path)
-        except files.CheckpointError:
-            return None
     return (f"=> nothing left to train: {path} has finished {epoch} of --epochs {cfg.epochs} "
             f"(best Acc@1 {best:.3f}); give a larger --epochs to train on")

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
-import torch
 from torch.utils.data import DataLoader
 
-from imagenet.checkpoint import files
 from imagenet.checkpoint.states import data_resume_point
 from imagenet.data.folder import Data, FolderTrain, stop_workers
 from imagenet.reporting.stages import FirstBatch
@@ -53,16 +51,16 @@ class EarlyBatches:
         return None
 
 
-def start_early(plan: Plan, data: Data, continues: Path | None) -> EarlyBatches | None:
-    """Start the training loader's workers on the batches the resume of ``continues`` (the
-    checkpoint decided once; None: a fresh start) is expected to continue with
+def start_early(plan: Plan, data: Data, ckpt: dict[str, Any] | None) -> EarlyBatches | None:
+    """Start the training loader's workers on the batches the resume of ``ckpt`` (the
+    checkpoint decided and read once; None: a fresh start) is expected to continue with
     (``expected_start``); None without loader workers, or when it cannot tell. The data's
     seeds are left as they were: the resume sets them."""
     train = data.train
     if plan.layout.workers == 0 or not isinstance(train, FolderTrain):
         return None
     try:
-        key = expected_start(plan, train, continues)
+        key = expected_start(plan, train, ckpt)
     except Exception as exc:  # the resume itself reports what is wrong with the checkpoint
         log.debug("no early start of the training loader: %s", exc)
         return None
@@ -77,20 +75,18 @@ def start_early(plan: Plan, data: Data, continues: Path | None) -> EarlyBatches 
     return EarlyBatches(train.loader, key, batches)
 
 
-def expected_start(plan: Plan, train: FolderTrain, path: Path | None) -> Key | None:
+def expected_start(plan: Plan, train: FolderTrain, ckpt: dict[str, Any] | None) -> Key | None:
     """Where ``resume`` will put the training data - (order seed, augmentation seed, epoch,
-    images already trained) - read from the checkpoint it resumes, ``path`` (only its small
-    entries: the tensors are memory-mapped, not read), before the model exists; None
-    when there is nothing to train first or it cannot tell. A guess to start the loader early
-    (``run.startup``): the trainer uses those batches only if the resume agrees."""
+    images already trained) - by the same rule (``data_resume_point``) from the checkpoint it
+    resumes, ``ckpt``, before the model exists; None when there is nothing to train first or it
+    cannot tell. A guess to start the loader early (``run.startup``): the trainer uses those
+    batches only if the resume agrees."""
     cfg, layout = plan.cfg, plan.layout
     if cfg.evaluate:
         return None
-    if path is None:
+    if ckpt is None:
         return train.order_seed, train.aug_seed, cfg.start_epoch, 0
-    meta = path / files.SHARDED_META if path.is_dir() else path
-    ckpt = torch.load(meta, map_location="cpu", weights_only=True, mmap=True)
-    steps = -(-train.batches // layout.grad_accum_steps)
+    steps = layout.optimizer_steps(train.batches)
     point = data_resume_point(ckpt, cfg, layout, steps, train)
     order_seed = int(ckpt["sampler"]["seed"]) if ckpt.get("sampler") else train.order_seed
     aug_seed = int(ckpt.get("aug_seed", train.aug_seed))

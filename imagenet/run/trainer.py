@@ -22,11 +22,12 @@ import imagenet.data.resizing as resizing
 import imagenet.launching.timelimit as timelimit
 import imagenet.launching.watchdog as watchdog
 import imagenet.settings.recipe as recipe
-from imagenet.checkpoint.guard import last_good
-from imagenet.checkpoint.source import Decided, decide
+from imagenet.checkpoint.good_state import last_good
+from imagenet.checkpoint.resume_from import Decided, decide
 from imagenet.checkpoint.storage import Remote
 from imagenet.data.folder import shutdown_workers
 from imagenet.data.prefetch import device_batches
+from imagenet.data.valcheck import image_check
 from imagenet.errors import NonFiniteLossError, Preempted, on_every_rank
 from imagenet.evaluation.report import Report, for_validation
 from imagenet.evaluation.validate import evaluate
@@ -34,18 +35,20 @@ from imagenet.launching.collectives import DistInfo
 from imagenet.launching.preemption import StopBetweenBatches, StopFlag, StopRequested
 from imagenet.reporting.logger import RunLogger, print_val_progress
 from imagenet.reporting.stages import FirstBatch, StartClock, slow_stage
-from imagenet.run.announce import describe, describe_evaluation, finished
-from imagenet.run.build import Run, build_run
+from imagenet.run.build import Run, build_inputs, build_run
 from imagenet.run.checkpointing import finish_saves, resume, save
+from imagenet.run.describe import describe, describe_evaluation, finished
 from imagenet.run.outputs import Outputs
 from imagenet.run.preflight import (
     check_before_training,
     checkpoint_bytes,
     nothing_left,
 )
+from imagenet.run.startup import start_early
+from imagenet.settings.decoders import image_backend
 from imagenet.settings.flags import get_args_parser
 from imagenet.settings.plan import Plan
-from imagenet.training.compile_cache import graph_cache_counts
+from imagenet.training.compile_cache import graph_cache_counts, graph_signature, open_cache
 from imagenet.training.compiling import graphs_compiled, new_graphs
 from imagenet.training.engine import EpochTotals, Hooks, Step, epoch_metrics, train_one_epoch
 from imagenet.training.models import for_evaluation
@@ -75,30 +78,64 @@ def run_training(plan: Plan, dist: DistInfo, outputs: Outputs | None = None
         # start, -e --val-data's classes and the resume all see what the run continues.
         with disk.output_errors(output_dir):
             outs.fill(cfg, dist, output_dir, plan.restarted)
-        # The checkpoint the run continues, decided once (a --resume that does not exist: an
-        # error now, before anything is built).
-        continues = Decided(decide(cfg.resume, output_dir, dist, cfg.sharded_checkpoint,
-                                   plan.restarted))
-        finished = nothing_left(cfg, dist, continues.path)
+        # The checkpoint the run continues, decided and read once (a --resume that does not
+        # exist or cannot be read: an error now, before anything is built). Its read is the
+        # start's "resume" stage, with applying it; the hang clock has not started yet.
+        clock = StartClock.begin(plan.started)
+        continues = decide(cfg.resume, output_dir, dist, cfg.sharded_checkpoint,
+                           plan.restarted, repair=not cfg.evaluate)
+        clock.mark("resume")
+        finished = nothing_left(cfg, dist, continues)
         if finished:  # a chained job after the last epoch: leave at once
             log.info("%s", finished)
             return {}
-        clock = StartClock.begin(plan.started)
-        run = build_run(plan, dist, continues, clock)
-        run.outputs = replace(outs, written=run.writer.wait)
-        try:
+        clock.mark("start")
+        with contextlib.ExitStack() as services:  # ended before the output folder's claim
+            run = start_run(plan, dist, continues, clock, services)
+            run.outputs = replace(outs, written=run.writer.wait)
             if not (cfg.evaluate or claims_first):
                 held.enter_context(rundir.claim_folder(output_dir, dist, plan.slurm_job))
             with disk.output_errors(run.output_dir), run.outputs.uploading(dist):
                 return resume_and_train(run)
-        finally:
-            # Loader workers ignore SIGTERM (preemption.ignore_stop_signals): stop them here, or
-            # multiprocessing's exit handler would terminate them in vain and wait forever.
-            shutdown_workers(run.data.train_loader, run.data.val_loader)
-            if run.compile_cache is not None:
-                run.compile_cache.close()
-            if run.val_check is not None:
-                run.val_check.cancel()
+
+
+def start_run(plan: Plan, dist: DistInfo, continues: Decided, clock: StartClock,
+              services: contextlib.ExitStack) -> Run:
+    """Build the run (``run.build``) with the start's services, each ended by ``services``:
+    the training loader starts on the batches the resume will continue while the model is
+    built (``run.startup.start_early``), the validation images are checked in the background
+    (awaited by ``preflight``), --compile's graphs of a previous start are found
+    (``training.compile_cache``, opened before anything compiles). ``clock`` times each stage."""
+    cfg = plan.cfg
+    inputs = build_inputs(plan, dist, continues)
+    data = inputs.data
+    # Loader workers ignore SIGTERM (preemption.ignore_stop_signals): stopped here, or
+    # multiprocessing's exit handler would terminate them in vain and wait forever.
+    services.callback(shutdown_workers, data.train_loader, data.val_loader)
+    clock.mark("data", data.listed)
+    early = start_early(plan, data, continues.ckpt)
+    val_check = None
+    if not cfg.evaluate:  # checked before training (preflight), meanwhile in the background
+        val_check = image_check(data.val_loader.dataset, dist.rank, dist.world_size,
+                                image_backend(cfg))
+    if val_check is not None:
+        services.callback(val_check.cancel)
+        val_check.start()
+    compiled = None
+    if cfg.compile:
+        compiled = open_cache(plan.cache_dir, graph_signature(cfg, plan.layout, data.num_classes,
+                                                              dist.device), dist.is_main)
+        services.callback(compiled.close)
+    run = build_run(plan, dist, continues, inputs, compiled)
+    run.clock, run.early, run.val_check = clock, early, val_check
+    clock.mark("model", "compiled graphs from the cache" if compiled and compiled.reused else "")
+    return run
+
+
+def recorded_recipe(path: str | None) -> dict[str, Any]:
+    """config.json's record of the --config file (``recipe.record``); main.py's parser is
+    built again only for a run that has one (to read the file as the flags did)."""
+    return recipe.record(path, get_args_parser()) if path is not None else {}
 
 
 def resume_and_train(run: Run) -> dict[str, float]:
@@ -131,8 +168,7 @@ def resume_and_train(run: Run) -> dict[str, float]:
         logger.write_config(run.cfg.to_dict(), {**derived, "started": started,
                                                 "run_id": run.run_id,
                                                 "torchvision_models": torchvision.__version__,
-                                                **recipe.record(run.cfg.config,
-                                                                    get_args_parser())})
+                                                **recorded_recipe(run.cfg.config)})
         watchdog.phase("reading the augmented samples for TensorBoard")
         log_augmented_samples(run, logger)
         if run.clock is not None:
@@ -182,8 +218,6 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
                       **prefixed("train_", trained), **crop}
             # A signal stopped training: every rank saved this step's state; exit 143.
             if stop.stopping:
-                stop.drain()
-                keep_compiled(run)
                 raise stopped(run, stop)
             if epoch + 1 < run.cfg.epochs:  # no empty pipeline at the next epoch's start
                 upcoming = next_epoch_batches(run, epoch + 1)
@@ -197,8 +231,6 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
                 report = report_of(run, logger) if epoch == run.cfg.epochs - 1 else None
                 validated = validate_epoch(run, stop, report)
             except StopRequested:  # validation is not saved state; the trained epoch is
-                stop.drain()
-                keep_compiled(run)
                 raise stopped(run, stop, "during the validation of") from None
             if run.cfg.compile:  # in the first epoch only (compiling); a warning otherwise
                 record["compiled_graphs"] = new_graphs(graphs, epoch, expected=new_crop)
@@ -323,7 +355,10 @@ def saver(run: Run, stop: StopFlag) -> AfterStep:
 
 def stopped(run: Run, stop: StopFlag, when: str = "") -> Preempted:
     """The error that ends a run stopped by a signal, once its state is on disk (every rank
-    stops together: ``finish_saves`` waits for the write under way)."""
+    stops together: the last agreement is finished, ``finish_saves`` waits for the write under
+    way) and, with --compile, the graphs compiled so far are kept for the restart."""
+    stop.drain()
+    keep_compiled(run)
     finish_saves(run)
     where = f"{when} epoch {run.step.epoch}" if when else \
         f"at epoch {run.step.epoch} step {run.step.step_in_epoch}"

@@ -5,7 +5,6 @@ the plan; ``launching.timelimit`` keeps the clock)."""
 from __future__ import annotations
 
 import datetime
-import logging
 import math
 import re
 import subprocess
@@ -13,8 +12,6 @@ import time
 from collections.abc import Mapping
 
 from imagenet.errors import RunError, UsageError
-
-log = logging.getLogger(__name__)
 
 _DURATION = re.compile(r"(?:(\d+)-)?(\d+):(\d\d):(\d\d)")
 SQUEUE_TIMEOUT = 30.0  # seconds
@@ -77,6 +74,14 @@ def slurm_end_time(env: Mapping[str, str]) -> float | None:
                        "a duration instead") from None
 
 
+def no_end_note(time_limit: str | None, env: Mapping[str, str]) -> str | None:
+    """What to say when ``end_time`` found no end for --time-limit (None: nothing to say)."""
+    if time_limit != "slurm":
+        return None
+    return (f"--time-limit slurm: SLURM job {env.get('SLURM_JOB_ID')} has no end time; "
+            "training without a time limit")
+
+
 def end_time(time_limit: str | None, env: Mapping[str, str], started: float | None = None
              ) -> tuple[float, str] | None:
     """When --time-limit ends this run (unix time) and how to name that end; None: no limit.
@@ -85,9 +90,7 @@ def end_time(time_limit: str | None, env: Mapping[str, str], started: float | No
         return None
     if time_limit == "slurm":
         end = slurm_end_time(env)
-        if end is None:
-            log.warning("--time-limit slurm: SLURM job %s has no end time; training without a "
-                        "time limit", env.get("SLURM_JOB_ID"))
+        if end is None:  # the plan notes it (``no_end_note``)
             return None
         return end, f"the end of SLURM job {env.get('SLURM_JOB_ID', '?')} at {clock(end)}"
     end = (time.time() if started is None else started) + parse_duration(time_limit)

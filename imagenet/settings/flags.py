@@ -26,6 +26,7 @@ AUTO_AUGMENT = ("ra", "ta_wide", "augmix", "imagenet")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 DATA_FORMATS = ("auto", "folder", "shards", "parquet")
 CACHE = "cache"  # --cache-dir's default: OUTPUT_DIR/cache
+DEMO_DATA = "demo-data"  # --demo writes its data set to OUTPUT_DIR/demo-data
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -553,7 +554,7 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     parser = get_args_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = parser.parse_args(argv)
-    given = given_flags(argv)
+    given = given_flags(argv, parser)
     check_either(given, "")
     from_file: dict[str, Any] = {}
     if ns.config:  # the file's values become defaults: flags on the command line win
@@ -580,7 +581,7 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
             raise UsageError(f"--demo trains on the built-in data it writes to "
                              f"OUTPUT_DIR/demo-data: drop DIR '{values['data']}' or --demo")
         values.update({k: v for k, v in DEMO_DEFAULTS.items() if k not in chosen})
-        values["data"] = str(Path(values["output_dir"]) / "demo-data")  # recorded as trained
+        values["data"] = str(Path(values["output_dir"]) / DEMO_DATA)  # recorded as trained
     values["lr_milestones"] = tuple(values["lr_milestones"])
     if values["train_crop_ramp"] is not None:
         values["train_crop_ramp"] = tuple(values["train_crop_ramp"])
@@ -589,12 +590,20 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     return cfg
 
 
-def given_flags(argv: Sequence[str]) -> dict[str, Any]:
-    """The flags the command line gives, with their values, as argparse read them: any
-    spelling (-b32, --batch=16, --epoch 2 for --epochs), the last of repeated ones."""
-    parser = get_args_parser()
-    parser.set_defaults(**{a.dest: NOT_GIVEN for a in parser._actions if a.dest != "help"})
-    return {k: v for k, v in vars(parser.parse_args(list(argv))).items() if v is not NOT_GIVEN}
+def given_flags(argv: Sequence[str], parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The flags the command line gives, with their values, as ``parser`` (main.py's) read
+    them: any spelling (-b32, --batch=16, --epoch 2 for --epochs), the last of repeated ones.
+    Every flag's default is NOT_GIVEN while it parses; the parser is left as it was."""
+    actions = [a for a in parser._actions if a.dest != "help"]
+    defaults = [a.default for a in actions]
+    for action in actions:
+        action.default = NOT_GIVEN
+    try:
+        parsed = vars(parser.parse_args(list(argv)))
+    finally:
+        for action, default in zip(actions, defaults):
+            action.default = default
+    return {k: v for k, v in parsed.items() if v is not NOT_GIVEN}
 
 
 def check_either(values: dict[str, Any], where: str) -> None:

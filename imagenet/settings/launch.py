@@ -11,7 +11,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from imagenet.errors import UsageError
@@ -35,6 +34,12 @@ class Launch:
     nnodes: int = 1
     node_rank: int = 0
     reason: str = ""
+
+    def child(self, local_index: int) -> Ranks:
+        """Who this node's process ``local_index`` is, as mp.spawn starts them (nprocs a node,
+        nodes in --rank order); outside mp.spawn, the only process of one node."""
+        return Ranks(self.node_rank * self.nprocs + local_index, local_index,
+                     self.nnodes * self.nprocs, self.nprocs)
 
 
 @dataclass(frozen=True)
@@ -207,8 +212,8 @@ def resolve_ranks(launch: Launch, local_index: int, cfg: Config,
                   env: Mapping[str, str]) -> tuple[int, int, int, int]:
     """(rank, local_rank, world_size, local_world_size) of this process."""
     if launch.mode == "spawn":
-        rank = launch.node_rank * launch.nprocs + local_index
-        return rank, local_index, launch.nnodes * launch.nprocs, launch.nprocs
+        ranks = launch.child(local_index)
+        return ranks.rank, ranks.local_rank, ranks.world_size, ranks.local_world_size
     if launch.mode == "env" and "RANK" in env:
         world = int(env["WORLD_SIZE"])
         local = env_int(env, "LOCAL_RANK")
@@ -277,28 +282,6 @@ def check_gpu_flag(gpu: int | None, no_accel: bool, accel: Accelerator | int) ->
                          "CUDA_VISIBLE_DEVICES")
 
 
-def choose_device(cfg: Config, launch: Launch, local_rank: int,
-                  accel: Accelerator | int) -> torch.device:
-    """The device of this process: its local rank's accelerator device, --gpu, or the CPU."""
-    accel = as_accelerator(accel)
-    kind, count = accel.type, accel.count
-    if cfg.no_accel or count == 0:
-        return torch.device("cpu")
-    if launch.mode == "single":
-        if (cfg.gpu or 0) >= count:
-            raise UsageError(f"--gpu {cfg.gpu}: only {count} {kind} device(s) visible "
-                             f"(0..{count - 1})")
-        return torch.device(kind, cfg.gpu or 0)
-    if launch.mode == "env" and count == 1:
-        # The launcher gave each process its own GPU (srun --gpus-per-task, CUDA_VISIBLE_DEVICES
-        # per rank): local rank 3 then sees one device, cuda:0.
-        return torch.device(kind, 0)
-    if local_rank >= count:
-        raise UsageError(f"local rank {local_rank} has no {kind} device: only {count} visible; "
-                         "start at most one process per GPU on each node")
-    return torch.device(kind, local_rank)
-
-
 def device_type_of(cfg: Config, accel: Accelerator) -> str:
     """Where this invocation's processes train: the accelerator's device type, or "cpu"."""
     return accel.type if accel and not cfg.no_accel else "cpu"
@@ -335,6 +318,11 @@ class Layout:
     def global_batch(self) -> int:
         """Images per optimizer step over all processes."""
         return self.world_size * self.batch_size * self.grad_accum_steps
+
+    def optimizer_steps(self, batches: int) -> int:
+        """Optimizer steps in an epoch of ``batches`` batches a process (the last step takes
+        what is left when they do not divide by the accumulation)."""
+        return -(-batches // self.grad_accum_steps)
 
     def samples_before(self, step_in_epoch: int) -> int:
         """Samples of this process's share of the epoch used by ``step_in_epoch`` steps."""
@@ -462,6 +450,8 @@ class Job:
     agent_store: bool  # torchrun's agent hosts the rendezvous store
     launcher: int | None  # the pid that must outlive the training processes
     notes: tuple[str, ...]  # warnings about the launch, said once
+    device_type: str  # where the processes train: the accelerator's device type, or "cpu"
+    backend: str | None  # the process group's (None: one process, or a caller's group)
 
 
 def plan_job(cfg: Config, env: Mapping[str, str], accel: Accelerator | int,
@@ -473,14 +463,13 @@ def plan_job(cfg: Config, env: Mapping[str, str], accel: Accelerator | int,
     accel = as_accelerator(accel)
     check_gpu_flag(cfg.gpu, cfg.no_accel, accel)
     launch = launch or plan_launch(cfg, env, accel)
-    device_type = device_type_of(cfg, accel)
+    device_type, backend = device_type_of(cfg, accel), None
     if launch.mode != "single":  # impossible requests fail here, once
         if group is None:  # a caller's group (Ray) has its backend
-            choose_backend(cfg.dist_backend, device_type)
+            backend = choose_backend(cfg.dist_backend, device_type)
         check_sync_bn(cfg.sync_bn, device_type)
     process = process_ranks(cfg, launch, env, group)
-    ranks = process or Ranks(launch.node_rank * launch.nprocs, 0, launch.nnodes * launch.nprocs,
-                             launch.nprocs)
+    ranks = process or launch.child(0)
     layout = plan_layout(cfg, launch, ranks.world_size, ranks.local_world_size, env, cpus)
     notes = [note for note in (unlaunched_slurm_tasks(env),) if note]
     overridden = overridden_flags(cfg, launch, env)
@@ -489,4 +478,4 @@ def plan_job(cfg: Config, env: Mapping[str, str], accel: Accelerator | int,
     launcher = None if group is not None else os.getpid() if launch.mode == "spawn" \
         else launcher_pid(launch, env, os.getppid())
     return Job(launch, layout, process, ranks.rank, elastic_restart_count(env),
-               agent_hosts_store(env), launcher, tuple(notes))
+               agent_hosts_store(env), launcher, tuple(notes), device_type, backend)

@@ -18,13 +18,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from imagenet.errors import UsageError
 from imagenet.settings.crops import CropSchedule, crop_schedule
 from imagenet.settings.decoders import Decoding, choose_decoding
 from imagenet.settings.devices import Accelerator, as_accelerator
-from imagenet.settings.duration import end_time
+from imagenet.settings.duration import end_time, no_end_note
 from imagenet.settings.flags import CACHE, Config
-from imagenet.settings.launch import Launch, Layout, Ranks, device_type_of, plan_job
+from imagenet.settings.launch import Launch, Layout, Ranks, plan_job
 from imagenet.settings.rendezvous import Rendezvous, rendezvous
 from imagenet.settings.sources import data_format
 from imagenet.settings.staging import Staging, stage
@@ -67,14 +69,18 @@ class Plan:
     meet: Rendezvous = field(default_factory=lambda: Rendezvous("env://"))
     # Which library decodes the images (--decoder, --image-backend)
     decoding: Decoding = field(default_factory=lambda: Decoding("tensor", "default"))
+    accel: Accelerator = field(default_factory=Accelerator)  # what the plan was made for
+    backend: str | None = None  # the process group's (None: one process, or a caller's group)
+
+    def device(self, local_index: int = 0) -> torch.device:
+        """The device of this node's process ``local_index`` (0 outside mp.spawn): its local
+        rank's accelerator device, --gpu, or the CPU (``choose_device``)."""
+        return choose_device(self.cfg, self.launch, self.ranks(local_index).local_rank,
+                             self.accel)
 
     def ranks(self, local_index: int = 0) -> Ranks:
         """The ranks of this node's process ``local_index`` (0 outside mp.spawn)."""
-        if self.process is not None:
-            return self.process
-        launch = self.launch
-        return Ranks(launch.node_rank * launch.nprocs + local_index, local_index,
-                     launch.nnodes * launch.nprocs, launch.nprocs)
+        return self.process if self.process is not None else self.launch.child(local_index)
 
     @property
     def restarted(self) -> bool:
@@ -97,6 +103,28 @@ class Plan:
             if cfg.train_crop_start is not None:  # progressive resizing: its smallest size
                 crops = {"--train-crop-start": min(self.train_sizes), **crops}
         return crops
+
+
+def choose_device(cfg: Config, launch: Launch, local_rank: int,
+                  accel: Accelerator | int) -> torch.device:
+    """The device of this process: its local rank's accelerator device, --gpu, or the CPU."""
+    accel = as_accelerator(accel)
+    kind, count = accel.type, accel.count
+    if cfg.no_accel or count == 0:
+        return torch.device("cpu")
+    if launch.mode == "single":
+        if (cfg.gpu or 0) >= count:
+            raise UsageError(f"--gpu {cfg.gpu}: only {count} {kind} device(s) visible "
+                             f"(0..{count - 1})")
+        return torch.device(kind, cfg.gpu or 0)
+    if launch.mode == "env" and count == 1:
+        # The launcher gave each process its own GPU (srun --gpus-per-task, CUDA_VISIBLE_DEVICES
+        # per rank): local rank 3 then sees one device, cuda:0.
+        return torch.device(kind, 0)
+    if local_rank >= count:
+        raise UsageError(f"local rank {local_rank} has no {kind} device: only {count} visible; "
+                         "start at most one process per GPU on each node")
+    return torch.device(kind, local_rank)
 
 
 def process_start() -> float:
@@ -205,7 +233,8 @@ def with_learning_rate(cfg: Config, global_batch: int) -> tuple[Config, str | No
     """``cfg`` whose ``lr`` is the run's learning rate (--lr-base scaled to ``global_batch``:
     resolved here once, every later stage reads ``cfg.lr``), and the rule that gave it."""
     lr, rule = learning_rate(cfg, global_batch)
-    if cfg.lr_scheduler == "linear" and cfg.lr_min > lr:
+    # --lr's own --lr-min is checked with the flags (``flags.validate``); --lr-base's here
+    if rule is not None and cfg.lr_scheduler == "linear" and cfg.lr_min > lr:
         raise UsageError(f"--lr-scheduler linear falls from the learning rate to --lr-min: "
                          f"--lr-min ({cfg.lr_min:g}) must not exceed the learning rate "
                          f"({lr:g}{', ' + rule if rule else ''})")
@@ -234,17 +263,19 @@ def make_plan(cfg: Config, env: Mapping[str, str], accel: Accelerator | int,
     job = plan_job(cfg, env, accel, launch, group, cpus)
     cfg, lr_rule = with_learning_rate(cfg, job.layout.global_batch)
     fmt = source_format(cfg)
-    device_type = device_type_of(cfg, accel)
+    device_type = job.device_type
     started = process_start() if started is None else started
     # Rank 0 keeps the clock: only its plan asks SLURM for the job's end (squeue)
     limit = end_time(cfg.time_limit, env, started) if job.first_rank == 0 else None
+    no_end = no_end_note(cfg.time_limit, env) if job.first_rank == 0 and limit is None else None
+    notes = job.notes + ((no_end,) if no_end else ())
     return Plan(cfg, job.launch, job.layout, crop_schedule(cfg), fmt, device_type,
                 decode_path(cfg, fmt, device_type, job.layout.workers), job.restarts,
                 job.agent_store, started, limit, env.get("SLURM_JOB_ID"),
-                hang_timeout(cfg), job.process, job.launcher, job.notes, lr_rule, staged,
+                hang_timeout(cfg), job.process, job.launcher, notes, lr_rule, staged,
                 cache_dir(cfg), rendezvous(cfg, job.launch, env, creates_group=group is None
                                            and job.launch.mode != "single"),
-                choose_decoding(cfg))
+                choose_decoding(cfg), accel, job.backend)
 
 
 def fixed_plan(cfg: Config, layout: Layout, device_type: str = "cpu") -> Plan:
@@ -257,4 +288,5 @@ def fixed_plan(cfg: Config, layout: Layout, device_type: str = "cpu") -> Plan:
                 device_type, decode_path(cfg, fmt, device_type, layout.workers), 0, False,
                 time.time(), None, None, hang_timeout(cfg), Ranks(0, 0, layout.world_size, 1),
                 lr_rule=lr_rule, staged=staged, cache_dir=cache_dir(cfg),
-                decoding=choose_decoding(cfg))
+                decoding=choose_decoding(cfg),
+                accel=Accelerator(device_type, 1) if device_type != "cpu" else Accelerator())

@@ -1,5 +1,5 @@
 """Where a job's processes meet: torch's init_method and rank 0's store, decided once by the plan
-(``settings.plan``) from --dist-url or the launcher's MASTER_ADDR/PORT; ``launching.rendezvous``
+(``settings.plan``) from --dist-url or the launcher's MASTER_ADDR/PORT; ``launching.process_group``
 joins there. Pure: the environment is read, never written."""
 
 from __future__ import annotations

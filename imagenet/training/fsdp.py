@@ -14,28 +14,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
-from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:  # torch's FSDP and distributed checkpoint modules are imported when used
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from imagenet.errors import CheckpointError
 from imagenet.settings.flags import Config
@@ -51,9 +42,15 @@ MAX_ROOT_SHARE = 0.5  # the root keeping more than this gets its big layers as u
 BIG_LAYER = 1_000_000  # parameters: a layer worth a unit of its own (rule 3)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-# Classic checkpoints: rank 0 gets the whole state on the CPU, the other ranks nothing.
-GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
-SCATTER = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+def _options(gather: bool) -> StateDictOptions:
+    """Classic checkpoints: rank 0 gets the whole state on the CPU, the other ranks nothing
+    (``gather``); rank 0's whole state is put into every rank's shards (not ``gather``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True) if gather else \
+        StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
 # ---------------------------------------------------------------- which modules become units
@@ -126,6 +123,8 @@ def describe_units(model: nn.Module, units: Sequence[nn.Module]) -> str:
 def mixed_precision(cfg: Config) -> MixedPrecisionPolicy:
     """--amp: weights gathered and used in bf16/fp16; gradients reduced in --fsdp-reduce-dtype
     (fp32 unless asked). The sharded fp32 weights stay what the optimizer updates."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     param = DTYPES[cfg.amp] if cfg.amp else None
     reduce = DTYPES[cfg.fsdp_reduce_dtype] if cfg.fsdp_reduce_dtype else (
         torch.float32 if param is not None else None)
@@ -136,6 +135,14 @@ def shard(model: nn.Module, cfg: Config, device: torch.device,
           units: list[nn.Module] | None = None) -> DeviceMesh:
     """Shard ``model`` in place over all ranks: its ``units`` (default: ``repeated_blocks``),
     then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.fsdp_cpu_offload \
         else OffloadPolicy()
@@ -160,8 +167,11 @@ def shard(model: nn.Module, cfg: Config, device: torch.device,
 
 def fsdp_root(model: nn.Module) -> FSDPModule | None:
     """The FSDP root inside ``model`` (itself, or under torch.compile / AveragedModel)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:  # never imported in this process: nothing is sharded
+        return None
     for module in model.modules():
-        if isinstance(module, FSDPModule):
+        if isinstance(module, fsdp.FSDPModule):
             return module
     return None
 
@@ -212,6 +222,8 @@ def local_shards(fn: Callable) -> Callable:
 
 
 def _local(tensors: list) -> list:
+    from torch.distributed.tensor import DTensor
+
     return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 
@@ -219,13 +231,18 @@ def _local(tensors: list) -> list:
 
 def gathered_model_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """The full state_dict (plain keys, CPU tensors) on rank 0, {} elsewhere. Collective."""
-    return get_model_state_dict(module, options=GATHER)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(module, options=_options(gather=True))
 
 
 def load_model_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Put rank 0's full ``state`` into the sharded ``module``. Collective."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
     # torch writes into the dict it is given: a shallow copy keeps the caller's intact.
-    set_model_state_dict(module, dict(state) if dist.get_rank() == 0 else {}, options=SCATTER)
+    set_model_state_dict(module, dict(state) if dist.get_rank() == 0 else {},
+                         options=_options(gather=False))
 
 
 def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -256,7 +273,9 @@ def by_name(state: dict, names: Sequence[str]) -> dict:
 def gathered_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The classic optimizer state_dict of the whole model on rank 0, {} elsewhere.
     Collective."""
-    state = get_optimizer_state_dict(model, optimizer, options=GATHER)
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer, options=_options(gather=True))
     return by_index(state, parameter_names(model, optimizer)) if state else {}
 
 
@@ -273,5 +292,7 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
         raise CheckpointError(f"the checkpoint's optimizer has parameter groups of sizes "
                               f"{saved}, this run's {own} (other --norm-weight-decay / "
                               "--bias-weight-decay?)")
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
     named = by_name(state, parameter_names(model, optimizer)) if dist.get_rank() == 0 else {}
-    set_optimizer_state_dict(model, optimizer, named, options=SCATTER)
+    set_optimizer_state_dict(model, optimizer, named, options=_options(gather=False))

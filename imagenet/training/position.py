@@ -54,7 +54,7 @@ def steps_to_train(images: int, layout: Layout) -> int:
     as the loader counts them: each rank takes every world-size-th image (padded), its last
     batch is dropped when it would hold one image, and steps group --grad-accum-steps batches."""
     per_rank = -(-images // layout.world_size)
-    return -(-train_batches(per_rank, layout.batch_size) // layout.grad_accum_steps)
+    return layout.optimizer_steps(train_batches(per_rank, layout.batch_size))
 
 
 @dataclass(frozen=True)
