@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 
+import pytest
 from helpers import ROOT
 
 PACKAGE = ROOT / "imagenet"
@@ -101,3 +102,23 @@ def test_the_layout_test_sees_a_circle_and_a_wrong_way_import():
     graph = {"imagenet.data.a": {"imagenet.run.b"}, "imagenet.run.b": {"imagenet.data.a"}}
     assert cycles(graph) == [["imagenet.data.a", "imagenet.run.b", "imagenet.data.a"]]
     assert ORDER.index(stage("imagenet.run.b")) <= ORDER.index(stage("imagenet.data.a"))
+
+
+@pytest.mark.slow
+def test_a_folder_run_imports_no_feature_it_does_not_use():
+    """Each process that trains imports the trainer (each mp.spawn rank, each torchrun worker):
+    tar shards and Parquet, torch.distributed.checkpoint (--sharded-checkpoint, --fsdp's state)
+    and the device decode path are imported only when a run uses them (issue 42)."""
+    import subprocess
+    import sys
+
+    from helpers import child_env
+
+    code = ("import sys, imagenet.cli, imagenet.run.trainer, imagenet.run.build; "
+            "print(sorted(m for m in sys.modules if m.startswith(('imagenet.data.shards', "
+            "'torch.distributed.checkpoint', 'imagenet.data.device', "
+            "'imagenet.checkpoint.dcpread', 'imagenet.checkpoint.sharded'))))")
+    ran = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env=child_env(), timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "[]"

@@ -124,3 +124,47 @@ def test_config_json_keeps_every_start(data, tmp_path, capsys):
     assert len(json.loads((out / "config.json").read_text())["starts"]) == 1
     (previous,) = (out / "previous").iterdir()
     assert len(json.loads((previous / "config.json").read_text())["starts"]) == 2
+
+
+@pytest.mark.slow
+def test_a_resume_reads_its_checkpoint_once_and_parses_and_sets_up_logging_once(
+        data, tmp_path, monkeypatch):
+    """Before the first optimizer step of a resume (-j 1: the loader starts early, on the
+    checkpoint's position), checkpoint.pth.tar is opened once for reading, main.py's parser is
+    built once and the console's logging is set up once (issue 42: 3, 3 and 2 before)."""
+    import argparse
+    import builtins
+    import logging
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    out = tmp_path / "out"
+    flags = [str(data), *TINY, "-j", "1", "--output-dir", str(out)]
+    assert main([*flags, "--epochs", "1"]) == 0
+    counts = {"checkpoint": 0, "parser": 0, "logging": 0}
+    at_first_step: list[dict[str, int]] = []
+    real_open = builtins.open
+    parser_init, formatter_init = argparse.ArgumentParser.__init__, logging.Formatter.__init__
+
+    def counting_open(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, Path)) and Path(file).name == "checkpoint.pth.tar" \
+                and "r" in mode:
+            counts["checkpoint"] += 1
+        return real_open(file, mode, *args, **kwargs)
+
+    def counting(name, init):
+        def counted(self, *args, **kwargs):
+            counts[name] += 1
+            init(self, *args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    monkeypatch.setattr(argparse.ArgumentParser, "__init__", counting("parser", parser_init))
+    monkeypatch.setattr(logging.Formatter, "__init__", counting("logging", formatter_init))
+    hook = register_optimizer_step_pre_hook(
+        lambda *_: None if at_first_step else at_first_step.append(dict(counts)))
+    try:
+        assert main([*flags, "--epochs", "2", "--resume", "auto"]) == 0
+    finally:
+        hook.remove()
+    assert at_first_step == [{"checkpoint": 1, "parser": 1, "logging": 1}]

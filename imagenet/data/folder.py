@@ -19,7 +19,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torchvision import datasets
 
-import imagenet.data.device as device_decoding
 import imagenet.data.index as index
 import imagenet.data.transforms as T
 from imagenet.data.resizing import CornerCrop, sized_by_epoch
@@ -357,9 +356,13 @@ def build_datasets(cfg: Config, crops: CropSchedule, data_root: Path, encoded: b
         val = DummyDataset(cfg.dummy_val_size, cfg.dummy_classes, cfg.val_crop_size)
         return train, val, train.classes
     train_dir, val_dir = check_folder(data_root, need_val=cfg.val_data is None)
-    train_tf, val_tf = device_decoding.item_transforms(cfg, crops) if encoded \
-        else build_transforms(cfg, crops)
-    loader = device_decoding.read_encoded if encoded else None
+    if encoded:
+        import imagenet.data.device as device_decoding  # --decode-on-device only
+
+        train_tf, val_tf = device_decoding.item_transforms(cfg, crops)
+        loader = device_decoding.read_encoded
+    else:
+        (train_tf, val_tf), loader = build_transforms(cfg, crops), None
     train = image_folder(train_dir, train_tf, image_backend(cfg), loader, files)
     if cfg.val_data is not None:
         val = other_val_folder(Path(cfg.val_data), train.classes, val_tf, image_backend(cfg),
@@ -430,7 +433,11 @@ def build_data(plan: Plan, data_root: str | Path, rank: int, aug_seed: int,
     (JPEGs decoded where the plan says); ``files``: where the folder indexes are kept."""
     cfg, on_device = plan.cfg, plan.decode.on_device
     train, val, classes = build_datasets(cfg, plan.crops, Path(data_root), on_device, files)
-    finish = device_decoding.device_crops(cfg) if on_device else None
+    finish = None
+    if on_device:
+        import imagenet.data.device as device_decoding  # --decode-on-device only
+
+        finish = device_decoding.device_crops(cfg)
     folder_train, val_loader = folder_loaders(cfg, train, val, rank, plan.layout, aug_seed,
                                               pin_memory, finish)
     return Data(folder_train, val_loader, len(classes), list(classes), len(val),
@@ -468,7 +475,9 @@ def folder_loaders(cfg: Config, train: Dataset, val: Dataset, rank: int, layout:
                  cfg.ra_reps, len(train))
     extra = loader_options(workers)
     if finish is not None:  # encoded bytes: nvJPEG reads them from pageable memory itself
-        extra, pin_memory = {**extra, "collate_fn": device_decoding.collate}, False
+        from imagenet.data.device import collate
+
+        extra, pin_memory = {**extra, "collate_fn": collate}, False
     # A private generator: creating loader iterators must not consume the global RNG, which the
     # training step uses (MixUp/CutMix, dropout) and the checkpoint restores.
     seeded = SeededDataset(train, aug_seed)

@@ -15,8 +15,6 @@ import os
 import sys
 from pathlib import Path
 
-from imagenet.data.device import collate
-
 SHM = Path("/dev/shm")
 
 
@@ -54,7 +52,9 @@ def image_bytes(loader, crop: int) -> int:
     """Bytes one image of ``loader``'s batches takes in shared memory: a uint8 crop, or for
     encoded JPEGs (--decode-on-device) the mean size of up to 64 of its files."""
     folder = getattr(loader.dataset, "dataset", loader.dataset)  # inside SeededDataset
-    if loader.collate_fn is not collate or not hasattr(folder, "samples"):
+    device = sys.modules.get("imagenet.data.device")  # imported for --decode-on-device only
+    if device is None or loader.collate_fn is not device.collate \
+            or not hasattr(folder, "samples"):
         return 3 * crop * crop
     samples = folder.samples[:: max(1, len(folder.samples) // 64)]
     sizes = [Path(path).stat().st_size for path, _ in samples]
