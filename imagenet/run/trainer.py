@@ -125,6 +125,7 @@ def start_run(plan: Plan, dist: DistInfo, continues: Decided, clock: StartClock,
     if cfg.compile:
         compiled = open_cache(plan.cache_dir, graph_signature(cfg, plan.layout, data.num_classes,
                                                               dist.device), dist.is_main)
+    if compiled is not None:  # None: no cache of its own (TORCHINDUCTOR_CACHE_DIR is set)
         services.callback(compiled.close)
     run = build_run(plan, dist, continues, inputs, compiled)
     run.clock, run.early, run.val_check = clock, early, val_check
