@@ -5,10 +5,12 @@ Run by hand (not a test)::
     python benchmarks/start_path.py            # a fresh run, then its resume
     python benchmarks/start_path.py --list     # and the modules, one per line
 
-Each leg runs ``main.py DIR -a resnet18 --epochs N`` in this process (``runpy``), on a small JPEG
-folder it writes, under ``sys.setprofile``: a module counts once the interpreter runs any of its
-code (its import included). The count stops at the first ``Optimizer.step`` (a global pre-hook
-raises, and the leg ends there). The second leg resumes the first's checkpoint with ``--resume``.
+Each leg runs ``main.py DIR -a resnet18 -j 1 --epochs N`` (one loader worker: the loader starts
+early) in a fresh interpreter (``runpy``), on a small JPEG folder it writes, under
+``sys.setprofile``: a module counts once the interpreter runs any of its code (its import
+included); "with a function called" leaves out modules only imported. The count stops at the
+first ``Optimizer.step`` (a global pre-hook raises, and the leg ends there). The second leg
+resumes the first's checkpoint with ``--resume``.
 Opens count ``open`` of any file named ``*.pth.tar`` in the run folder (``torch.load`` of a path
 opens it so); ``argparse.ArgumentParser`` and ``logging.Formatter`` instances made by code of
 ``imagenet/`` count as parser builds and logging set-ups. ``START_PATH_WHERE=1`` prints where
@@ -159,7 +161,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="start_path_"))
     data = write_folder(work / "data")
     out = (work / "run").resolve()
-    common = [str(data), "-a", args.arch, "-b", "4", "-j", "0", "--output-dir", str(out)]
+    common = [str(data), "-a", args.arch, "-b", "4", "-j", "1", "--output-dir", str(out)]
     import subprocess
 
     # The checkpoint the resume leg reads: one whole epoch, in its own process.
