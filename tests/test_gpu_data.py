@@ -161,8 +161,9 @@ def variants_of_every_data_flag() -> list[list[str]]:
 
 def test_no_data_flag_is_left_out_by_the_device_path():
     """The device path crops, resizes and flips; any other per-image step of the CPU path's
-    training transform must rule the device path out (``settings.plan.device_conflict``), or
-    --decode-on-device would silently train without it. Every data flag, every value."""
+    training transform must rule the device path out (its flag marked ``cpu_per_image`` in
+    settings/flags.py), or --decode-on-device would silently train without it. Every data
+    flag, every value."""
     from imagenet.data.folder import build_transforms
 
     plain = {type(step) for step in build_transforms(parse_config(["data"]),
@@ -178,7 +179,7 @@ def test_no_data_flag_is_left_out_by_the_device_path():
         assert {type(step) for step in steps} <= plain, (argv, steps)
         checked.append(argv)
     assert ["--interpolation", "bicubic"] in checked and ["--train-crop-scale", "0.54"] in checked
-    # (the test sees the flags: what device_conflict refuses is not checked above)
+    # (the test sees the flags: what the marked flags rule out is not checked above)
     assert ["--auto-augment", "ra"] not in checked and ["--random-erase", "0.5"] not in checked
 
 

@@ -69,10 +69,14 @@ def duration_text(text: str) -> str:
     return str(text)
 
 
-def _flag(*names: str, group: str, help: str, **kwargs: Any) -> Any:
-    """A dataclass field that also describes its argparse flag."""
+def _flag(*names: str, group: str, help: str, cpu_per_image: bool = False,
+          **kwargs: Any) -> Any:
+    """A dataclass field that also describes its argparse flag. ``cpu_per_image``: an
+    augmentation that runs per image on the CPU, which --decode-on-device (decoding and
+    cropping on the GPU) cannot run: on, it rules that path out (``cpu_per_image_flags``)."""
     default = kwargs.pop("default", None)
-    meta = {"names": names, "group": group, "help": help, "kwargs": kwargs}
+    meta = {"names": names, "group": group, "help": help, "kwargs": kwargs,
+            "cpu_per_image": cpu_per_image}
     return field(default=default, metadata=meta)
 
 
@@ -185,7 +189,7 @@ class Config:
                                        "without --image-backend pil, --auto-augment or "
                                        "--random-erase (default: %(default)s)")
     auto_augment: str | None = _flag("--auto-augment", group="data", default=None,
-                                     choices=(*AUTO_AUGMENT, *OFF),
+                                     choices=(*AUTO_AUGMENT, *OFF), cpu_per_image=True,
                                      help="automatic augmentation policy; none = off "
                                           "(default: none)")
     ra_magnitude: int = _flag("--ra-magnitude", group="data", default=9, type=int, metavar="M",
@@ -193,8 +197,8 @@ class Config:
     augmix_severity: int = _flag("--augmix-severity", group="data", default=3, type=int,
                                  metavar="S", help="AugMix severity, 1-10 (default: %(default)s)")
     random_erase: float = _flag("--random-erase", group="data", default=0.0, type=float,
-                                metavar="P", help="RandomErasing probability per image "
-                                                  "(default: %(default)s)")
+                                metavar="P", cpu_per_image=True,
+                                help="RandomErasing probability per image (default: %(default)s)")
     mixup_alpha: float = _flag("--mixup-alpha", group="data", default=0.0, type=float,
                                metavar="A", help="MixUp Beta(alpha) parameter; 0 = off "
                                                  "(default: %(default)s)")
@@ -588,6 +592,13 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     cfg = Config(**values)
     validate(cfg)
     return cfg
+
+
+def cpu_per_image_flags(cfg: Config) -> list[str]:
+    """The per-image CPU augmentations ``cfg`` turns on, by flag (marked ``cpu_per_image`` where
+    each flag is defined): the device decode path cannot run them."""
+    return [f.metadata["names"][0] for f in dataclasses.fields(Config)
+            if f.metadata.get("cpu_per_image") and getattr(cfg, f.name)]
 
 
 def given_flags(argv: Sequence[str], parser: argparse.ArgumentParser) -> dict[str, Any]:

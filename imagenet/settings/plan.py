@@ -25,7 +25,7 @@ from imagenet.settings.crops import CropSchedule, crop_schedule
 from imagenet.settings.decoders import Decoding, choose_decoding
 from imagenet.settings.devices import Accelerator, as_accelerator
 from imagenet.settings.duration import end_time, no_end_note
-from imagenet.settings.flags import CACHE, Config
+from imagenet.settings.flags import CACHE, Config, cpu_per_image_flags
 from imagenet.settings.launch import Launch, Layout, Ranks, plan_job
 from imagenet.settings.rendezvous import Rendezvous, rendezvous
 from imagenet.settings.sources import data_format
@@ -164,10 +164,8 @@ def device_conflict(cfg: Config, fmt: str) -> str | None:
         return "--dummy data is not decoded"
     if cfg.image_backend == "pil":
         return "--image-backend pil decodes with PIL"
-    if cfg.auto_augment:
-        return "--auto-augment runs per image on the CPU"
-    if cfg.random_erase > 0:
-        return "--random-erase runs per image on the CPU"
+    for flag in cpu_per_image_flags(cfg):  # marked where each augmentation's flag is defined
+        return f"{flag} runs per image on the CPU"
     return None
 
 
