@@ -201,6 +201,29 @@ def test_the_rank_silent_since_the_hang_began_is_named_under_any_timeout(tmp_pat
     assert stopped["rank"] == 1 and stopped["silent"], stopped
 
 
+def test_a_rank_is_named_with_its_pid_even_if_it_stops_before_its_first_look(tmp_path):
+    """A rank's first heartbeat is in the store when its watch starts, not one look later: a
+    rank stopped within its first second of training (a tiny epoch) was named "unknown (no
+    heartbeat yet)", without its pid (test_a_stopped_rank_is_named_and_every_process_ends
+    under torchrun, once)."""
+    store = dist.HashStore()
+    dog = watchdog.Watchdog(300.0, 1, 2, tmp_path, store, "t", "h").start()
+    try:
+        assert store.check(["t/heartbeat/1"]), "no heartbeat when the watch started"
+        beat = json.loads(store.get("t/heartbeat/1"))
+        assert beat["pid"] == os.getpid() and beat["host"] == "h", beat
+        other = watchdog.Watchdog(300.0, 0, 2, tmp_path / "0", store, "t", "h")
+        try:  # rank 0, alive a whole timeout later, finds rank 1 silent: named with its pid
+            later = time.time() + 300
+            other._publish(later)
+            stopped = other._who_stopped(later)
+        finally:
+            other.close()
+        assert stopped["rank"] == 1 and stopped["pid"] == os.getpid(), stopped
+    finally:
+        dog.close()
+
+
 WATCHING = """
 import sys, time
 from pathlib import Path

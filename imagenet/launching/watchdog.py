@@ -223,6 +223,9 @@ class Watchdog:
     def start(self) -> Watchdog:
         global _dog, _stacks_dir, _reports
         _dog, _stacks_dir, _reports = self, str(self.stacks), self.output_dir
+        # The first heartbeat now, not one look later: a rank stopped in its first second (a
+        # tiny epoch) is then named with its pid and host, not "no heartbeat yet".
+        self._publish(time.time())
         self.thread.start()
         return self
 
