@@ -34,7 +34,7 @@ from test_fault_tolerance import Live, _tagged_pids
 from imagenet.data.samplers import ResumableDistributedSampler
 from imagenet.launching import watchdog
 
-HANG = 15  # --hang-timeout of these tests, seconds
+HANG = 8  # --hang-timeout of these tests, seconds (the chaos matrix's hang scenarios use 8 too)
 LIMIT = HANG + 60  # every process gone within this much of the hang (the bound)
 
 
