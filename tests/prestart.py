@@ -44,7 +44,9 @@ PIDFILE = "IMAGENET_TEST_RUN_PIDFILE"
 # Read by the trainer while it runs, never at import: a run that sets them can be pre-imported.
 RUNTIME_ONLY = {"TMPDIR", "TORCH_HOME", "HF_HOME", "HF_HUB_OFFLINE", "IMAGENET_NOTICE_AFTER",
                 "PYTHONUNBUFFERED", "XDG_CACHE_HOME", "HOME", "PWD", "OLDPWD", "_",
-                "FT_TOKEN", PIDFILE}
+                "FT_TOKEN", PIDFILE,
+                # pytest names the running test here: every test's runs hold another value
+                "PYTEST_CURRENT_TEST"}
 FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 
 

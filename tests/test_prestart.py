@@ -74,3 +74,19 @@ def _runs_in(pid: str, out: Path) -> bool:
                    for fd in os.listdir(f"/proc/{pid}/fd"))
     except OSError:
         return False
+
+
+@pytest.mark.slow
+def test_a_run_of_a_later_test_is_forked_too(tmp_path, monkeypatch):
+    """pytest names the running test in PYTEST_CURRENT_TEST, which every run inherits: the
+    server, started by an earlier test, holds another value. It used to count as a difference
+    read at import, so every run but those of the test that started the server was a plain
+    start (each ~3-5 s of imports, ~250 of them in one suite run)."""
+    served()
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_later.py::test_later (call)")
+    pidfile = tmp_path / "run.pid"
+    client = subprocess.Popen(prestarted_cmd("--help"), stdout=subprocess.PIPE, text=True,
+                              env=child_env(IMAGENET_TEST_RUN_PIDFILE=str(pidfile)))
+    usage, _ = client.communicate(timeout=120)
+    assert client.returncode == 0 and "usage:" in usage
+    assert int(pidfile.read_text()) != client.pid, "a plain start: the server was not used"
