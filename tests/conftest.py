@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -47,6 +48,22 @@ def module_folders_are_removed_if_it_passed(request, tmp_path_factory):
     if request.session.testsfailed == failed:
         for folder in set(base.iterdir()) - before:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def the_environment_is_left_as_it_was():
+    """A test leaves os.environ as it found it. Code run in the test process sets variables
+    (inductor sets TORCHINDUCTOR_CACHE_DIR and KMP_DUPLICATE_LIB_OK when it compiles), and every
+    later test's runs inherited them: they differed from the environment the prestart server
+    was started with, so they started plainly (issue 40)."""
+    before = dict(os.environ)
+    yield
+    now = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    kept = {k: v for k, v in before.items() if k != "PYTEST_CURRENT_TEST"}
+    if now != kept:
+        for name in now.keys() - kept.keys():
+            del os.environ[name]
+        os.environ.update(kept)
 
 
 @pytest.fixture

@@ -46,7 +46,9 @@ RUNTIME_ONLY = {"TMPDIR", "TORCH_HOME", "HF_HOME", "HF_HUB_OFFLINE", "IMAGENET_N
                 "PYTHONUNBUFFERED", "XDG_CACHE_HOME", "HOME", "PWD", "OLDPWD", "_",
                 "FT_TOKEN", PIDFILE,
                 # pytest names the running test here: every test's runs hold another value
-                "PYTEST_CURRENT_TEST"}
+                "PYTEST_CURRENT_TEST",
+                # inductor reads it at each use (a compile sets it in the test process)
+                "TORCHINDUCTOR_CACHE_DIR"}
 FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 
 
