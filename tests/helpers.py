@@ -49,6 +49,17 @@ def write_image_folder(root: Path, classes: int = 3, train_per_class: int = 8,
     return root
 
 
+def settled_folder(folder: Path) -> Path:
+    """``folder`` once it is older than the folder index's settle time (``index.SETTLE_NS``), as
+    a user's data set is: a folder changed within it of its listing is recorded as unsettled and
+    listed again, silently, by the next start (which rewrites the index). A run forked from the
+    pre-imported trainer starts well within it of ``write_image_folder``."""
+    from imagenet.data.index import SETTLE_NS
+
+    time.sleep(SETTLE_NS / 1e9 + 0.1)
+    return folder
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """Environment for subprocesses: the repo importable, few threads, no launcher leftovers."""
     env = {k: v for k, v in os.environ.items()

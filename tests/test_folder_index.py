@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from helpers import (
     load_checkpoint,
     main_cmd,
     run_main,
+    settled_folder,
     write_image_folder,
 )
 from torchvision import datasets
@@ -442,10 +442,7 @@ def test_evaluate_reads_the_index_of_its_val_data(tmp_path):
 
 @pytest.mark.slow
 def test_a_requeue_after_images_were_added_says_so_and_trains_on_them(tmp_path):
-    data = write_image_folder(tmp_path / "data")
-    # A data set older than the index's settle time, as a user's is: a folder changed within
-    # SETTLE_NS of its listing is listed again silently (a fast start made it so here).
-    time.sleep(index.SETTLE_NS / 1e9 + 0.1)
+    data = settled_folder(write_image_folder(tmp_path / "data"))  # else re-listed silently
     out = tmp_path / "out"
     flags = [str(data), *TINY, "--epochs", "1", "--output-dir", str(out)]
     proc = run_main(*flags)

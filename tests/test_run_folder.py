@@ -26,6 +26,7 @@ from helpers import (
     main_cmd,
     run_main,
     save_edited,
+    settled_folder,
     write_image_folder,
 )
 
@@ -67,7 +68,7 @@ def digests(folder: Path) -> dict[str, str]:
 def finished(tmp_path_factory) -> tuple[Path, Path]:
     """48 training images (6 steps of 8) and the output folder of a finished 1-epoch run."""
     base = tmp_path_factory.mktemp("finished")
-    data = write_image_folder(base / "data", train_per_class=16)
+    data = settled_folder(write_image_folder(base / "data", train_per_class=16))  # index kept
     out = base / "out"
     proc = run_main(str(data), *TINY, "--epochs", "1", "--seed", "0", "--output-dir", str(out))
     assert proc.returncode == 0, proc.stderr
