@@ -60,15 +60,23 @@ def settled_folder(folder: Path) -> Path:
     return folder
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    """Environment for subprocesses: the repo importable, few threads, no launcher leftovers."""
-    env = {k: v for k, v in os.environ.items()
+def child_env(*, base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """Environment for subprocesses: the repo importable, few threads, no launcher leftovers.
+    Built from ``base`` (the test process's environment now, by default)."""
+    env = {k: v for k, v in (os.environ if base is None else base).items()
            if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "SLURM_",
                                 "TORCHELASTIC_", "GLOO_SOCKET", "NCCL_SOCKET"))}
     env["PYTHONPATH"] = str(ROOT)
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra)
     return env
+
+
+# The test process's environment before any test ran: what a test's runs inherit unless the test
+# sets a variable itself. The prestart server is started with it, not with the environment of
+# the test that happens to start it first (a monkeypatched variable there made every later
+# test's runs differ from the server's and start plainly).
+SESSION_ENV = dict(os.environ)
 
 
 def main_cmd(*args: str) -> list[str]:
@@ -87,17 +95,24 @@ def prestarted_cmd(*args: str) -> list[str]:
     if os.environ.get("IMAGENET_TEST_PLAIN_STARTS") == "1":
         return main_cmd(*args)
     if "socket" not in _prestart:
-        import atexit
         import tempfile
 
         sock = str(Path(tempfile.mkdtemp(prefix="prestart-")) / "server")
-        log = open(Path(sock).with_suffix(".log"), "w")
-        server = subprocess.Popen([sys.executable, PRESTART, "serve", sock], env=child_env(),
-                                  stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=ROOT,
-                                  start_new_session=True)
-        atexit.register(server.kill)
-        _prestart.update(socket=sock, server=server)
+        _prestart.update(socket=sock, server=start_prestart_server(sock))
     return [sys.executable, PRESTART, "run", str(_prestart["socket"]), *args]
+
+
+def start_prestart_server(sock: str) -> subprocess.Popen:
+    """A prestart server listening at ``sock`` (once it has imported the trainer), with the
+    session's environment (``SESSION_ENV``); killed when the test process exits."""
+    import atexit
+
+    log = open(Path(sock).with_suffix(".log"), "w")
+    server = subprocess.Popen([sys.executable, PRESTART, "serve", sock],
+                              env=child_env(base=SESSION_ENV), stdin=subprocess.DEVNULL,
+                              stdout=log, stderr=log, cwd=ROOT, start_new_session=True)
+    atexit.register(server.kill)
+    return server
 
 
 def run_group(proc: subprocess.Popen, pidfile: Path, within: float = 60) -> int:

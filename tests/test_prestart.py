@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -82,11 +83,48 @@ def test_a_run_of_a_later_test_is_forked_too(tmp_path, monkeypatch):
     server, started by an earlier test, holds another value. It used to count as a difference
     read at import, so every run but those of the test that started the server was a plain
     start (each ~3-5 s of imports, ~250 of them in one suite run)."""
-    served()
+    sock = served()
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_later.py::test_later (call)")
+    assert_forked(prestarted_cmd("--help"), sock, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_variable_set_by_the_test_that_starts_the_server_does_not_stay_in_it(
+        tmp_path, monkeypatch):
+    """Each test process starts its server on first use, from whichever test runs first there.
+    It used to inherit that test's environment: a test that set a variable for its own runs
+    (test_trackers sets MLFLOW_ALLOW_FILE_STORE) left it in the server, and every later test's
+    runs differed from it and started plainly (a CI run's whole worker did)."""
+    sock = str(tmp_path / "server")
+    monkeypatch.setenv("IMAGENET_TEST_SET_BY_A_TEST", "1")
+    server = helpers.start_prestart_server(sock)
+    try:
+        monkeypatch.delenv("IMAGENET_TEST_SET_BY_A_TEST")
+        deadline = time.monotonic() + 120
+        while not Path(sock).exists():
+            assert server.poll() is None and time.monotonic() < deadline, "no server came up"
+            time.sleep(0.2)
+        cmd = [sys.executable, helpers.PRESTART, "run", sock, "--help"]
+        assert_forked(cmd, sock, tmp_path)
+    finally:
+        server.kill()
+        server.wait()
+
+
+def assert_forked(cmd: list[str], sock: str, tmp_path: Path) -> None:
+    """Run ``cmd`` (a prestart client asking for ``--help``) from this test's environment and
+    assert that the server at ``sock`` forked its run; a plain start fails naming the variables
+    that differed from the server's."""
+    import json
+
+    import prestart
+
     pidfile = tmp_path / "run.pid"
-    client = subprocess.Popen(prestarted_cmd("--help"), stdout=subprocess.PIPE, text=True,
-                              env=child_env(IMAGENET_TEST_RUN_PIDFILE=str(pidfile)))
+    env = child_env(IMAGENET_TEST_RUN_PIDFILE=str(pidfile))
+    client = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     usage, _ = client.communicate(timeout=120)
     assert client.returncode == 0 and "usage:" in usage
-    assert int(pidfile.read_text()) != client.pid, "a plain start: the server was not used"
+    served_env = json.loads(Path(sock + ".env").read_text())
+    differ = {k for k in served_env.keys() | env.keys() if served_env.get(k) != env.get(k)}
+    assert int(pidfile.read_text()) != client.pid, \
+        f"a plain start: it differed from the server in {sorted(differ - prestart.RUNTIME_ONLY)}"
