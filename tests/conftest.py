@@ -50,12 +50,7 @@ def module_folders_are_removed_if_it_passed(request, tmp_path_factory):
             shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.fixture(autouse=True)
-def the_environment_is_left_as_it_was():
-    """A test leaves os.environ as it found it. Code run in the test process sets variables
-    (inductor sets TORCHINDUCTOR_CACHE_DIR and KMP_DUPLICATE_LIB_OK when it compiles), and every
-    later test's runs inherited them: they differed from the environment the prestart server
-    was started with, so they started plainly (issue 40)."""
+def _restore_environment():
     before = dict(os.environ)
     yield
     now = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
@@ -64,6 +59,22 @@ def the_environment_is_left_as_it_was():
         for name in now.keys() - kept.keys():
             del os.environ[name]
         os.environ.update(kept)
+
+
+@pytest.fixture(autouse=True)
+def the_environment_is_left_as_it_was():
+    """A test leaves os.environ as it found it. Code run in the test process sets variables
+    (inductor sets TORCHINDUCTOR_CACHE_DIR when it compiles, scikit-learn KMP_DUPLICATE_LIB_OK
+    when MLflow or W&B import it), and every later test's runs inherited them: they differed
+    from the environment the prestart server was started with, so they started plainly
+    (issue 40)."""
+    yield from _restore_environment()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def the_environment_is_left_as_the_module_found_it():
+    """The same for a module's fixtures (set up before, and ended after, its tests')."""
+    yield from _restore_environment()
 
 
 @pytest.fixture

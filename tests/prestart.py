@@ -48,7 +48,11 @@ RUNTIME_ONLY = {"TMPDIR", "TORCH_HOME", "HF_HOME", "HF_HUB_OFFLINE", "IMAGENET_N
                 # pytest names the running test here: every test's runs hold another value
                 "PYTEST_CURRENT_TEST",
                 # inductor reads it at each use (a compile sets it in the test process)
-                "TORCHINDUCTOR_CACHE_DIR"}
+                "TORCHINDUCTOR_CACHE_DIR",
+                # read by Intel's OpenMP runtime as it loads; torch's Linux wheels load GNU's
+                # libgomp. scikit-learn sets it when imported (MLflow, W&B, Ray import it
+                # lazily, in the test process too)
+                "KMP_DUPLICATE_LIB_OK"}
 FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 
 

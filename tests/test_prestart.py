@@ -89,6 +89,16 @@ def test_a_run_of_a_later_test_is_forked_too(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_run_after_scikit_learn_was_imported_is_forked_too(tmp_path, monkeypatch):
+    """Importing scikit-learn (MLflow, W&B and Ray import it lazily) sets KMP_DUPLICATE_LIB_OK,
+    which only Intel's OpenMP reads: a test process that had imported it started every later
+    run plainly (a full run caught it)."""
+    sock = served()
+    monkeypatch.setenv("KMP_DUPLICATE_LIB_OK", "True")
+    assert_forked(prestarted_cmd("--help"), sock, tmp_path)
+
+
+@pytest.mark.slow
 def test_a_variable_set_by_the_test_that_starts_the_server_does_not_stay_in_it(
         tmp_path, monkeypatch):
     """Each test process starts its server on first use, from whichever test runs first there.
