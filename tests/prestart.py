@@ -18,9 +18,10 @@ Importing torch and torchvision costs a process ~5 s of CPU before it does anyth
   run's pid from ``IMAGENET_TEST_RUN_PIDFILE`` (``helpers.run_group``).
 
 A run whose environment differs from the server's in anything but ``RUNTIME_ONLY`` (variables
-read only while running, never while importing) is started as a plain ``python main.py``: the
-client execs it. Everything about start-up itself (imports, signals before the handlers,
-launchers, mp.spawn's children, torchrun) is tested with plain starts, never through here.
+read only while running, never while importing) and ``RUNTIME_PREFIXES`` (those of libraries the
+server has not imported) is started as a plain ``python main.py``: the client execs it.
+Everything about start-up itself (imports, signals before the handlers, launchers, mp.spawn's
+children, torchrun) is tested with plain starts, never through here.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ MAIN = str(ROOT / "main.py")
 PIDFILE = "IMAGENET_TEST_RUN_PIDFILE"
 # Read by the trainer while it runs, never at import: a run that sets them can be pre-imported.
 RUNTIME_ONLY = {"TMPDIR", "TORCH_HOME", "HF_HOME", "HF_HUB_OFFLINE", "IMAGENET_NOTICE_AFTER",
-                "PYTHONUNBUFFERED", "XDG_CACHE_HOME", "HOME", "PWD", "OLDPWD", "_",
+                "PYTHONUNBUFFERED", "XDG_CACHE_HOME", "HOME", "PWD", "OLDPWD", "_", "SHLVL",
                 "FT_TOKEN", PIDFILE,
                 # pytest names the running test here: every test's runs hold another value
                 "PYTEST_CURRENT_TEST",
@@ -53,6 +54,10 @@ RUNTIME_ONLY = {"TMPDIR", "TORCH_HOME", "HF_HOME", "HF_HUB_OFFLINE", "IMAGENET_N
                 # libgomp. scikit-learn sets it when imported (MLflow, W&B, Ray import it
                 # lazily, in the test process too)
                 "KMP_DUPLICATE_LIB_OK"}
+# Read by a library only when it is imported: runtime-only while the server has not imported it
+# (the trainer imports each of them when a run asks for it: --log-to, an s3:// path).
+RUNTIME_PREFIXES = {"AWS_": ("botocore", "aiobotocore", "s3fs", "boto3"), "MLFLOW_": ("mlflow",),
+                    "WANDB_": ("wandb",)}
 FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 
 
@@ -82,6 +87,14 @@ def _receive(conn: socket.socket) -> tuple[bytes, list[int]]:
 # ---------------------------------------------------------------- the client
 
 
+def differs(served: dict, env: dict[str, str]) -> list[str]:
+    """The variables of ``env`` that make a run differ from the server's (``served``, what it
+    wrote next to its socket): those that differ and may be read at import."""
+    base, prefixes = served["env"], tuple(served["runtime_prefixes"])
+    return sorted(k for k in base.keys() | env.keys() if base.get(k) != env.get(k)
+                  and k not in RUNTIME_ONLY and not k.startswith(prefixes))
+
+
 def _tell_pid(pid: int) -> None:
     """Write the run's pid where the caller asked (PIDFILE), in one step."""
     path = os.environ.get(PIDFILE)
@@ -105,12 +118,10 @@ def run(sock: str, args: list[str]) -> None:
             served = json.load(f)
     except OSError:
         _plain(args)
-    mine = dict(os.environ)
-    differ = {k for k in served.keys() | mine.keys() if served.get(k) != mine.get(k)}
-    if differ - RUNTIME_ONLY:
+    if differs(served, dict(os.environ)):
         conn.close()
         _plain(args)
-    request = {"args": args, "env": mine, "cwd": os.getcwd()}
+    request = {"args": args, "env": dict(os.environ), "cwd": os.getcwd()}
     _send(conn, json.dumps(request).encode(), [0, 1, 2])
     for sig in FORWARD:
         signal.signal(sig, lambda signum, _f: conn.sendall(struct.pack("!I", signum)))
@@ -184,8 +195,10 @@ def serve(sock: str) -> dict:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(sock + ".new")
     listener.listen(64)
-    with open(sock + ".env.new", "w") as f:
-        json.dump(before, f)  # what a run's environment must match
+    prefixes = [prefix for prefix, modules in RUNTIME_PREFIXES.items()
+                if not any(name in sys.modules for name in modules)]
+    with open(sock + ".env.new", "w") as f:  # what a run's environment must match
+        json.dump({"env": before, "runtime_prefixes": prefixes}, f)
     os.replace(sock + ".env.new", sock + ".env")
     os.replace(sock + ".new", sock)  # clients connect once everything is imported
     parent = os.getppid()

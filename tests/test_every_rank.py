@@ -15,7 +15,7 @@ from helpers import (
     child_env,
     gloo_rank_saving,
     load_checkpoint,
-    main_cmd,
+    prestarted_cmd,
     run_parallel,
     save_edited,
     tiny_engine,
@@ -38,7 +38,7 @@ def manual_ranks(world: int, outs: list[Path], *args: str, data: list[list[str]]
     """main.py command lines of ``world`` manual ranks (shared --dist-url), each with its own
     --output-dir, as on nodes with local disks."""
     url = f"tcp://127.0.0.1:{free_port()}"
-    return [main_cmd(*(data[r] if data else RUN), *args, "--dist-url", url, "--world-size",
+    return [prestarted_cmd(*(data[r] if data else RUN), *args, "--dist-url", url, "--world-size",
                      str(world), "--rank", str(r), "--output-dir", str(outs[r]))
             for r in range(world)]
 
@@ -62,7 +62,7 @@ def test_node_local_folders_resume_every_rank_from_rank_0s_checkpoint(tmp_path):
     # a stale one from another run. Both must take rank 0's, and end bitwise where 3 ranks
     # sharing one folder end.
     first = tmp_path / "first"
-    (result,) = run_parallel([main_cmd(*RUN, "--epochs", "1", "--output-dir", str(first))],
+    (result,) = run_parallel([prestarted_cmd(*RUN, "--epochs", "1", "--output-dir", str(first))],
                              [child_env()], tmp_path / "logs0")
     assert result.returncode == 0, result.stderr
     nodes = [tmp_path / f"node{r}" for r in range(3)]
@@ -252,11 +252,11 @@ def test_fewer_validation_images_than_ranks_does_not_hang(tmp_path):
     out = tmp_path / "out"
     common = [*DUMMY, "--dummy-val-size", "1", *TINY18, "-b", "8", "--dist-timeout", "30",
               "--multiprocessing-distributed", "--nproc-per-node", "2", "--output-dir", str(out)]
-    (train,) = run_parallel([main_cmd(*common, "--epochs", "1")], [child_env()],
+    (train,) = run_parallel([prestarted_cmd(*common, "--epochs", "1")], [child_env()],
                             tmp_path / "logs", timeout=120)
     assert train.returncode == 0, train.stderr
     assert "(1 images)" in train.stdout
-    (evaluate,) = run_parallel([main_cmd(*common, "-e", "--resume", "auto")], [child_env()],
+    (evaluate,) = run_parallel([prestarted_cmd(*common, "-e", "--resume", "auto")], [child_env()],
                                tmp_path / "logs-e", timeout=120)
     assert evaluate.returncode == 0, evaluate.stderr
     assert "(1 images)" in evaluate.stdout

@@ -21,7 +21,7 @@ from helpers import (
     TINY18,
     child_env,
     load_checkpoint,
-    main_cmd,
+    prestarted_cmd,
     run_parallel,
     write_image_folder,
 )
@@ -254,22 +254,23 @@ def runs(tmp_path_factory) -> dict:
     common = [*TINY18, "--seed", "0", "--epochs", "1"]
     lr = ["--lr-scheduler", "step", "--lr-step-size", "1", "--lr-gamma", "0.5"]
     cmds = {
-        "probe": main_cmd(str(fruit), *common, *SPAWN2, "--finetune", str(base / "ours.pth.tar"),
-                          "--freeze-backbone", "--model-ema", "--model-ema-steps", "1000",
-                          "--channels-last", "--tta-flip", "--predictions",
-                          str(base / "probe.csv"), "--output-dir", str(base / "probe")),
-        "fsdp": main_cmd(str(shapes), *common, *SPAWN2, "--fsdp", "--finetune",
-                         str(base / "classic.pth.tar"), "--freeze-backbone", "--output-dir",
-                         str(base / "fsdp")),
-        "full": main_cmd(str(shapes), *common, *lr, "--finetune", str(base / "plain.pth"),
-                         "--backbone-lr-scale", "0.25", "--class-balanced-loss", "0.9",
-                         "--output-dir", str(base / "full")),
+        "probe": prestarted_cmd(str(fruit), *common, *SPAWN2, "--finetune",
+                                str(base / "ours.pth.tar"), "--freeze-backbone", "--model-ema",
+                                "--model-ema-steps", "1000", "--channels-last", "--tta-flip",
+                                "--predictions", str(base / "probe.csv"), "--output-dir",
+                                str(base / "probe")),
+        "fsdp": prestarted_cmd(str(shapes), *common, *SPAWN2, "--fsdp", "--finetune",
+                               str(base / "classic.pth.tar"), "--freeze-backbone", "--output-dir",
+                               str(base / "fsdp")),
+        "full": prestarted_cmd(str(shapes), *common, *lr, "--finetune", str(base / "plain.pth"),
+                               "--backbone-lr-scale", "0.25", "--class-balanced-loss", "0.9",
+                               "--output-dir", str(base / "full")),
     }
     cmds["resumed"] = [*cmds["full"], "--epochs", "2", "--resume", "auto"]
-    cmds["eval"] = main_cmd(*TINY18, *SPAWN2, "-b", "2", "-e", "--resume",
-                            str(base / "full" / "checkpoint.pth.tar"), "--val-data", str(other),
-                            "--tta-flip", "--predictions", str(base / "eval.csv"),
-                            "--output-dir", str(base / "eval"))
+    cmds["eval"] = prestarted_cmd(*TINY18, *SPAWN2, "-b", "2", "-e", "--resume",
+                                  str(base / "full" / "checkpoint.pth.tar"), "--val-data",
+                                  str(other), "--tta-flip", "--predictions",
+                                  str(base / "eval.csv"), "--output-dir", str(base / "eval"))
     outputs = {}
     for name, cmd in cmds.items():
         done = run_parallel([cmd], [child_env()], base / f"log-{name}", timeout=600)[0]

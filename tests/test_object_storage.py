@@ -16,7 +16,7 @@ from pathlib import Path
 import fsspec
 import pytest
 import torch
-from helpers import ROOT, child_env, main_cmd, run_main, write_image_folder
+from helpers import ROOT, child_env, prestarted_cmd, run_main, write_image_folder
 from moto.server import ThreadedMotoServer
 from test_fault_tolerance import Live
 from test_shards import prepare_shards
@@ -87,7 +87,7 @@ def on_node(tmp: Path, name: str) -> dict[str, str]:
 def test_shards_and_checkpoints_in_a_bucket_survive_a_kill_and_resume_on_another_node(
         s3, shards_in_bucket, tmp_path):
     out = "s3://runs/r1"
-    cmd = main_cmd(shards_in_bucket, *FLAGS, "--epochs", "2", "--output-dir", out,
+    cmd = prestarted_cmd(shards_in_bucket, *FLAGS, "--epochs", "2", "--output-dir", out,
                    "--resume", "auto", "--save-every", "2")
     live = Live(cmd, **s3, **on_node(tmp_path, "node1"))
     live.wait_for("Epoch: [1][2/3]")
