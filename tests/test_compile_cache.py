@@ -166,19 +166,28 @@ def test_a_cache_folder_that_cannot_be_written_warns_and_the_step_goes_on(toolch
 def test_a_requeued_compiled_run_compiles_nothing_and_ends_bitwise(toolchain, tmp_path):
     """main.py --compile uninterrupted, and stopped by SIGTERM in its second epoch and
     requeued on the same --cache-dir: the requeue loads every graph (no inductor cache miss in
-    its first step or its epoch) and ends with the uninterrupted run's weights, bit for bit."""
+    its first step or its epoch) and ends with the uninterrupted run's weights, bit for bit.
+    Under --hang-timeout 4: the uninterrupted run's cold compiles of the training step and of
+    the evaluation graph (inductor on the CPU: far longer) do not count toward it (the hang
+    watch's pause; test_hang.py has the other work that pauses it)."""
     import torchvision
     from chaos import Leg
 
+    hang = 4
     data = write_image_folder(tmp_path / "data", val_per_class=4)  # 3 steps of 8, val 8 + 4
     cache = tmp_path / "cache"
     flags = [str(data), *TINY18, "-b", "8", "-j", "1", "-p", "1", "--seed", "0", "--compile",
-             "--epochs", "2", "--cache-dir", str(cache)]
+             "--epochs", "2", "--cache-dir", str(cache), "--hang-timeout", str(hang)]
     whole = tmp_path / "whole"
     proc = run_main(*flags, "--output-dir", str(whole), timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "hang:" not in proc.stdout + proc.stderr
     assert "kept" in proc.stdout and "newly compiled file(s) for crop size 32 px" in proc.stdout
     assert " * Acc@1" in proc.stdout  # the evaluation graph too
+    start = json.loads((whole / "config.json").read_text())["starts"][0]
+    assert start["stages_s"]["first_step"] > hang, start  # the compile: longer than the timeout
+    first = json.loads((whole / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["compiled_graphs"] >= 2, first  # epoch 0 compiled training and evaluation
     ckpt = load_checkpoint(whole / "checkpoint.pth.tar")
     assert ckpt["config"]["compile"] is True
     wrapped = [k for k in ckpt["state_dict"] if "_orig_mod." in k or k.startswith("module.")]

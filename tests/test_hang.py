@@ -449,12 +449,12 @@ objectstore.upload = lambda fs, local, key: _slowly("uploaded", local,
 
 
 @pytest.mark.slow
-def test_a_compile_a_slow_checkpoint_load_and_uploads_do_not_count_toward_the_hang_timeout(
-        data, tmp_path):
+def test_a_slow_checkpoint_load_and_uploads_do_not_count_toward_the_hang_timeout(data, tmp_path):
     """--hang-timeout 4 and work that takes longer without a step: the checkpoint's load (read
-    at 16 MB/s), the compiles of the first training step and of the evaluation graph (inductor
-    on the CPU: minutes), the uploads of each save to the --output-dir URL (16 MB/s). The clock
-    pauses for each (exit 143 in the middle of the load, before): the run ends with exit 0."""
+    at 16 MB/s) and the uploads of each save to the --output-dir URL (16 MB/s). The clock
+    pauses for each (exit 143 in the middle of the load, before): the run ends with exit 0.
+    The compiles of the first step and of the evaluation graph pause it too: the requeue test
+    of test_compile_cache.py runs its cold compiles under --hang-timeout 4."""
     hang = 4
     # The --output-dir URL: fsspec's local files (file:// is taken for a path), whose uploads
     # make no folders, unlike an object store: tb/ is made here.
@@ -470,9 +470,8 @@ def test_a_compile_a_slow_checkpoint_load_and_uploads_do_not_count_toward_the_ha
     site.mkdir()
     (site / "sitecustomize.py").write_text(SLOW)
     env.update(PYTHONPATH=f"{site}:{ROOT}", SLOW_MB_PER_S="16")
-    proc = run_main(*flags, "--epochs", "2", "--resume", "auto", "--compile",
-                    "--hang-timeout", str(hang), env=child_env(**env), cwd=tmp_path,
-                    timeout=1200)
+    proc = run_main(*flags, "--epochs", "2", "--resume", "auto", "--hang-timeout", str(hang),
+                    env=child_env(**env), cwd=tmp_path, timeout=1200)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-3000:]
     assert "hang:" not in output
@@ -481,9 +480,9 @@ def test_a_compile_a_slow_checkpoint_load_and_uploads_do_not_count_toward_the_ha
     assert [(s[2], s[3]) for s in slow if float(s[5]) > hang][:2] == \
         [("read", "checkpoint.pth.tar"), ("uploaded", "checkpoint.pth.tar")], slow
     start = json.loads((remote / "config.json").read_text())["starts"][-1]
-    assert start["stages_s"]["resume"] > hang and start["stages_s"]["first_step"] > hang, start
+    assert start["stages_s"]["resume"] > hang, start
     last = json.loads((remote / "metrics.jsonl").read_text().splitlines()[-1])
-    assert last["epoch"] == 1 and last["compiled_graphs"] >= 2, last  # training, evaluation
+    assert last["epoch"] == 1, last
     assert load_checkpoint(remote / "checkpoint.pth.tar")["epoch"] == 2
 
 
