@@ -83,7 +83,7 @@ def test_run_multinode_on_two_hosts_without_socket_ifname(two_hosts, tmp_path: P
 
 # ---------------------------------------------------------------- a lost link
 
-HANG = 15  # --hang-timeout of the lost-link runs, seconds
+HANG = 8  # --hang-timeout of the lost-link runs, seconds (as test_hang.py and the chaos matrix)
 LIMIT = HANG + 60  # every process gone within this much of the link going down (the issue's)
 
 
