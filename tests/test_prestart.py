@@ -20,10 +20,15 @@ from helpers import TINY, child_env, load_checkpoint, prestarted_cmd, run_main
 def served() -> str:
     """The socket of this process's prestart server, once it has imported the trainer."""
     prestarted_cmd()
-    sock = str(helpers._prestart["socket"])
+    return up(str(helpers._prestart["socket"]), helpers._prestart["server"])
+
+
+def up(sock: str, server: subprocess.Popen) -> str:
+    """``sock`` once ``server`` listens there (it has imported the trainer)."""
     deadline = time.monotonic() + 120
     while not Path(sock).exists():
-        assert time.monotonic() < deadline, "the prestart server never came up"
+        assert server.poll() is None and time.monotonic() < deadline, \
+            "the prestart server never came up"
         time.sleep(0.2)
     return sock
 
@@ -121,10 +126,7 @@ def test_a_variable_set_by_the_test_that_starts_the_server_does_not_stay_in_it(
     server = helpers.start_prestart_server(sock)
     try:
         monkeypatch.delenv("IMAGENET_TEST_SET_BY_A_TEST")
-        deadline = time.monotonic() + 120
-        while not Path(sock).exists():
-            assert server.poll() is None and time.monotonic() < deadline, "no server came up"
-            time.sleep(0.2)
+        up(sock, server)
         cmd = [sys.executable, helpers.PRESTART, "run", sock, "--help"]
         assert_forked(cmd, sock, tmp_path)
     finally:
