@@ -29,6 +29,10 @@ from imagenet.settings.plan import Plan, make_plan
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PREEMPTED_BY = {sig.name for sig in FORWARDED_SIGNALS}  # a child dead of these: preempted
+# How ``_spawn`` starts this node's training processes: fresh interpreters, as mp.spawn does.
+# The tests' pre-imported runs (tests/prestart.py) fork them from the run, which has imported
+# the trainer already; tests about start-up start main.py plainly and keep "spawn".
+START_METHOD = "spawn"
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +183,7 @@ def _spawn(plan: Plan, announce: str) -> int:
         try:
             ctx = mp.start_processes(_worker, args=(plan, master, start),
                                      nprocs=plan.launch.nprocs, join=False,
-                                     start_method="spawn")
+                                     start_method=START_METHOD)
         finally:
             signal.signal(signal.SIGINT, start.note_interrupt)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

@@ -20,8 +20,10 @@ Importing torch and torchvision costs a process ~5 s of CPU before it does anyth
 A run whose environment differs from the server's in anything but ``RUNTIME_ONLY`` (variables
 read only while running, never while importing) and ``RUNTIME_PREFIXES`` (those of libraries the
 server has not imported) is started as a plain ``python main.py``: the client execs it.
-Everything about start-up itself (imports, signals before the handlers, launchers, mp.spawn's
-children, torchrun) is tested with plain starts, never through here.
+Everything about start-up itself (imports, signals before the handlers, launchers, how mp.spawn
+starts its children, torchrun) is tested with plain starts, never through here. A forked run's
+mp.spawn children are forked from it (``fork_ranks``), as spawned children that imported
+nothing again: each starts without the run's Python signal handlers, as exec leaves a child.
 """
 
 from __future__ import annotations
@@ -272,12 +274,31 @@ def become_main(request: dict) -> None:
         sys.stderr.reconfigure(write_through=True)
 
 
+def fork_ranks() -> None:
+    """In the forked run: mp.spawn's children are forked from it (imported already), each
+    starting as a spawned child does: the Python signal handlers the run installed are gone
+    (exec resets a caught signal to its default and keeps an ignored one ignored)."""
+    import imagenet.cli as cli
+
+    spawned = cli._worker
+
+    def worker(*args, **kwargs):
+        for sig in signal.valid_signals():
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
+        return spawned(*args, **kwargs)
+
+    cli._worker = worker
+    cli.START_METHOD = "fork"
+
+
 if __name__ == "__main__":
     mode, sock = sys.argv[1], sys.argv[2]
     if mode == "run":
         run(sock, sys.argv[3:])
     request = serve(sock)
     become_main(request)
+    fork_ranks()
     from imagenet.cli import main
 
     sys.exit(main(own_process=True))

@@ -402,7 +402,7 @@ def test_a_requeued_run_reads_the_index_starts_loading_early_and_ends_bitwise(tm
 def test_every_rank_shares_the_index_and_another_rank_count_reads_it(tmp_path):
     """Two processes list the data set once per node (one index per folder), and a requeue
     with one process reads it; the validation check and every rank's loader agree."""
-    data = write_image_folder(tmp_path / "data", train_per_class=8)
+    data = settled_folder(write_image_folder(tmp_path / "data", train_per_class=8))
     out = tmp_path / "out"
     flags = [str(data), *TINY, "--epochs", "1", "--output-dir", str(out)]
     proc = run_main(*flags, "--multiprocessing-distributed", "--nproc-per-node", "2")

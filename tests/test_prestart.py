@@ -50,6 +50,80 @@ def test_a_prestarted_run_is_the_plain_run(image_folder, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_prestarted_runs_ranks_are_forked_and_train_as_spawned_ones(image_folder, tmp_path):
+    """mp.spawn's children of a forked run are forked from it (prestart.fork_ranks): its
+    ranks import nothing again, and train what a plain start's spawned ranks train, bitwise."""
+    served()
+    args = [str(image_folder), *TINY, "--epochs", "1", "--seed", "0",
+            "--multiprocessing-distributed", "--nproc-per-node", "2", "--dist-backend", "gloo"]
+    plain = run_main(*args, "--output-dir", str(tmp_path / "plain"), plain=True)
+    pidfile = tmp_path / "run.pid"
+    client = subprocess.Popen(
+        prestarted_cmd(*args, "--output-dir", str(tmp_path / "forked")),
+        env=child_env(IMAGENET_TEST_RUN_PIDFILE=str(pidfile)), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    lines = [""]
+    while "Epoch:" not in lines[-1]:  # the ranks are training
+        lines.append(client.stdout.readline())
+        assert lines[-1] or client.poll() is None, "".join(lines)
+    run = helpers.run_group(client, pidfile)
+    ranks = [cmd for pid, cmd in _children(run) if "resource_tracker" not in cmd]
+    output = "".join(lines) + client.communicate(timeout=300)[0]
+    assert plain.returncode == client.returncode == 0, output
+    assert len(ranks) == 2 and all("prestart.py" in cmd and "spawn_main" not in cmd
+                                   for cmd in ranks), ranks
+    a, b = (load_checkpoint(tmp_path / name / "checkpoint.pth.tar")["state_dict"]
+            for name in ("plain", "forked"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """The child processes of ``pid``, with their command lines."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            if entry.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+                found.append((int(entry), cmd.decode()))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def test_a_forked_rank_starts_without_the_runs_signal_handlers(monkeypatch):
+    """A spawned child is a fresh interpreter: exec resets every caught signal to its default
+    and keeps an ignored one ignored. A forked rank starts the same: SIGTERM kills it until it
+    installs its own handler (a rank still starting is preempted, not left running)."""
+    import multiprocessing
+
+    import prestart
+
+    import imagenet.cli as cli
+
+    def probe(conn) -> None:
+        conn.send([signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)])
+
+    monkeypatch.setattr(cli, "_worker", probe)
+    monkeypatch.setattr(cli, "START_METHOD", "spawn")
+    prestart.fork_ranks()
+    assert cli.START_METHOD == "fork"
+    previous = {s: signal.signal(s, handler) for s, handler in (
+        (signal.SIGTERM, lambda *_: None), (signal.SIGUSR1, lambda *_: None),
+        (signal.SIGINT, signal.SIG_IGN))}
+    try:
+        ours, theirs = multiprocessing.Pipe()
+        child = multiprocessing.get_context("fork").Process(target=cli._worker, args=(theirs,))
+        child.start()
+        seen = ours.recv()
+        child.join(30)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    assert seen == [signal.SIG_DFL, signal.SIG_DFL, signal.SIG_IGN]
+
+
+@pytest.mark.slow
 def test_a_killed_client_takes_its_run_with_it(image_folder, tmp_path):
     served()
     out = tmp_path / "out"
