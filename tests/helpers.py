@@ -210,12 +210,12 @@ def checkpoint_position(path: Path) -> tuple[int, int] | None:
 
 
 def hold_until_saved(pgid: int, path: Path, accept: Callable[[tuple[int, int]], bool],
-                     timeout: float = 60.0) -> tuple[int, int]:
+                     timeout: float = 60.0, go_on: float = 0.01) -> tuple[int, int]:
     """Stop the process group ``pgid`` (SIGSTOP) once the checkpoint at ``path`` holds a
     position (epoch, step_in_epoch) that ``accept`` takes, and return it. Checkpoints are
     written in the background, so the line printed after a save can come before its file: the
-    group is held for each look, and goes on (SIGCONT) for 10 ms at a time until the write is
-    in place. It is left stopped: the caller kills it at exactly that checkpoint."""
+    group is held for each look, and goes on (SIGCONT) for ``go_on`` seconds at a time until
+    the write is in place. It is left stopped: the caller kills it at exactly that checkpoint."""
     deadline = time.monotonic() + timeout
     while True:
         os.killpg(pgid, signal.SIGSTOP)
@@ -225,17 +225,22 @@ def hold_until_saved(pgid: int, path: Path, accept: Callable[[tuple[int, int]], 
         assert time.monotonic() < deadline, f"{path} never reached what was waited for " \
             f"(saw {seen})"
         os.killpg(pgid, signal.SIGCONT)
-        time.sleep(0.01)
+        time.sleep(go_on)
+
+
+class WentPast(AssertionError):
+    """``hold_once_saved``: the run saved past every position it was to be held at."""
 
 
 def hold_once_saved(pgid: int, path: Path, positions: Sequence[tuple[int, int]],
-                    timeout: float = 60.0) -> tuple[int, int]:
+                    timeout: float = 60.0, go_on: float = 0.01) -> tuple[int, int]:
     """``hold_until_saved`` at exactly one of ``positions``: a later save fails the test."""
     def exactly(seen: tuple[int, int]) -> bool:
-        assert seen in positions or seen < max(positions), f"{path} went past {positions}: {seen}"
+        if not (seen in positions or seen < max(positions)):
+            raise WentPast(f"{path} went past {positions}: {seen}")
         return seen in positions
 
-    return hold_until_saved(pgid, path, exactly, timeout)
+    return hold_until_saved(pgid, path, exactly, timeout, go_on)
 
 
 def save_edited(ckpt: dict, path: Path) -> None:
