@@ -86,6 +86,10 @@ class SpawnStart:
     def __init__(self) -> None:
         self.parent = os.getpid()
         self.flag = mp.get_context("spawn").RawValue("b", 0)
+        # Set by a child that stopped to be requeued (a signal, --time-limit): it exits 0, so
+        # that mp.spawn's join does not terminate the others (rank 0 may still be writing the
+        # stop's checkpoint); the parent exits with the requeue code once every child ended.
+        self.requeue = mp.get_context("spawn").RawValue("b", 0)
 
     def note_interrupt(self, _signum: int = signal.SIGINT, _frame=None) -> None:
         self.flag.value = 1  # a plain store into shared memory: safe in a signal handler
@@ -142,7 +146,14 @@ def _train_here(local_index: int, plan: Plan, master: dict[str, str],
             exc.rank = ranks.rank  # type: ignore[attr-defined]  # main() reports it, as this rank
             raise
         # A spawned child dies with the message, not a traceback; mp.spawn stops its siblings.
-        sys.exit(report(exc, cfg.debug, ranks.rank))
+        code = report(exc, cfg.debug, ranks.rank)
+        if code == PREEMPT_EXIT_CODE and start is not None:
+            # Every rank stops at the same step; a rank with nothing to write is done before
+            # rank 0 has written the checkpoint. Its exit code would have the parent terminate
+            # the others: it tells the parent instead, and exits 0.
+            start.requeue.value = 1
+            return
+        sys.exit(code)
 
 
 def _spawn(plan: Plan, announce: str) -> int:
@@ -192,8 +203,9 @@ def _spawn(plan: Plan, announce: str) -> int:
             forward(signum, None)
         while not ctx.join(timeout=LOOK):
             stopped.look(ctx.processes)
-        if stopped.ended is not None:
-            code = PREEMPT_EXIT_CODE  # the stopped child finished once continued
+        if stopped.ended is not None or start.requeue.value:
+            # a stopped child finished once continued; or the children stopped to be requeued
+            code = PREEMPT_EXIT_CODE
     except mp.ProcessExitedException as exc:
         # join() has stopped the other children; say which one ended the job (its own message,
         # if any, came before; a signal death such as the OOM killer's has none).

@@ -21,6 +21,7 @@ import torch
 from helpers import ROOT, load_checkpoint, write_image_folder
 from test_fault_tolerance import (
     SINGLE,
+    SPAWN,
     Live,
     assert_same_run,
     run_cmd,
@@ -165,6 +166,26 @@ def test_training_goes_on_during_a_slow_write_and_a_sigterm_waits_for_it(data, r
                    **slow_env(tmp_path, rate(reference, 1)))
     assert resumed.finish() == 0, resumed.output  # the end waits for the last write
     assert_same_run(out, reference)
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_first_does_not_end_rank_0s_last_write(data, reference, tmp_path):
+    """Two ranks stop together (--time-limit 1) while rank 0's last checkpoint takes 4 s to
+    write. Rank 1 has nothing to write: it exited at once with the requeue code, and mp.spawn's
+    parent then terminated rank 0 during its write (the stop's checkpoint lost, no line from
+    rank 0, "training process 1 of this node exited with code 143; stopped the others"). Now
+    the parent waits for every rank and exits with the requeue code once they have ended."""
+    out = tmp_path / "out"
+    live = Live(run_cmd(data, out, *SPAWN, "-j", "0", "--time-limit", "1"), timeout=600,
+                **slow_env(tmp_path, rate(reference, 4)))
+    code = live.finish()
+    assert code == 143, live.output
+    assert "stopped the others" not in live.output and "Traceback" not in live.output
+    stop = re.search(r"^time limit: stopped at epoch 0 step (\d+)", live.output, flags=re.M)
+    assert stop and "[rank 1] time limit: stopped at epoch 0 step" in live.output, live.output
+    ckpt = load_checkpoint(out / "checkpoint.pth.tar")
+    assert (ckpt["epoch"], ckpt["step_in_epoch"]) == (0, int(stop.group(1)))
+    assert not temp_files(out)
 
 
 @pytest.mark.slow
