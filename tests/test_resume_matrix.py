@@ -103,15 +103,11 @@ def command(out: Path, layout: Layout, extra: tuple[str, ...] = (), resume: bool
 
 
 def stop_line(stop: tuple[str, int] | None, layout: Layout) -> str | None:
-    """The progress line from which a leg is held until its checkpoint is the one of STOPS,
-    then killed: that of the saving step ("mid"), or of the previous epoch's last step (the
-    boundary's checkpoint is written after the validation that follows it)."""
+    """The progress line after which a leg is killed (see STOPS)."""
     if stop is None:
         return None
     kind, epoch = stop
-    if kind == "mid":
-        return rf"Epoch: \[{epoch}\]\[\s*{layout.save_every}/"
-    return rf"Epoch: \[{epoch - 1}\]\[\s*{layout.steps}/"
+    return rf"Epoch: \[{epoch}\]\[\s*{layout.save_every + 1 if kind == 'mid' else 1}/"
 
 
 def run_leg(cmd: list[str], stop: str | None, log: Path,
