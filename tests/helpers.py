@@ -131,6 +131,23 @@ def run_group(proc: subprocess.Popen, pidfile: Path, within: float = 60) -> int:
     return int(pidfile.read_text())
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``: its children, theirs, and so on (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def run_main(*args: str, timeout: float = 300, env: dict[str, str] | None = None,
              cwd: Path | None = None, plain: bool = False) -> subprocess.CompletedProcess:
     """Run main.py with ``args``; returns the completed process (output captured as text).

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import MAIN, ROOT, child_env, load_checkpoint, run_parallel
+from helpers import MAIN, ROOT, child_env, descendants, load_checkpoint, run_parallel
 from test_launchers import RUN, check_artifacts, data  # noqa: F401  (data: a fixture)
 
 from imagenet.settings.rendezvous import free_port
@@ -164,23 +164,6 @@ def test_skypilot_task_runs_on_every_node_and_resumes_from_the_bucket(data, tmp_
 
 
 # ---------------------------------------------------------------- Ray Train
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (Ray's daemons and workers below the driver)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def training_workers(driver: int) -> list[int]:

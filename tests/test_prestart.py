@@ -67,7 +67,8 @@ def test_a_prestarted_runs_ranks_are_forked_and_train_as_spawned_ones(image_fold
         lines.append(client.stdout.readline())
         assert lines[-1] or client.poll() is None, "".join(lines)
     run = helpers.run_group(client, pidfile)
-    ranks = [cmd for pid, cmd in _children(run) if "resource_tracker" not in cmd]
+    ranks = [cmd for cmd in map(_command_line, helpers.descendants(run))
+             if "resource_tracker" not in cmd]
     output = "".join(lines) + client.communicate(timeout=300)[0]
     assert plain.returncode == client.returncode == 0, output
     assert len(ranks) == 2 and all("prestart.py" in cmd and "spawn_main" not in cmd
@@ -77,18 +78,11 @@ def test_a_prestarted_runs_ranks_are_forked_and_train_as_spawned_ones(image_fold
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _children(pid: int) -> list[tuple[int, str]]:
-    """The child processes of ``pid``, with their command lines."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            if entry.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
-                found.append((int(entry), cmd.decode()))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 def test_a_forked_rank_starts_without_the_runs_signal_handlers(monkeypatch):
