@@ -90,7 +90,7 @@ def images_per_second(paths: Sequence[Path], steps: dict[str, Callable[[Path], o
 
 
 def installed_torchcodec() -> bool:
-    from imagenet.settings.decoders import torchcodec_installed
+    from imagenet.settings.images import torchcodec_installed
 
     return torchcodec_installed()
 

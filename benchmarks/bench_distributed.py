@@ -35,9 +35,9 @@ from imagenet.data.folder import DummyDataset  # noqa: E402
 from imagenet.data.samplers import ResumableDistributedSampler, SeededDataset  # noqa: E402
 from imagenet.settings.flags import parse_config  # noqa: E402
 from imagenet.settings.launch import Layout  # noqa: E402
-from imagenet.settings.rendezvous import free_port  # noqa: E402
+from imagenet.settings.plan import free_port  # noqa: E402
 from imagenet.training.engine import Step, train_one_epoch  # noqa: E402
-from imagenet.training.parts import build_engine  # noqa: E402
+from imagenet.training.optim import build_engine  # noqa: E402
 
 
 def join(rank: int, world: int, port: int) -> None:

@@ -50,7 +50,7 @@ def worker(args: argparse.Namespace) -> None:
     from imagenet.settings.launch import Layout
     from imagenet.training.engine import Step, train_one_epoch
     from imagenet.training.models import wrap
-    from imagenet.training.parts import build_engine
+    from imagenet.training.optim import build_engine
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
@@ -96,7 +96,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def launch(args: argparse.Namespace, mode: str, world: int) -> list[dict]:
     """Start ``world`` processes of configuration ``mode``; their RESULT lines."""
-    from imagenet.settings.rendezvous import free_port
+    from imagenet.settings.plan import free_port
 
     def cap() -> None:
         if args.cap_gb:

@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from imagenet.launching.collectives import DistInfo  # noqa: E402
 from imagenet.settings.flags import parse_config  # noqa: E402
 from imagenet.settings.launch import Layout  # noqa: E402
-from imagenet.settings.rendezvous import free_port  # noqa: E402
+from imagenet.settings.plan import free_port  # noqa: E402
 from imagenet.training import fsdp  # noqa: E402
 from imagenet.training.engine import Step, train_one_epoch  # noqa: E402
 from imagenet.training.models import wrap  # noqa: E402
-from imagenet.training.parts import build_engine  # noqa: E402
+from imagenet.training.optim import build_engine  # noqa: E402
 
 
 def async_prefetch(model: torch.nn.Module) -> None:

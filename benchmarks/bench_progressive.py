@@ -3,7 +3,7 @@
 Runs the trainer's real training step (engine.train_one_epoch through build_engine) on synthetic
 uint8 batches, epoch after epoch at growing crop sizes (each epoch ends with a short batch, as a
 data set that does not divide by the batch does), then validates at the validation size.
-Variants: "static" is main.py --compile (compiling.compile_model: static shapes, a graph
+Variants: "static" is main.py --compile (models.compile_model: static shapes, a graph
 per size and batch shape), "dynamic" plain torch.compile (a dynamic-shape graph after the first
 change of size), "eager" no compile. torch's own counters count the graphs. Run by hand:
 
@@ -27,9 +27,9 @@ from imagenet.evaluation.validate import evaluate  # noqa: E402
 from imagenet.settings.flags import parse_config  # noqa: E402
 from imagenet.settings.launch import Layout  # noqa: E402
 from imagenet.settings.plan import fixed_plan  # noqa: E402
-from imagenet.training.compiling import compile_model  # noqa: E402
 from imagenet.training.engine import Step, train_one_epoch  # noqa: E402
-from imagenet.training.parts import build_engine  # noqa: E402
+from imagenet.training.models import compile_model  # noqa: E402
+from imagenet.training.optim import build_engine  # noqa: E402
 
 
 def batches(n: int, batch: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -64,7 +64,7 @@ def loaders(data: str, workers: int, world: int = 1):
     import torch
 
     from imagenet.launching.collectives import DistInfo
-    from imagenet.run.loading import load_data
+    from imagenet.run.build import load_data
     from imagenet.settings.flags import parse_config
     from imagenet.settings.launch import Layout
 

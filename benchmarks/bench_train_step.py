@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from imagenet.settings.flags import parse_config  # noqa: E402
 from imagenet.settings.launch import Layout  # noqa: E402
 from imagenet.training.engine import Step, train_one_epoch  # noqa: E402
-from imagenet.training.parts import build_engine  # noqa: E402
+from imagenet.training.optim import build_engine  # noqa: E402
 
 VARIANTS = {"fp32": ([], None), "channels_last": (["--channels-last"], None),
             "bf16": (["--amp", "bf16"], torch.bfloat16),

@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from imagenet.checkpoint.files import load_checkpoint, load_model_state  # noqa: E402
 from imagenet.data import transforms as T  # noqa: E402
 from imagenet.data.folder import image_folder  # noqa: E402
-from imagenet.training.metrics import topk_correct  # noqa: E402
+from imagenet.training.engine import topk_correct  # noqa: E402
 from imagenet.training.models import build_model, resolve_weights  # noqa: E402
 
 

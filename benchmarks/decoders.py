@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_data import write_photo_like_jpegs  # noqa: E402
-from imagenet.data import jpeg  # noqa: E402
+from imagenet.data import transforms  # noqa: E402
 
 DECODERS = {"torchvision": "tensor", "torchcodec": "torchcodec"}
 
@@ -37,12 +37,12 @@ def one_round(files: list[torch.Tensor], backend: str, device: torch.device, bat
     if device.type == "cpu":
         start = time.process_time()
         for data in files:
-            jpeg.decode(data, backend)
+            transforms.decode(data, backend)
         return time.process_time() - start
     torch.cuda.synchronize(device)
     start = time.perf_counter()
     for i in range(0, len(files), batch):
-        jpeg.decode_batch(files[i:i + batch], device, backend)
+        transforms.decode_batch(files[i:i + batch], device, backend)
     torch.cuda.synchronize(device)
     return time.perf_counter() - start
 
@@ -64,7 +64,8 @@ def main() -> None:
         else:
             paths = write_photo_like_jpegs(Path(tmp), args.count)
         files = [torch.frombuffer(bytearray(p.read_bytes()), dtype=torch.uint8) for p in paths]
-    same = sum(torch.equal(jpeg.decode(f, "tensor"), jpeg.decode(f, "torchcodec")) for f in files)
+    same = sum(torch.equal(transforms.decode(f, "tensor"), transforms.decode(f, "torchcodec"))
+               for f in files)
     print(f"{len(files)} JPEGs, {sum(f.numel() for f in files) / len(files) / 1024:.0f} KB on "
           f"average; the same pixels from both decoders: {same}/{len(files)}")
     for backend in DECODERS.values():  # warm-up: libraries loaded, caches filled

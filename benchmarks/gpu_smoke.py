@@ -475,12 +475,12 @@ def decoders(node: Node) -> list[Result]:
     difference are shown), and img/s."""
     import importlib.util
 
-    from imagenet.data import jpeg
+    from imagenet.data import transforms
 
     device = torch.device("cpu" if node.cpu else "cuda", 0)
     paths = sorted((node.work / "unique").glob("*.jpg"))[:256]
     files = [torch.frombuffer(bytearray(p.read_bytes()), dtype=torch.uint8) for p in paths]
-    cpu = [jpeg.decode(f, "tensor") for f in files]
+    cpu = [transforms.decode(f, "tensor") for f in files]
     results = []
     for name, backend in (("torchvision", "tensor"), ("torchcodec", "torchcodec")):
         if backend == "torchcodec" and importlib.util.find_spec("torchcodec") is None:
@@ -489,7 +489,7 @@ def decoders(node: Node) -> list[Result]:
         for _ in range(2):  # warm-up, then timed
             start = time.perf_counter()
             images = [im for i in range(0, len(files), 64)
-                      for im in jpeg.decode_batch(files[i:i + 64], device, backend)]
+                      for im in transforms.decode_batch(files[i:i + 64], device, backend)]
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - start

@@ -13,14 +13,13 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 from imagenet.errors import INTERRUPTED_EXIT_CODE, TrainerError, report, show_crash_stacks
-from imagenet.launching.failures import stop_together
+from imagenet.launching.failures import LOOK, StoppedChildren, exit_within, stop_together
 from imagenet.launching.preemption import (
     PREEMPT_EXIT_CODE,
     ignore_interrupts_after_training,
     stop_when_orphaned,
 )
 from imagenet.launching.process_group import cleanup, init_distributed
-from imagenet.launching.teardown import LOOK, StoppedChildren, exit_within
 from imagenet.reporting.logger import preload_writers, setup_logging, startup_notes
 from imagenet.run.start import check_start
 from imagenet.settings import devices

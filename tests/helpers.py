@@ -377,11 +377,11 @@ def uint8_batches(n: int, batch: int, size: int = 16, seed: int = 0
 
 def tiny_engine(model: nn.Module, *flags: str, steps: int, world: int = 1, batch: int = 8,
                 classes: int = 3, device: str = "cpu"):
-    """The trainer's own engine (parts.build_engine) for ``model`` from main.py ``flags``."""
+    """The trainer's own engine (optim.build_engine) for ``model`` from main.py ``flags``."""
     from imagenet.settings.flags import parse_config
     from imagenet.settings.launch import Layout
     from imagenet.training.models import unwrap
-    from imagenet.training.parts import build_engine
+    from imagenet.training.optim import build_engine
 
     cfg = parse_config(["data", *flags])
     layout = Layout(world, batch, cfg.grad_accum_steps, 0)
@@ -439,8 +439,8 @@ def device_images_match(shards, batch: int = 8) -> tuple[int, int]:
     from imagenet.data import device
     from imagenet.data.folder import build_transforms
     from imagenet.data.shards.reader import ShardBatchSampler, ShardSamples
-    from imagenet.settings.crops import crop_schedule
     from imagenet.settings.flags import parse_config
+    from imagenet.settings.images import crop_schedule
 
     cfg = parse_config(["data", "--train-crop-size", "24", "--val-resize-size", "30",
                         "--val-crop-size", "24", "--train-crop-scale", "0.2"])

@@ -17,7 +17,7 @@ from helpers import (
     uint8_batches,
 )
 
-from imagenet.settings.rendezvous import free_port
+from imagenet.settings.plan import free_port
 from imagenet.training.models import build_model, drop_aux_heads
 
 # ---------------------------------------------------------------- 5: aux classifiers

@@ -173,7 +173,7 @@ def test_crops_too_small_for_the_architecture_name_its_size(capsys, tmp_path):
 def test_the_minimum_found_on_the_meta_device_is_the_real_one():
     import torchvision
 
-    from imagenet.training.inputsize import check_crop_sizes
+    from imagenet.training.models import check_crop_sizes
 
     model = torchvision.models.alexnet(num_classes=3).eval()
     with torch.no_grad():

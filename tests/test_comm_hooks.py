@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from imagenet.settings.flags import parse_config
-from imagenet.settings.rendezvous import free_port
+from imagenet.settings.plan import free_port
 from imagenet.training import comm_hooks
 from imagenet.training.models import wrap
 

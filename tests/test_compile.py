@@ -19,7 +19,7 @@ from torch import nn
 from imagenet.evaluation.validate import evaluate
 from imagenet.launching.collectives import DistInfo
 from imagenet.settings.flags import parse_config
-from imagenet.settings.rendezvous import free_port
+from imagenet.settings.plan import free_port
 from imagenet.training.engine import Step, train_one_epoch
 from imagenet.training.models import for_evaluation, unwrap, wrap
 
@@ -218,13 +218,13 @@ def test_fused_optimizer_steps_on_cuda_where_torch_has_them():
 
 def test_compile_mode_reaches_torch_compile(monkeypatch):
     from imagenet.errors import UsageError
-    from imagenet.training import compiling
+    from imagenet.training.models import compile_model
 
     calls = []
     monkeypatch.setattr(torch, "compile", lambda model, **kw: calls.append(kw) or model)
-    compiling.compile_model(nn.Linear(2, 2), "inductor", 1, "reduce-overhead")
-    compiling.compile_model(nn.Linear(2, 2), "eager", 1, "reduce-overhead")  # inductor's only
-    compiling.compile_model(nn.Linear(2, 2))
+    compile_model(nn.Linear(2, 2), "inductor", 1, "reduce-overhead")
+    compile_model(nn.Linear(2, 2), "eager", 1, "reduce-overhead")  # inductor's only
+    compile_model(nn.Linear(2, 2))
     assert [c.get("mode") for c in calls] == ["reduce-overhead", None, None]
     assert all(c["dynamic"] is False for c in calls)
     assert parse_config(["data", "--compile", "--compile-mode", "max-autotune"]).compile_mode \

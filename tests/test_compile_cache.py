@@ -45,7 +45,7 @@ def compile_steps(place: str, sizes: str, signature: str) -> None:
     from helpers import tiny_net
 
     from imagenet.training.compile_cache import graph_cache_counts, open_cache
-    from imagenet.training.compiling import compile_model
+    from imagenet.training.models import compile_model
 
     lines: list[str] = []
     handler = logging.Handler()

@@ -12,7 +12,7 @@ from helpers import TINY, child_env, load_checkpoint, run_main, save_edited, wri
 
 from imagenet.errors import UsageError
 from imagenet.settings.flags import parse_config
-from imagenet.settings.rendezvous import free_port
+from imagenet.settings.plan import free_port
 
 
 def without(flags: list[str], *names: str) -> list[str]:

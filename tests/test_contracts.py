@@ -20,8 +20,7 @@ from imagenet.errors import UsageError
 from imagenet.settings import devices
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import Launch, plan_launch, plan_layout, resolve_ranks
-from imagenet.settings.plan import make_plan
-from imagenet.settings.rendezvous import free_port
+from imagenet.settings.plan import free_port, make_plan
 
 RUN = [*TINY18, "-j", "0"]
 

@@ -21,8 +21,8 @@ from imagenet.data import device as gpu_data
 from imagenet.data import prefetch
 from imagenet.data.folder import build_datasets
 from imagenet.data.samplers import SeededDataset
-from imagenet.settings.crops import crop_schedule
 from imagenet.settings.flags import parse_config
+from imagenet.settings.images import crop_schedule
 from imagenet.training.engine import Step, train_one_epoch
 
 sys.path.insert(0, str(ROOT / "benchmarks"))

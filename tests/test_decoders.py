@@ -17,10 +17,9 @@ import torch
 from helpers import ROOT, TINY, load_checkpoint, run_main
 from PIL import Image
 
-from imagenet.data import jpeg
 from imagenet.data import transforms as T
 from imagenet.errors import DataError
-from imagenet.settings import decoders
+from imagenet.settings import images
 from imagenet.settings.flags import parse_config
 
 DECODERS = ("tensor", "torchcodec")
@@ -63,7 +62,7 @@ def pil_pixels(data: bytes) -> torch.Tensor:
 @pytest.mark.parametrize("orientation", range(1, 9))
 def test_every_exif_orientation_decodes_to_the_stored_pixels_with_either_decoder(orientation):
     data = jpeg_bytes(picture(), orientation)
-    assert jpeg.exif_orientation(data) == orientation
+    assert T.exif_orientation(data) == orientation
     want = pil_pixels(data)
     for backend in DECODERS:
         got = T.decode_image(data, "x.jpg", backend)
@@ -80,9 +79,9 @@ def test_grayscale_cmyk_and_progressive_jpegs_are_the_same_pixels():
 
 
 def test_no_exif_and_odd_headers_read_as_orientation_1():
-    assert jpeg.exif_orientation(jpeg_bytes(picture())) == 1
-    assert jpeg.exif_orientation(b"\xff\xd8\xff\xe1\x00\x10Exif\0\0MM\0*\xff\xff") == 1
-    assert jpeg.exif_orientation(b"\xff\xd8") == 1
+    assert T.exif_orientation(jpeg_bytes(picture())) == 1
+    assert T.exif_orientation(b"\xff\xd8\xff\xe1\x00\x10Exif\0\0MM\0*\xff\xff") == 1
+    assert T.exif_orientation(b"\xff\xd8") == 1
 
 
 def test_a_damaged_jpeg_is_named_with_either_decoder(tmp_path):
@@ -95,12 +94,12 @@ def test_a_damaged_jpeg_is_named_with_either_decoder(tmp_path):
 
 
 def test_auto_is_torchvisions_while_it_decodes_and_pil_keeps_its_pipeline():
-    auto = decoders.choose_decoding(parse_config(["d"]))
-    assert decoders.torchvision_decodes() and decoders.torchcodec_installed()
+    auto = images.choose_decoding(parse_config(["d"]))
+    assert images.torchvision_decodes() and images.torchcodec_installed()
     assert auto.backend == "tensor" and auto.why.startswith("auto:")
-    assert decoders.choose_decoding(parse_config(["d", "--decoder", "torchcodec"])).backend \
+    assert images.choose_decoding(parse_config(["d", "--decoder", "torchcodec"])).backend \
         == "torchcodec"
-    assert decoders.choose_decoding(parse_config(["d", "--image-backend", "pil"])).backend \
+    assert images.choose_decoding(parse_config(["d", "--image-backend", "pil"])).backend \
         == "pil"
 
 
@@ -186,7 +185,7 @@ def test_asking_for_a_decoder_that_is_not_there_is_one_line(tmp_path):
     """Before anything is read: exit 2, one line naming the flag and what to install."""
     for flag, code, message in (
             ("torchcodec", NO_TORCHCODEC, "--decoder torchcodec: TorchCodec is not installed; "
-                                          f"pip install '{decoders.TORCHCODEC_PIN}'"),
+                                          f"pip install '{images.TORCHCODEC_PIN}'"),
             ("torchvision", NO_TORCHVISION_DECODERS, "--decoder torchvision: this torchvision "
                                                      "has no image decoders")):
         proc = run_main(str(tmp_path / "nowhere"), "--decoder", flag,

@@ -30,8 +30,7 @@ from imagenet.settings.launch import (
     plan_launch,
     resolve_ranks,
 )
-from imagenet.settings.plan import choose_device
-from imagenet.settings.rendezvous import Rendezvous, free_port, rendezvous
+from imagenet.settings.plan import Rendezvous, choose_device, free_port, rendezvous
 from imagenet.settings.slurm import first_slurm_host
 
 

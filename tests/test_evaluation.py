@@ -1,4 +1,4 @@
-"""The per-image and per-class results (imagenet.reporting.results, imagenet.evaluation.report) in
+"""The per-image and per-class results (imagenet.reporting.results, imagenet.evaluation.validate) in
 one process, and the bad input of --finetune, --predictions and -e --val-data: one line naming the
 flag or file.
 
@@ -19,7 +19,7 @@ from torch import nn
 
 from imagenet.cli import main
 from imagenet.errors import RunError
-from imagenet.evaluation.report import FlipTTA, merge
+from imagenet.evaluation.validate import FlipTTA, merge
 from imagenet.reporting import results as reports
 
 
@@ -189,7 +189,7 @@ def test_shard_predictions_know_which_sample_each_row_is(tmp_path):
 
     from imagenet.data.shards import resolve
     from imagenet.data.shards.reader import ShardBatchSampler, ShardSamples
-    from imagenet.evaluation.report import sample_ids, sample_names
+    from imagenet.evaluation.validate import sample_ids, sample_names
     from imagenet.tools import prepare
 
     write_image_folder(tmp_path / "folder", classes=3, train_per_class=2, val_per_class=3)

@@ -24,8 +24,7 @@ from helpers import (
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from imagenet.settings.plan import fixed_plan
-from imagenet.settings.rendezvous import free_port
+from imagenet.settings.plan import fixed_plan, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ import yaml
 from helpers import MAIN, ROOT, child_env, descendants, load_checkpoint, run_parallel
 from test_launchers import RUN, check_artifacts, data  # noqa: F401  (data: a fixture)
 
-from imagenet.settings.rendezvous import free_port
+from imagenet.settings.plan import free_port
 
 EXAMPLES = ROOT / "examples"
 TINY_RUN = [*RUN, "-b", "4"]  # world 2: 4 images per process, 3 steps per epoch

@@ -37,7 +37,7 @@ from helpers import (
 
 from imagenet.cli import child_exit
 from imagenet.launching.preemption import PREEMPT_EXIT_CODE
-from imagenet.settings.rendezvous import free_port
+from imagenet.settings.plan import free_port
 
 STEPS = 6  # optimizer steps per epoch in every layout below (48 images)
 FLAGS = ["-a", SMALL_ARCH, "--train-crop-size", "32", "--val-resize-size", "36",

@@ -38,8 +38,7 @@ from imagenet.training.finetune import (
     freeze_backbone,
     head_rows,
 )
-from imagenet.training.optim import build_optimizer, class_weights
-from imagenet.training.position import rebuild_schedule
+from imagenet.training.optim import build_optimizer, class_weights, rebuild_schedule
 
 SPAWN2 = ["--multiprocessing-distributed", "--nproc-per-node", "2"]
 ACC1 = re.compile(r" \* Acc@1 (\d+\.\d+) ")

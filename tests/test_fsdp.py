@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from imagenet.errors import UsageError
 from imagenet.settings.flags import parse_config
-from imagenet.settings.rendezvous import free_port
+from imagenet.settings.plan import free_port
 from imagenet.training.fsdp import by_index, by_name, repeated_blocks
 
 # 32 px: at 16 px ResNet's last stage sees 1x1 maps, where torch 2.14's CPU bf16 convolution
@@ -73,8 +73,7 @@ def train(info, name: str, mode: str) -> dict:
     from imagenet.training.engine import Step, train_one_epoch
     from imagenet.training.fsdp import broadcast_buffers
     from imagenet.training.models import wrap
-    from imagenet.training.optim import build_ema
-    from imagenet.training.parts import build_engine
+    from imagenet.training.optim import build_ema, build_engine
 
     arch, flags, fsdp_flags = RUNS[name]
     cfg = parse_config(["data", "--lr", "0.02", "--train-crop-size", str(IMAGE), *flags,

@@ -18,8 +18,8 @@ from imagenet.data import transforms as T
 from imagenet.data.folder import build_datasets
 from imagenet.data.samplers import SeededDataset
 from imagenet.errors import DataError, UsageError
-from imagenet.settings.crops import crop_schedule
 from imagenet.settings.flags import parse_config
+from imagenet.settings.images import crop_schedule
 from imagenet.settings.plan import decode_path
 
 CPU = torch.device("cpu")

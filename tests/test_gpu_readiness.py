@@ -17,13 +17,12 @@ import torch
 import torch.distributed as dist
 from helpers import ROOT, TINY, child_env, main_cmd
 
-from imagenet.data import shm
+from imagenet.data.prefetch import shared_memory_error
 from imagenet.errors import DistributedError
 from imagenet.launching import process_group as distributed
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import Launch, plan_launch, plan_layout, resolve_ranks
-from imagenet.settings.plan import make_plan
-from imagenet.settings.rendezvous import free_port, rendezvous
+from imagenet.settings.plan import free_port, make_plan, rendezvous
 
 NODE = 96  # cores of the simulated 8-GPU node
 
@@ -147,14 +146,14 @@ def test_a_failing_rank_aborts_nccl_and_destroys_gloo(monkeypatch):
 def test_shared_memory_need_against_free_space():
     mb = 2**20
     # Docker's 64 MB, 8 GPUs x 11 workers, one pinned batch of 256 x 224 px each in flight
-    error = shm.shared_memory_error(64 * mb, 8, 11, 1, 256 * 3 * 224 * 224)
+    error = shared_memory_error(64 * mb, 8, 11, 1, 256 * 3 * 224 * 224)
     assert error is not None
     assert "/dev/shm has 64.0 MB free" in error and "8 process(es) x 11 loader" in error
     assert "--shm-size=7g" in error and "-j 0" in error
-    assert shm.shared_memory_error(16 * 2**30, 8, 11, 1, 256 * 3 * 224 * 224) is None
-    assert shm.shared_memory_error(64 * mb, 1, 2, 4, 8 * mb) is None  # 64 MB: just fits
-    assert shm.shared_memory_error(64 * mb - 1, 1, 2, 4, 8 * mb) is not None
-    assert shm.shared_memory_error(0, 8, 0, 4, mb) is None  # -j 0: no shared memory used
+    assert shared_memory_error(16 * 2**30, 8, 11, 1, 256 * 3 * 224 * 224) is None
+    assert shared_memory_error(64 * mb, 1, 2, 4, 8 * mb) is None  # 64 MB: just fits
+    assert shared_memory_error(64 * mb - 1, 1, 2, 4, 8 * mb) is not None
+    assert shared_memory_error(0, 8, 0, 4, mb) is None  # -j 0: no shared memory used
 
 
 @pytest.mark.slow

@@ -370,7 +370,7 @@ def test_a_worker_whose_training_process_ended_before_it_started_exits(tmp_path)
     script = tmp_path / "worker.py"
     script.write_text("""
 import multiprocessing, os, sys, time
-from imagenet.launching.processes import die_with_parent
+from imagenet.launching.preemption import die_with_parent
 
 def worker(parent, path):
     while os.getppid() == parent:  # still importing when its training process ended
@@ -406,9 +406,9 @@ def test_a_rank_stuck_after_its_run_exits_with_its_stacks(tmp_path):
     script = f"""
 import sys, threading, time
 from pathlib import Path
-from imagenet.launching import teardown
-teardown.EXIT_AT_LEAST = 0.5  # not a slow teardown's 30 s here
-teardown.exit_within(1.0, 3, Path({str(tmp_path)!r}))
+from imagenet.launching import failures
+failures.EXIT_AT_LEAST = 0.5  # not a slow teardown's 30 s here
+failures.exit_within(1.0, 3, Path({str(tmp_path)!r}))
 threading.Event().wait(60)  # the teardown that never ends
 """
     started = time.monotonic()
@@ -536,7 +536,7 @@ def test_a_pause_outlasts_the_timeout_within_its_own_bound_and_peers_wait_for_it
 def test_each_new_batch_shape_of_a_compiled_model_is_a_compile():
     """Static shapes: the first call with a batch shape compiles a graph (in training and in
     evaluation apart); an uncompiled model never compiles."""
-    from imagenet.training.compiling import compiles
+    from imagenet.training.models import compiles
 
     plain = torch.nn.Linear(4, 2)
     compiled = torch.compile(plain)  # lazy: nothing compiles until it is called

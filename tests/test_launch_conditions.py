@@ -11,13 +11,13 @@ import pytest
 import torch
 from helpers import TINY18, child_env, load_checkpoint, main_cmd, run_main, run_parallel
 
-from imagenet.checkpoint.rng import cuda_state_to_restore
+from imagenet.checkpoint.states import cuda_state_to_restore
 from imagenet.errors import UsageError
+from imagenet.settings.devices import cpu_flags, native_bf16, slow_bf16_warning
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import plan_launch, resolve_ranks
-from imagenet.settings.rendezvous import free_port
+from imagenet.settings.plan import free_port
 from imagenet.settings.slurm import unlaunched_slurm_tasks
-from imagenet.training.cpu_features import cpu_flags, native_bf16, slow_bf16_warning
 
 DUMMY = ["--dummy", "--dummy-size", "16", "--dummy-val-size", "4", "--dummy-classes", "3"]
 
@@ -118,11 +118,11 @@ def test_a_checkpoint_from_8_visible_gpus_resumes_with_one(tmp_path):
     import subprocess
     import sys
 
-    code = ("import torch; from imagenet.checkpoint.rng import capture_rng, restore_rng;"
+    code = ("import torch; from imagenet.checkpoint.states import capture_rng, restore_rng;"
             "torch.cuda.set_device(1); torch.zeros(1, device='cuda');"
             f"torch.save(capture_rng(), r'{tmp_path / 'rng.pt'}')")
     subprocess.run([sys.executable, "-c", code], check=True, env=child_env())
-    code = ("import torch; from imagenet.checkpoint.rng import restore_rng;"
+    code = ("import torch; from imagenet.checkpoint.states import restore_rng;"
             "torch.zeros(1, device='cuda');"
             f"restore_rng(torch.load(r'{tmp_path / 'rng.pt'}', weights_only=False))")
     subprocess.run([sys.executable, "-c", code], check=True,

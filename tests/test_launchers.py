@@ -26,7 +26,7 @@ from helpers import (
 )
 
 from imagenet.cli import main
-from imagenet.settings.rendezvous import free_port
+from imagenet.settings.plan import free_port
 
 VAL_IMAGES = 31
 TRAIN_IMAGES = 24

@@ -26,7 +26,7 @@ from imagenet.data import objectstore
 from imagenet.data.shards.streams import ShardMissing, open_shard
 from imagenet.errors import RunError, UsageError
 from imagenet.settings.flags import parse_config
-from imagenet.settings.staging import stage, staging_dir
+from imagenet.settings.plan import stage, staging_dir
 
 
 def staged(cfg):
@@ -493,7 +493,7 @@ def test_the_plan_resolves_the_urls_once_every_stage_reads_the_local_folder(tmp_
     process starts: the mp.spawn parent's hang report, the hang watch and the run all use the
     staging folder (a report under Path('s3://...') made an 's3:' folder in the current one)."""
     monkeypatch.chdir(tmp_path)
-    from imagenet.launching.teardown import StoppedChildren
+    from imagenet.launching.failures import StoppedChildren
     from imagenet.settings.plan import make_plan
 
     cfg = parse_config(["d", "--output-dir", "s3://runs/x/", "--resume",

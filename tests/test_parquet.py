@@ -29,7 +29,7 @@ from imagenet.data.shards.parquet import resolve_parquet
 from imagenet.data.shards.reader import ShardBatchSampler, ShardSamples
 from imagenet.data.shards.tarreader import ShardError
 from imagenet.errors import DataError
-from imagenet.settings.sources import data_format
+from imagenet.settings.images import data_format
 
 TRAIN_FILES = (0, 7, 16, 36)  # row ranges of the three training files: 7, 9 and 20 rows
 VAL_FILES = (0, 5, 12)

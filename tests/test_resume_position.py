@@ -16,8 +16,7 @@ from imagenet.checkpoint.states import restore_optimizer
 from imagenet.data.samplers import NoSingleImageBatches, ResumableDistributedSampler, train_batches
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import Layout
-from imagenet.training.optim import build_optimizer, build_scheduler
-from imagenet.training.position import rebuild_schedule, resume_point
+from imagenet.training.optim import build_optimizer, build_scheduler, rebuild_schedule, resume_point
 
 
 def remaining(size: int, world: int, images: int, epoch: int = 3) -> list[list[int]]:

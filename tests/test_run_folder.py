@@ -229,7 +229,7 @@ def test_resume_checks_the_class_names(finished, tmp_path, capsys):
 
 
 def test_class_names_in_another_order_are_named():
-    from imagenet.checkpoint.good_state import check_resumable
+    from imagenet.checkpoint.states import check_resumable
 
     ckpt = {"state_dict": {"w": torch.ones(1)}, "classes": ["cat", "dog", "fox"]}
     check_resumable(ckpt, Path("c.pth"), ["cat", "dog", "fox"])

@@ -40,7 +40,7 @@ from imagenet.data.shards.sources import (
 )
 from imagenet.data.shards.tarreader import SampleReader, ShardError
 from imagenet.errors import UsageError
-from imagenet.settings.sources import data_format
+from imagenet.settings.images import data_format
 
 TRAIN_COUNTS = [10, 10, 10, 10, 10, 7]  # 57 images: 3 classes x 19, 10 per shard
 VAL_COUNTS = [10, 5]

@@ -15,8 +15,8 @@ from helpers import TINY, write_image_folder
 
 from imagenet.cli import main
 from imagenet.data.folder import build_data, shutdown_workers
-from imagenet.reporting.stages import StartClock
-from imagenet.run.startup import start_early
+from imagenet.reporting.logger import StartClock
+from imagenet.run.build import start_early
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import Layout
 from imagenet.settings.plan import fixed_plan

@@ -14,9 +14,13 @@ from imagenet.evaluation.validate import evaluate
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import Layout
 from imagenet.training.engine import Step, train_one_epoch
-from imagenet.training.optim import build_optimizer, build_scheduler, class_weights
-from imagenet.training.parts import build_engine
-from imagenet.training.position import rebuild_schedule
+from imagenet.training.optim import (
+    build_engine,
+    build_optimizer,
+    build_scheduler,
+    class_weights,
+    rebuild_schedule,
+)
 
 COUNTS = [12, 3, 1]  # training images per class: weights far apart
 FLAGS = {"plain": ["--class-balanced-loss", "0.9"],

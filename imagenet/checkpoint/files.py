@@ -24,7 +24,6 @@ import torch
 import imagenet.checkpoint.disk as disk
 import imagenet.launching.watchdog as watchdog
 import imagenet.training.fsdp as fsdp
-from imagenet.checkpoint import dcpfiles
 from imagenet.errors import CheckpointError, UsageError
 from imagenet.training.models import without_dropped_aux
 
@@ -233,6 +232,8 @@ def is_checkpoint_dir(path: Path) -> bool:
 
 def incomplete(path: Path) -> str | None:
     """What keeps sharded checkpoint directory ``path`` from loading; None when it is dcpfiles."""
+    from imagenet.checkpoint import dcpfiles  # --sharded-checkpoint's directories only
+
     return dcpfiles.missing_part(path, SHARDED_META)
 
 

@@ -33,7 +33,7 @@ from imagenet.errors import RunError, UsageError
 from imagenet.launching.collectives import DistInfo, on_rank0
 from imagenet.reporting.logger import METRICS
 from imagenet.reporting.results import FILES as REPORTS
-from imagenet.reporting.trackers import RUN_IDS
+from imagenet.reporting.results import RUN_IDS
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel
 
 import imagenet.training.fsdp as fsdp
-from imagenet.checkpoint import dcpfiles, dcpread, files, good_state
+from imagenet.checkpoint import dcpfiles, dcpread, files, states
 from imagenet.errors import CheckpointError, on_every_rank
 from imagenet.launching.collectives import barrier, gathered, raise_agreed, share
 
@@ -135,7 +135,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, ema: AveragedModel 
     if meta.get("arch") and meta["arch"] != arch:
         raise CheckpointError(f"{path} was saved for -a {meta['arch']}, but this run uses "
                               f"-a {arch}; pass -a {meta['arch']} or another checkpoint")
-    good_state.check_resumable(meta, path, classes)  # the class names (no weights here)
+    states.check_resumable(meta, path, classes)  # the class names (no weights here)
     problem = files.incomplete(path)  # each rank sees the directory it reads its shards from
     raise_agreed(CheckpointError(f"{path} is incomplete: {problem}; {files.RESUME_FIX}")
                  if problem else None)
@@ -154,7 +154,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, ema: AveragedModel 
         except CheckpointException as exc:  # raised on every rank: damage inside a shard
             raise on_every_rank(CheckpointError(
                 f"{path} is damaged ({first_failure(exc)}); {files.RESUME_FIX}")) from None
-    bad = good_state.non_finite(local_tensors(state))
+    bad = states.non_finite(local_tensors(state))
     raise_agreed(CheckpointError(f"{path} holds NaN/infinite values ({bad[0]} and maybe more): "
                                  "it was saved by a run that diverged; use an earlier "
                                  "checkpoint") if bad else None)

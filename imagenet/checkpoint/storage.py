@@ -52,9 +52,9 @@ import imagenet.launching.watchdog as watchdog
 from imagenet.checkpoint import files
 from imagenet.errors import RunError, UsageError
 from imagenet.reporting.logger import METRICS
-from imagenet.reporting.trackers import RUN_IDS
+from imagenet.reporting.results import RUN_IDS
 from imagenet.settings.flags import CACHE, DEMO_DATA
-from imagenet.settings.staging import Staging
+from imagenet.settings.plan import Staging
 
 log = logging.getLogger(__name__)
 

@@ -33,13 +33,11 @@ import torch
 from torchvision.transforms.v2 import functional as F
 
 import imagenet.data.transforms as T
-from imagenet.data import jpeg
 from imagenet.data.resample import FILTERS, Windows, resample
-from imagenet.data.resizing import sized_by_epoch
+from imagenet.data.transforms import sized_by_epoch
 from imagenet.errors import DataError
-from imagenet.settings.crops import CropSchedule
-from imagenet.settings.decoders import image_backend
 from imagenet.settings.flags import Config
+from imagenet.settings.images import CropSchedule, image_backend
 
 log = logging.getLogger(__name__)
 
@@ -282,13 +280,13 @@ def decode_jpegs(data: list[torch.Tensor], paths: list[str], device: torch.devic
     if not data:
         return []
     try:
-        return jpeg.decode_batch(data, device, backend)
+        return T.decode_batch(data, device, backend)
     except RuntimeError:
         pass
     images = []
     for one, path in zip(data, paths):
         try:
-            images.append(jpeg.decode_batch([one], device, backend)[0])
+            images.append(T.decode_batch([one], device, backend)[0])
         except RuntimeError:
             image = T.decode_image(one.numpy().tobytes(), path, backend)
             images.append(image.to(device))  # type: ignore[union-attr]

@@ -21,7 +21,6 @@ from torchvision import datasets
 
 import imagenet.data.index as index
 import imagenet.data.transforms as T
-from imagenet.data.resizing import CornerCrop, sized_by_epoch
 from imagenet.data.samplers import (
     NoSingleImageBatches,
     ResumableDistributedSampler,
@@ -29,13 +28,12 @@ from imagenet.data.samplers import (
     ShardSampler,
     train_batches,
 )
+from imagenet.data.transforms import CornerCrop, sized_by_epoch
 from imagenet.errors import DataError, UsageError
-from imagenet.launching.preemption import ignore_stop_signals, stop_signals_blocked
-from imagenet.launching.processes import worker_stacks
+from imagenet.launching.preemption import ignore_stop_signals, stop_signals_blocked, worker_stacks
 from imagenet.launching.watchdog import stacks_dir
-from imagenet.settings.crops import CropSchedule
-from imagenet.settings.decoders import image_backend
 from imagenet.settings.flags import Config
+from imagenet.settings.images import CropSchedule, image_backend
 from imagenet.settings.launch import Layout
 from imagenet.settings.plan import Plan
 

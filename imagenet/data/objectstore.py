@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from imagenet.errors import UsageError
-from imagenet.settings.sources import SCHEME
+from imagenet.settings.images import SCHEME
 
 CLOUD_EXTRA = "pip install 'imagenet-trainer[cloud]'"
 # Protocols whose uploads are atomic: the object appears only once it is complete.

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import BatchSampler, Dataset, Sampler, get_worker_info
 
-from imagenet.data.resizing import follow_epoch
+from imagenet.data.transforms import follow_epoch
 
 R = TypeVar("R")
 

@@ -12,6 +12,27 @@ Three backends:
   same pixels.
 - ``"pil"``: the classic ``PIL.Image.open(...).convert("RGB")`` and torchvision transforms on
   PIL images, kept as the reference the fast path is compared with.
+
+Progressive resizing in the loaders: each training sample is cropped at its epoch's size.
+
+The schedule itself (``settings.crops.CropSchedule``: --train-crop-start growing to
+--train-crop-size over --train-crop-ramp) is the plan's. Every training sample carries its epoch
+(the sampler's keys, the shard reader's items), and the loader process that augments it builds
+that epoch's transform itself (``EpochCrop``): the size is the same for any -j, constant within
+an epoch, and a resume mid-ramp trains the sizes the uninterrupted run would. Validation sizes
+(--val-resize-size, --val-crop-size) are independent. With --compile every size has static
+graphs of its own (``training.compiling``: one per batch shape), compiled when the size first
+appears, rather than one dynamic-shape graph for all: a new size costs one compile, never one
+per batch.
+
+JPEG bytes -> uint8 RGB CHW tensors with torchvision.io's decoder or TorchCodec's
+(``settings.decoders`` chooses; ``"tensor"`` is torchvision's), on the CPU or, batched, on a CUDA
+device (nvJPEG).
+
+The same pixels whichever decoder runs, and the classic script's: its PIL loader ignores the EXIF
+orientation, and so does torchvision's decoder; TorchCodec applies it, so its image is turned
+back here (a flip or a transpose of the decoded pixels: exact). Both decoders raise RuntimeError
+for a file they cannot decode; ``data.transforms`` then lets PIL have the last word.
 """
 
 from __future__ import annotations
@@ -24,6 +45,7 @@ import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,10 +53,10 @@ from PIL import Image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-from imagenet.data import jpeg
 from imagenet.errors import DataError
-from imagenet.settings.decoders import installed_backend
+from imagenet.settings import devices
 from imagenet.settings.flags import AUTO_AUGMENT
+from imagenet.settings.images import CropSchedule, installed_backend
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +108,7 @@ def decode_image(data: bytes, name: str | Path, backend: str | None = None
         try:
             # mode=RGB also converts grayscale and (Adobe) CMYK JPEGs exactly as PIL does, and a
             # truncated file raises instead of returning a partly grey image (tested).
-            return jpeg.decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), backend)
+            return decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), backend)
         except RuntimeError:
             pass  # corrupt, or a JPEG variant libjpeg-turbo lacks (12-bit): PIL has the last word
     # PNG, GIF, BMP, WebP...: PIL, so both backends agree. HWC memory viewed as CHW, the layout
@@ -306,3 +328,156 @@ def normalize(batch: torch.Tensor, channels_last: bool = False,
     mean, std = _mean_std(batch.device)
     out = batch.float().sub_(mean).div_(std)  # in place: keeps the memory format
     return out if dtype == torch.float32 else out.to(dtype)
+
+
+# ----- progressive resizing in the loaders: each training sample is cropped at its epoch's size
+
+def announce(crops: CropSchedule, epoch: int, val_crop: int) -> dict[str, int]:
+    """With progressive resizing: log the epoch's crop; its metrics.jsonl field (else {})."""
+    if not crops.progressive:
+        return {}
+    size = crops.size(epoch)
+    log.info("=> epoch %d: training crop %d px (%d -> %d px over epochs %d-%d), validation %d "
+             "px", epoch, size, crops.start, crops.end, crops.first_epoch, crops.last_epoch,
+             val_crop)
+    return {"train_crop_px": size}
+
+
+class EpochCrop:
+    """A per-sample training transform whose crop size follows a ``CropSchedule``.
+
+    ``build(size)`` makes the transform of one size (built once per size, in the process that
+    runs it); the dataset sets ``epoch`` from the sample's key before calling (``follow_epoch``).
+    """
+
+    def __init__(self, schedule: CropSchedule, build: Callable[[int], Callable]) -> None:
+        self.schedule, self.build = schedule, build
+        self.epoch = 0
+        self._built: dict[int, Callable] = {}
+
+    def __call__(self, image: Any) -> Any:
+        size = self.schedule.size(self.epoch)
+        if size not in self._built:
+            self._built[size] = self.build(size)
+        return self._built[size](image)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.schedule}, {self.build(self.schedule.end)})"
+
+
+def sized_by_epoch(crops: CropSchedule, build: Callable[[int], Callable]) -> Callable:
+    """``build(--train-crop-size)``, or an ``EpochCrop`` of ``build`` with progressive resizing."""
+    return EpochCrop(crops, build) if crops.progressive else build(crops.end)
+
+
+def follow_epoch(holder: Any, epoch: int) -> None:
+    """Point the ``EpochCrop`` transform of ``holder`` (a dataset) at ``epoch``, if it has one."""
+    transform = getattr(holder, "transform", None)
+    if isinstance(transform, EpochCrop):
+        transform.epoch = epoch
+
+
+class CornerCrop:
+    """--dummy's stand-in for augmentation: the top-left ``size`` x ``size`` of the image."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        return image[..., :self.size, :self.size]
+
+
+# ------------ jPEG bytes -> uint8 RGB CHW tensors with torchvision.io's decoder or TorchCodec's
+
+# EXIF orientation -> what undoes it on a CHW tensor. 1: as stored; 2: mirrored; 3: turned 180;
+# 4: flipped; 5: transposed; 6: turned 90 clockwise for display; 7: transversed; 8: 270.
+_UNDO = {
+    2: lambda x: x.flip(-1),
+    3: lambda x: x.flip(-1, -2),
+    4: lambda x: x.flip(-2),
+    5: lambda x: x.transpose(-1, -2),
+    6: lambda x: x.transpose(-1, -2).flip(-2),
+    7: lambda x: x.transpose(-1, -2).flip(-1, -2),
+    8: lambda x: x.transpose(-1, -2).flip(-1),
+}
+
+
+def exif_orientation(data: bytes | memoryview) -> int:
+    """The EXIF orientation (1-8) in a JPEG's APP1 segment; 1 when there is none (or it cannot
+    be read). Walks the marker segments before the image data: a few dozen bytes."""
+    i, size = 2, len(data)
+    while i + 4 <= size and data[i] == 0xFF:
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0xDA or marker == 0xD9:  # the image data starts: no EXIF before it
+            break
+        length = int.from_bytes(data[i + 2:i + 4], "big")
+        if marker == 0xE1 and bytes(data[i + 4:i + 10]) == b"Exif\0\0":
+            return _tiff_orientation(bytes(data[i + 10:i + 2 + length]))
+        i += 2 + length
+    return 1
+
+
+def _tiff_orientation(tiff: bytes) -> int:
+    order = {b"II": "little", b"MM": "big"}.get(tiff[:2])
+    if order is None or len(tiff) < 8:
+        return 1
+    ifd = int.from_bytes(tiff[4:8], order)  # type: ignore[arg-type]
+    if ifd + 2 > len(tiff):
+        return 1
+    for k in range(int.from_bytes(tiff[ifd:ifd + 2], order)):  # type: ignore[arg-type]
+        entry = ifd + 2 + 12 * k
+        if entry + 12 > len(tiff):
+            break
+        if int.from_bytes(tiff[entry:entry + 2], order) == 0x0112:  # type: ignore[arg-type]
+            value = int.from_bytes(tiff[entry + 8:entry + 10], order)  # type: ignore[arg-type]
+            return value if 1 <= value <= 8 else 1
+    return 1
+
+
+def as_stored(image: torch.Tensor, orientation: int) -> torch.Tensor:
+    """``image`` as TorchCodec returns it for a file of EXIF ``orientation`` -> the pixels as
+    stored (what torchvision and PIL return)."""
+    undo = _UNDO.get(orientation)
+    return image if undo is None else undo(image).contiguous()
+
+
+def decode(data: torch.Tensor, backend: str) -> torch.Tensor:
+    """One JPEG (a 1-D uint8 CPU tensor) -> RGB uint8 CHW on the CPU; RuntimeError if it cannot
+    be decoded."""
+    if backend == "torchcodec":
+        from torchcodec.decoders import decode_jpeg
+
+        return as_stored(decode_jpeg(data, mode="RGB"), exif_orientation(_head(data)))
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    return decode_jpeg(data, mode=ImageReadMode.RGB)
+
+
+def decode_batch(data: list[torch.Tensor], device: torch.device, backend: str
+                 ) -> list[torch.Tensor]:
+    """JPEGs (1-D uint8 CPU tensors) -> RGB images on ``device``, in one call (one nvJPEG batch
+    on CUDA); RuntimeError if any cannot be decoded.
+
+    On CUDA the decoder writes from a stream of its own into memory the caching allocator hands
+    out on the caller's stream (torchvision #9606, torchcodec #1634): the caller's stream is
+    drained first, so no block it freed is still being read or written when the decoder's
+    writes land."""
+    if device.type == "cuda":
+        devices.current_stream(device).synchronize()
+    if backend == "torchcodec":
+        from torchcodec.decoders import decode_jpeg
+
+        images = decode_jpeg(data, mode="RGB", device=device)
+        return [as_stored(image, exif_orientation(_head(one)))
+                for image, one in zip(images, data)]
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+
+
+def _head(data: torch.Tensor) -> memoryview:
+    """The bytes of a 1-D uint8 CPU tensor, without a copy."""
+    return memoryview(data.numpy())

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from imagenet.errors import DistributedError
 from imagenet.launching.collectives import DistInfo
-from imagenet.reporting.stages import notice_after
+from imagenet.reporting.logger import notice_after
 from imagenet.settings import devices
 from imagenet.settings.plan import Plan
 

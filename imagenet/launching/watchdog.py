@@ -53,7 +53,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from imagenet.errors import Preempted, say_error
-from imagenet.launching.processes import STACKS_SIGNAL, process_exited
+from imagenet.launching.preemption import STACKS_SIGNAL, process_exited
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -2,28 +2,42 @@
 config.json - rank-aware.
 
 Rank 0 writes; on the other ranks ``RunLogger`` is a no-op and only warnings reach the console.
+
+Start-up stages that take a while (listing a data set, starting loader workers, the first
+batch) say what they are doing once they have lasted a few seconds, and how long they took.
+
+``StartClock`` times each stage of this process's start, from the moment the process started to
+the end of its first optimizer step; the trainer prints them in one line at that step and
+config.json keeps every start's (``starts``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import logging
+import os
 import platform
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from imagenet.errors import Preempted
-from imagenet.reporting.trackers import Trackers, open_trackers
 from imagenet.settings.choices import tracker_names
 from imagenet.settings.flags import DEMO_DEFAULTS, Config
+
+if TYPE_CHECKING:
+    from imagenet.reporting.trackers import Trackers
+
 
 log = logging.getLogger(__name__)
 
@@ -166,8 +180,11 @@ class RunLogger:
         self.enabled = enabled
         self.output_dir = output_dir
         self._tb = None
-        self._trackers = open_trackers(log_to, output_dir, continues) if enabled \
-            else Trackers({})
+        self._trackers: Trackers | None = None  # MLflow and W&B: imported when --log-to names one
+        if enabled and any(name != "tensorboard" for name in tracker_names(log_to)):
+            from imagenet.reporting.trackers import open_trackers
+
+            self._trackers = open_trackers(log_to, output_dir, continues)
         if enabled and "tensorboard" in tracker_names(log_to):
             from torch.utils.tensorboard import SummaryWriter
 
@@ -185,12 +202,12 @@ class RunLogger:
                        "starts": self._starts()}
             self._write_json(CONFIG, payload)
             simple = {k: v for k, v in extra.items() if isinstance(v, (int, float, str, bool))}
-            self._trackers.config({**config, **simple})
+            self._track("config", {**config, **simple})
 
     def tracked_config(self, config: Mapping[str, Any]) -> None:
         """The flags to the trackers alone (-e: config.json stays the training run's)."""
         if self.enabled:
-            self._trackers.config(config)
+            self._track("config", config)
 
     def record_start(self, start: Mapping[str, Any]) -> None:
         """Add this start's record (time to its first step, its stages) to config.json's
@@ -225,7 +242,7 @@ class RunLogger:
         if self._tb is not None:
             for name, value in values.items():
                 self._tb.add_scalar(f"{prefix}/{name}", value, step)
-        self._trackers.scalars({f"{prefix}/{name}": v for name, v in values.items()}, step)
+        self._track("scalars", {f"{prefix}/{name}": v for name, v in values.items()}, step)
 
     def epoch(self, record: Mapping[str, Any]) -> None:
         """One line in metrics.jsonl per epoch (cheap to grep and plot)."""
@@ -265,7 +282,7 @@ class RunLogger:
             clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
                      for k, v in hparams.items()}
             self._tb.add_hparams(clean, dict(metrics), run_name=".", global_step=step)
-        self._trackers.final({k.split("/")[-1]: v for k, v in metrics.items()}, step)
+        self._track("final", {k.split("/")[-1]: v for k, v in metrics.items()}, step)
 
     def progress_hook(self) -> Callable[[dict], None] | None:
         """The engine's ``on_progress``: the progress line (its images/s: all ranks, over the
@@ -290,7 +307,12 @@ class RunLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
-        self._trackers.close(status)
+        self._track("close", status)
+
+    def _track(self, method: str, *args: Any) -> None:
+        """Call ``method`` of the open trackers (``reporting.trackers.Trackers``), if any."""
+        if self._trackers is not None:
+            getattr(self._trackers, method)(*args)
 
     def __enter__(self) -> RunLogger:
         return self
@@ -298,3 +320,149 @@ class RunLogger:
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         stopped = kind is not None and issubclass(kind, (Preempted, KeyboardInterrupt))
         self.close("finished" if kind is None else "stopped" if stopped else "failed")
+
+
+# ---- start-up stages that take a while (listing a data set, starting loader workers, the first
+
+# A start-up stage that lasts longer than this says what it is doing (seconds). 0 shows every
+# stage: useful to see where a start-up hangs.
+NOTICE_AFTER_ENV = "IMAGENET_NOTICE_AFTER"
+NOTICE_AFTER_DEFAULT = 5.0
+
+
+def notice_after() -> float:
+    """Seconds a start-up stage may take before it says what it does."""
+    value = os.environ.get(NOTICE_AFTER_ENV, "")
+    try:
+        return float(value) if value else NOTICE_AFTER_DEFAULT
+    except ValueError:
+        return NOTICE_AFTER_DEFAULT
+
+
+@dataclass
+class Stage:
+    """A start-up stage: ``done`` is printed at its end if its start was (the slow case)."""
+
+    what: str
+    done: str = ""
+    announced: bool = False
+
+
+@contextlib.contextmanager
+def slow_stage(what: str) -> Iterator[Stage]:
+    """Say '=> WHAT ...' once the body has run for ``notice_after()`` seconds, and then
+    ``stage.done`` with the time when it ends; a fast body prints nothing."""
+    stage, start, after = Stage(what), time.perf_counter(), notice_after()
+
+    def announce() -> None:
+        stage.announced = True
+        log.info("=> %s ...", stage.what)
+
+    timer = threading.Timer(after, announce)
+    timer.daemon = True
+    if after <= 0:
+        announce()
+    else:
+        timer.start()
+    try:
+        yield stage
+    finally:
+        timer.cancel()
+        if timer.is_alive():
+            timer.join()  # an announcement under way is printed before the end line
+    if stage.announced and stage.done:
+        log.info("=> %s (%.1f s)", stage.done, time.perf_counter() - start)
+
+
+class FirstBatch:
+    """``loader``'s batches; starting its workers and waiting for its first batch are stages.
+    ``iter()`` starts the loader at once (its workers begin to prefetch); the first ``next()``
+    waits for the first batch."""
+
+    def __init__(self, loader: Iterable, workers: int, name: str) -> None:
+        self.loader, self.workers, self.name = loader, workers, name
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator:
+        with slow_stage(f"starting the {self.name} loader ({self.workers} worker process(es))"
+                        if self.workers else f"starting the {self.name} loader") as stage:
+            batches = iter(self.loader)
+            stage.done = f"{self.name} loader started"
+        return _FirstWaited(batches, self.name)
+
+
+class _FirstWaited:
+    """An iterator whose first batch is a start-up stage."""
+
+    def __init__(self, batches: Iterator, name: str) -> None:
+        self.batches, self.name, self.first = batches, name, True
+
+    def __iter__(self) -> _FirstWaited:
+        return self
+
+    def __next__(self):
+        if not self.first:
+            return next(self.batches)
+        self.first = False
+        with slow_stage(f"waiting for the first {self.name} batch (reading and decoding its "
+                        "images)") as stage:
+            batch = next(self.batches)  # StopIteration: an empty loader
+            stage.done = f"first {self.name} batch ready"
+        return batch
+
+
+# The stages, in order, and how the start-up line names them.
+STAGES = {"start": "Python, imports and joining the ranks", "data": "data set",
+          "model": "model", "resume": "checkpoint", "checks": "checks and logs",
+          "first_step": "first step"}
+
+
+@dataclass
+class StartClock:
+    """The seconds each stage of this start took (see ``STAGES``)."""
+
+    started: float  # unix time the process started (the plan's)
+    seconds: dict[str, float] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)  # a word on a stage: "folder index"
+    last: float = field(default_factory=time.perf_counter)
+    done: bool = False
+
+    @classmethod
+    def begin(cls, started: float) -> StartClock:
+        """The clock of a start whose process started at ``started`` (unix time)."""
+        clock = cls(started)
+        clock.seconds["start"] = max(time.time() - started, 0.0)
+        return clock
+
+    def mark(self, stage: str, note: str = "") -> None:
+        """``stage`` ends now (it began when the previous one ended)."""
+        now = time.perf_counter()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self.last
+        self.last = now
+        if note:
+            self.notes[stage] = note
+
+    def first_step(self) -> dict[str, Any] | None:
+        """Call after each step: at the first, the start's record (else None)."""
+        if self.done:
+            return None
+        self.done = True
+        self.mark("first_step")
+        return {"started": datetime.datetime.fromtimestamp(self.started).isoformat(
+                    timespec="seconds"),
+                "time_to_first_step_s": round(time.time() - self.started, 3),
+                "stages_s": {k: round(v, 3) for k, v in self.seconds.items()},
+                "notes": dict(self.notes)}
+
+    @staticmethod
+    def line(record: dict[str, Any]) -> str:
+        """The start-up line of a start's record."""
+        parts = []
+        for stage, seconds in record["stages_s"].items():
+            note = record["notes"].get(stage)
+            parts.append(f"{STAGES.get(stage, stage)} {seconds:.1f} s"
+                         + (f" ({note})" if note else ""))
+        return (f"=> first step {record['time_to_first_step_s']:.1f} s after the process "
+                f"started: {', '.join(parts)}")

@@ -2,7 +2,7 @@
 confusion matrix (CSV, JSON, a TensorBoard image), and the console's worst classes.
 
 Pure functions of the gathered predictions (``Predictions``: every validation image once, in
-dataset order); ``imagenet.evaluation.report`` collects them and decides when to call these.
+dataset order); ``imagenet.evaluation.validate`` collects them and decides when to call these.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ WORST = 5  # classes named in the console summary
 # The confusion matrix image: white (no image) to dark blue (every image of the row's class).
 EMPTY_RGB, FULL_RGB, ABSENT_RGB = (255, 255, 255), (8, 48, 107), (200, 200, 200)
 IMAGE_PX = 512  # the image's side, at most (cells of 1 to 32 px)
+
+RUN_IDS = "trackers.json"  # OUTPUT_DIR/trackers.json: {"mlflow": {"run_id": ...}, ...}
 
 
 @dataclass(frozen=True)

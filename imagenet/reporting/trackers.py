@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from imagenet.errors import RunError, first_line
+from imagenet.reporting.results import RUN_IDS
 from imagenet.settings.choices import install_hint, tracker_names
 
 log = logging.getLogger(__name__)
 
-RUN_IDS = "trackers.json"  # OUTPUT_DIR/trackers.json: {"mlflow": {"run_id": ...}, ...}
 # close(status): how the run ended, in each tracker's words.
 MLFLOW_STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
 WANDB_EXIT_CODE = {"finished": 0, "stopped": 143, "failed": 1}

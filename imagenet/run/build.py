@@ -1,41 +1,57 @@
-"""Everything one training process holds (``Run``), built from the flags; no resume yet."""
+"""Everything one training process holds (``Run``), built from the flags; no resume yet.
+
+This rank's data, as the plan says: the data argument (or the demo's data), where the folder
+indexes are kept, and the data set with its loaders (an ImageFolder, --dummy data, tar shards, or
+-e --val-data's own).
+
+The training batches that load while the model is built (what each start-up stage costs is
+timed by ``reporting.stages.StartClock``).
+
+``EarlyBatches``: once the data set is listed, the training loader's workers start and fetch the
+first batches of the position the resume will continue (read from the checkpoint's small
+entries, without its tensors), while the model is built, the checkpoint loaded and the output
+folder checked. The batches are only used when the resume then puts the data exactly there
+(same order seed, augmentation seed, epoch and images already trained); otherwise the workers
+are stopped and the loader starts again, as it would have without them: a guess never changes
+what is trained.
+"""
 
 from __future__ import annotations
 
+import logging
 import random
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
-import imagenet.data.shm as shm
-import imagenet.evaluation.eval_data as eval_data
+import imagenet.data.prefetch as prefetch
+import imagenet.evaluation.validate as validate
 from imagenet.checkpoint import files
 from imagenet.checkpoint.resume_from import Decided
-from imagenet.checkpoint.weights import read_agreed
+from imagenet.checkpoint.states import data_resume_point
 from imagenet.checkpoint.writer import Writer
-from imagenet.data.folder import Data
-from imagenet.data.valcheck import ImageCheck
+from imagenet.data.folder import Data, FolderTrain, build_data, stop_workers
+from imagenet.data.index import ImageCheck, IndexFiles
 from imagenet.errors import UsageError
 from imagenet.launching.collectives import DistInfo, from_rank0
-from imagenet.reporting.stages import StartClock, slow_stage
-from imagenet.run.loading import data_root, load_data
+from imagenet.reporting.logger import FirstBatch, StartClock, slow_stage
 from imagenet.run.outputs import Outputs
-from imagenet.run.startup import EarlyBatches
-from imagenet.settings.flags import Config
+from imagenet.settings.flags import DEMO_DATA, Config
 from imagenet.settings.launch import Layout
 from imagenet.settings.plan import Plan
-from imagenet.training.compile_cache import CompileCache
 from imagenet.training.engine import Engine, EpochTotals, Step
-from imagenet.training.finetune import prepare_model
 from imagenet.training.models import build_model, wrap
-from imagenet.training.optim import build_ema
-from imagenet.training.parts import build_engine
-from imagenet.training.position import EpochStart, images_trained
+from imagenet.training.optim import EpochStart, build_ema, build_engine, images_trained
+
+if TYPE_CHECKING:
+    from imagenet.training.compile_cache import CompileCache
 
 
 @dataclass
@@ -131,7 +147,7 @@ def build_inputs(plan: Plan, dist: DistInfo, continues: Decided) -> Inputs:
     cfg, layout = plan.cfg, plan.layout
     # Model init uses the same seed on every rank; augmentation gets its own per-sample seeds.
     seed_process(cfg.seed)
-    eval_data.check_outputs(cfg, dist)  # -e's report folder, --predictions
+    validate.check_outputs(cfg, dist)  # -e's report folder, --predictions
     # Rank 0's seed (unseeded: its draw) is the job's augmentation seed: a sample's
     # augmentation does not depend on the rank that loads it, and the checkpoint's seed is
     # every rank's. Every rank broadcasts, seeded or not, so that flags differing across ranks
@@ -146,7 +162,7 @@ def build_inputs(plan: Plan, dist: DistInfo, continues: Decided) -> Inputs:
     if cfg.fsdp and data.val_size < dist.world_size:  # every rank joins every sharded forward
         raise UsageError(f"--fsdp: the validation set has {data.val_size} image(s), fewer than "
                          f"the {dist.world_size} processes; it needs at least one per process")
-    no_room = shm.check_room([(data.train_loader, max(plan.train_sizes)),
+    no_room = prefetch.check_room([(data.train_loader, max(plan.train_sizes)),
                               (data.val_loader, cfg.val_crop_size)], layout.batch_size,
                              dist.local_world_size)
     if no_room:
@@ -168,8 +184,12 @@ def build_run(plan: Plan, dist: DistInfo, continues: Decided, inputs: Inputs | N
         inputs = build_inputs(plan, dist, continues)
     data = inputs.data
     raw = build_model(cfg.arch, data.num_classes, cfg.pretrained, cfg.weights).to(dist.device)
-    weights = read_agreed(Path(cfg.finetune)) if cfg.finetune else None
-    prepare_model(raw, cfg, data.classes, weights)  # --finetune, --freeze-backbone: unwrapped
+    if cfg.finetune or cfg.freeze_backbone:  # on the plain model, before anything wraps it
+        from imagenet.checkpoint.weights import read_agreed
+        from imagenet.training.finetune import prepare_model
+
+        weights = read_agreed(Path(cfg.finetune)) if cfg.finetune else None
+        prepare_model(raw, cfg, data.classes, weights)
     if cfg.channels_last and not (cfg.fsdp and dist.distributed):
         # Not under --fsdp: torch 2.14's fully_shard refuses non-contiguous parameters
         # (NotImplementedError in FSDPParam), and gathers every weight into a view with
@@ -188,3 +208,128 @@ def build_run(plan: Plan, dist: DistInfo, continues: Decided, inputs: Inputs | N
     return Run(plan, dist, output_dir, data, raw, engine, Step(epoch=cfg.start_epoch),
                Best(output_dir / name(files.BEST)), best_ema, inputs.aug_seed, continues,
                compile_cache=compile_cache)
+
+
+# ---- this rank's data, as the plan says: the data argument (or the demo's data), where the folder
+
+log = logging.getLogger(__name__)
+STREAMED = ("shards", "parquet")  # read by the shard machinery (imagenet.data.shards)
+
+
+def data_root(cfg: Config, output_dir: Path) -> str:
+    """The data argument: DIR (a folder, URL or shard pattern), or the built-in demo data
+    generated under OUTPUT_DIR."""
+    if not cfg.demo:
+        return cfg.data
+    from imagenet.tools.demo import make_demo_dataset
+
+    return str(make_demo_dataset(output_dir / DEMO_DATA))
+
+
+def index_files(plan: Plan, dist: DistInfo) -> IndexFiles:
+    """Where the folder indexes are kept (--cache-dir); every process reads them. Rank 0 writes
+    the ones it builds; so does each other node's first process when --cache-dir names a folder
+    (node-local data copies then get one each): in the default OUTPUT_DIR/cache, the run folder
+    is rank 0's alone, and a node without it writes nothing there."""
+    writes = dist.is_main or (dist.local_rank == 0 and plan.cfg.cache_dir is not None)
+    return IndexFiles(plan.cache_dir, write=writes)
+
+
+def load_data(plan: Plan, dist: DistInfo, root: str, aug_seed: int,
+              continues: Decided | None = None) -> Data:
+    """This rank's data: an ImageFolder (or --dummy data) or tar shards, as the plan says;
+    ``continues``: the checkpoint of the run (-e --val-data labels its folder with its
+    classes)."""
+    cfg = plan.cfg
+    pin_memory = dist.device.type not in ("cpu", "mps")  # MPS shares the CPU's memory
+    indexes = index_files(plan, dist)
+    if dist.is_main and plan.data_format != "dummy":
+        log.info("=> images decoded by %s (%s)", plan.decoding.name, plan.decoding.why)
+    if plan.data_format not in STREAMED and cfg.evaluate and cfg.val_data:  # DIR not read
+        return validate.build_eval_data(plan, dist.rank, aug_seed, pin_memory, indexes,
+                                         continues)
+    if dist.is_main and plan.decode.on_device:
+        log.info("=> JPEGs decoded and cropped on %s (--decode-on-device %s); loader workers "
+                 "read files", dist.device, plan.decode.why)
+    elif dist.is_main and plan.data_format == "folder" and dist.device.type == "cuda":
+        log.info("=> JPEGs decoded and cropped by the loader workers (--decode-on-device %s)",
+                 plan.decode.why)
+    if plan.data_format in STREAMED:
+        from imagenet.data.shards import build_shard_data  # imported only for shards
+
+        return build_shard_data(plan, root, dist.rank, aug_seed, pin_memory=pin_memory)
+    return build_data(plan, root, dist.rank, aug_seed, pin_memory=pin_memory, files=indexes)
+
+
+# ---- the training batches that load while the model is built (what each start-up stage costs is
+
+Key = tuple[int, int, int, int]  # order seed, augmentation seed, epoch, images already trained
+
+
+class EarlyBatches:
+    """Training batches started before the resume (see the module docstring)."""
+
+    def __init__(self, loader: DataLoader, key: Key, batches: Iterator) -> None:
+        self.loader, self.key, self.batches = loader, key, batches
+        self.outcome = "started early"
+
+    def take(self, key: Key) -> Iterator | None:
+        """The started batches when the data continues at ``key``; None (and the workers
+        stopped) otherwise, or once taken."""
+        batches, self.batches = self.batches, None
+        if batches is None:
+            return None
+        if key == self.key:
+            self.outcome = "loaded during the start"
+            return batches
+        log.debug("the training batches started early were for %s, the resume continues at "
+                  "%s: started again", self.key, key)
+        self.outcome = "started early for another position: started again"
+        stop_workers(self.loader)
+        return None
+
+
+def start_early(plan: Plan, data: Data, ckpt: dict[str, Any] | None) -> EarlyBatches | None:
+    """Start the training loader's workers on the batches the resume of ``ckpt`` (the
+    checkpoint decided and read once; None: a fresh start) is expected to continue with
+    (``expected_start``); None without loader workers, or when it cannot tell. The data's
+    seeds are left as they were: the resume sets them."""
+    train = data.train
+    if plan.layout.workers == 0 or not isinstance(train, FolderTrain):
+        return None
+    try:
+        key = expected_start(plan, train, ckpt)
+    except Exception as exc:  # the resume itself reports what is wrong with the checkpoint
+        log.debug("no early start of the training loader: %s", exc)
+        return None
+    if key is None:
+        return None
+    seeds = train.order_seed, train.aug_seed
+    order_seed, aug_seed, epoch, images = key
+    train.reseed(order_seed, aug_seed)
+    train.continue_after(epoch, images)
+    batches = iter(FirstBatch(train.loader, plan.layout.workers, "training"))
+    train.reseed(*seeds)  # the workers hold their copy; the resume decides the run's
+    return EarlyBatches(train.loader, key, batches)
+
+
+def expected_start(plan: Plan, train: FolderTrain, ckpt: dict[str, Any] | None) -> Key | None:
+    """Where ``resume`` will put the training data - (order seed, augmentation seed, epoch,
+    images already trained) - by the same rule (``data_resume_point``) from the checkpoint it
+    resumes, ``ckpt``, before the model exists; None when there is nothing to train first or it
+    cannot tell. A guess to start the loader early (``run.startup``): the trainer uses those
+    batches only if the resume agrees."""
+    cfg, layout = plan.cfg, plan.layout
+    if cfg.evaluate:
+        return None
+    if ckpt is None:
+        return train.order_seed, train.aug_seed, cfg.start_epoch, 0
+    steps = layout.optimizer_steps(train.batches)
+    point = data_resume_point(ckpt, cfg, layout, steps, train)
+    order_seed = int(ckpt["sampler"]["seed"]) if ckpt.get("sampler") else train.order_seed
+    aug_seed = int(ckpt.get("aug_seed", train.aug_seed))
+    if point.step_in_epoch < steps:
+        return order_seed, aug_seed, point.epoch, min(point.images, train.images)
+    if point.epoch + 1 < cfg.epochs:  # only the validation is left: then the next epoch
+        return order_seed, aug_seed, point.epoch + 1, 0
+    return None

@@ -16,21 +16,24 @@ from typing import Any
 import torch
 
 import imagenet.launching.watchdog as watchdog
-import imagenet.training.comm_hooks as comm_hooks
 import imagenet.training.fsdp as fsdp
-from imagenet.checkpoint import files, good_state, history, rng
-from imagenet.checkpoint.flag_changes import check_ranks_agree, log_changes
-from imagenet.checkpoint.resume_from import broadcast_weights
+from imagenet.checkpoint import files, writer
+from imagenet.checkpoint.resume_from import broadcast_weights, check_ranks_agree, log_changes
 from imagenet.checkpoint.states import (
+    check_resumable,
     data_resume_point,
     ema_state,
     flags_kept,
+    gather_rng,
     layout_kept,
     load_ema_state,
     model_state,
     optimizer_state,
+    refuse_non_finite,
     restore_optimizer,
+    restore_rng,
     resumed_best,
+    rng_for_rank,
     same_optimizer,
     same_order,
 )
@@ -40,7 +43,7 @@ from imagenet.launching.collectives import barrier
 from imagenet.run.build import Run
 from imagenet.run.outputs import Saved
 from imagenet.training.engine import EpochTotals, Step
-from imagenet.training.position import (
+from imagenet.training.optim import (
     EpochStart,
     ResumePoint,
     rebuild_schedule,
@@ -48,6 +51,15 @@ from imagenet.training.position import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def comm_hook_state(run: Run) -> dict[str, Any] | None:
+    """--ddp-comm-hook's checkpointable state (PowerSGD's: ``training.comm_hooks``), or None."""
+    if run.cfg.ddp_comm_hook == "none":
+        return None
+    from imagenet.training.comm_hooks import hook_state
+
+    return hook_state(run.engine.parts.model)
 
 
 def checkpoint_state(run: Run, epoch_done: bool, weights: bool = True) -> dict[str, Any]:
@@ -59,7 +71,7 @@ def checkpoint_state(run: Run, epoch_done: bool, weights: bool = True) -> dict[s
     ``weights=False`` (--sharded-checkpoint, whose shards hold them): no model, optimizer or
     EMA tensors.
     """
-    states = rng.gather_rng(run.dist.rank, run.dist.world_size)
+    states = gather_rng(run.dist.rank, run.dist.world_size)
     trained = None if epoch_done else epoch_so_far(run)  # collective too
     parts, step, layout = run.engine.parts, run.step, run.layout
     epoch, step_in_epoch = (step.epoch + 1, 0) if epoch_done else (step.epoch, step.step_in_epoch)
@@ -92,7 +104,7 @@ def checkpoint_state(run: Run, epoch_done: bool, weights: bool = True) -> dict[s
         "sampler": {"seed": run.data.train.order_seed, "epoch": epoch, "images": images,
                     "start": images // layout.world_size},
         "rng": states,  # python, numpy, torch CPU and CUDA states of every rank, by rank
-        "comm_hook": comm_hooks.hook_state(parts.model),
+        "comm_hook": comm_hook_state(run),
         "config": run.cfg.to_dict(),
         "run_id": run.run_id,  # a damaged checkpoint falls back to this run's files only
         # What the epoch's metrics.jsonl record needs: the training so far (every rank's sums
@@ -142,7 +154,7 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
         run.outputs.saved(saved_record(run, epoch_done))
         return time.perf_counter() - start
     payload = to_host(checkpoint_state(run, epoch_done))  # training may go on from here
-    good_state.refuse_non_finite(payload, run.dist.is_main, run.output_dir, run.step.epoch,
+    refuse_non_finite(payload, run.dist.is_main, run.output_dir, run.step.epoch,
                             run.step.step_in_epoch, settle=run.writer.wait_quietly)
     written = None
     if run.dist.is_main:
@@ -158,16 +170,16 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
 
 
 def write_checkpoint(out: Path, payload: dict[str, Any], is_best: bool,
-                     ema: dict[str, Any] | None, entry: history.Entry | None, keep: int) -> None:
+                     ema: dict[str, Any] | None, entry: writer.Entry | None, keep: int) -> None:
     """Rank 0's files of a save (in the writer's thread): the EMA's best file, then the
     checkpoint with its copies (the best file, the history's), then the history pruned."""
     if ema is not None:
         files.atomic_save(ema, out / files.BEST_EMA)
     best = [out / files.BEST] if is_best else []
-    kept = history.plan(out, keep, entry) if entry is not None else None
+    kept = writer.plan(out, keep, entry) if entry is not None else None
     files.atomic_save(payload, out / files.CHECKPOINT, copies=best + ([kept] if kept else []))
     if entry is not None:
-        history.prune(out, sharded=False)
+        writer.prune(out, sharded=False)
 
 
 def finish_saves(run: Run) -> float | None:
@@ -199,7 +211,7 @@ def save_sharded(run: Run, is_best: bool, epoch_done: bool, is_best_ema: bool,
     # Each rank checks the shards it is about to write; all stop if one holds NaN/inf.
     parts, is_main = run.engine.parts, run.dist.is_main
     local = sharded.local_tensors(sharded.sharded_state(run.raw_model, parts.optimizer, parts.ema))
-    good_state.refuse_non_finite({**meta, **local}, True, out, run.step.epoch,
+    refuse_non_finite({**meta, **local}, True, out, run.step.epoch,
                                  run.step.step_in_epoch)
     if is_best_ema:
         assert parts.ema is not None
@@ -210,15 +222,15 @@ def save_sharded(run: Run, is_best: bool, epoch_done: bool, is_best_ema: bool,
     sharded.save(run.raw_model, parts.optimizer, parts.ema, meta,
                  out / files.dcp_name(files.CHECKPOINT), is_main, copies=best + kept)
     if run.dist.is_main and score is not None and run.cfg.keep_checkpoints:
-        history.prune(out, sharded=True)
+        writer.prune(out, sharded=True)
 
 
-def epoch_entry(run: Run, score: float | None) -> history.Entry | None:
+def epoch_entry(run: Run, score: float | None) -> writer.Entry | None:
     """--keep-checkpoints at an epoch's end (``score``: its top-1): the history's entry of this
     epoch's checkpoint; None otherwise."""
     if score is None or not run.cfg.keep_checkpoints:
         return None
-    return history.epoch_entry(run.step.epoch + 1, score, run.step.global_step,
+    return writer.epoch_entry(run.step.epoch + 1, score, run.step.global_step,
                                run.cfg.sharded_checkpoint)
 
 
@@ -228,7 +240,7 @@ def keep_epoch(run: Run, score: float | None) -> list[Path]:
     entry = epoch_entry(run, score)
     if entry is None:
         return []
-    path = history.plan(run.output_dir, run.cfg.keep_checkpoints, entry)
+    path = writer.plan(run.output_dir, run.cfg.keep_checkpoints, entry)
     return [path] if path is not None else []
 
 
@@ -245,7 +257,7 @@ def load_weights(run: Run, ckpt: dict[str, Any], path: Path) -> None:
                           run.data.classes, with_optimizer=same_optimizer(ckpt, run.cfg))
         return
     files.load_model_state(run.raw_model, ckpt, path, run.cfg.arch)
-    good_state.check_resumable(ckpt, path, run.data.classes)
+    check_resumable(ckpt, path, run.data.classes)
     restore_optimizer(run.raw_model, parts.optimizer, ckpt, run.cfg)
     if parts.ema is None:
         return
@@ -260,7 +272,7 @@ def resume(run: Run) -> Path | None:
 
     Weights, optimizer moments, EMA, scaler, position, best accuracy and RNG come from the
     checkpoint; the hyper-parameters and the learning-rate schedule come from the flags, placed
-    at the checkpoint's point in training (``imagenet.training.position``). Returns the
+    at the checkpoint's point in training (``imagenet.training.optim``). Returns the
     checkpoint's path (None: a fresh start).
     """
     check_ranks_agree(run.cfg, run.dist.world_size)
@@ -291,7 +303,10 @@ def resume(run: Run) -> Path | None:
         log_changes(ckpt, run.cfg, run.layout, steps_per_epoch)
     if parts.scaler is not None and ckpt.get("scaler"):
         parts.scaler.load_state_dict(ckpt["scaler"])
-    comm_hooks.load_hook_state(parts.model, ckpt.get("comm_hook"))
+    if ckpt.get("comm_hook"):  # PowerSGD's state (its own import: no other run has one)
+        from imagenet.training.comm_hooks import load_hook_state
+
+        load_hook_state(parts.model, ckpt["comm_hook"])
     run.best.acc1 = resumed_best(ckpt, path, run.output_dir, best_file=run.best.path.name)
     if run.best_ema is not None:
         run.best_ema.acc1 = resumed_best(ckpt, path, run.output_dir, "best_ema_acc1",
@@ -307,10 +322,10 @@ def resume(run: Run) -> Path | None:
     # The data order of the epoch being continued, and its augmentation.
     order_seed = int(ckpt["sampler"]["seed"]) if ckpt.get("sampler") else run.data.train.order_seed
     run.data.train.reseed(order_seed, run.aug_seed)
-    saved_rng = rng.rng_for_rank(ckpt.get("rng"), run.dist.rank)
+    saved_rng = rng_for_rank(ckpt.get("rng"), run.dist.rank)
     restored = saved_rng is not None and same_layout(run, ckpt)
     if restored:
-        rng.restore_rng(saved_rng)
+        restore_rng(saved_rng)
     if not run.cfg.evaluate:
         keep_seed(run, ckpt, restored)
     if not fsdp.is_sharded(run.raw_model):  # sharded: loaded from rank 0's state already

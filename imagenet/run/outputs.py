@@ -18,12 +18,15 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import imagenet.checkpoint.rundir as rundir
 from imagenet.checkpoint import files
-from imagenet.checkpoint.storage import Remote
 from imagenet.launching.collectives import DistInfo, on_rank0
 from imagenet.settings.flags import Config
+
+if TYPE_CHECKING:  # object-storage URLs only: built by run.trainer when the plan has them
+    from imagenet.checkpoint.storage import Remote
 
 log = logging.getLogger(__name__)
 

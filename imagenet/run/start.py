@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from imagenet.settings.plan import Plan
-from imagenet.training.inputsize import check_crop_sizes
+from imagenet.training.models import check_crop_sizes
 
 log = logging.getLogger(__name__)
 

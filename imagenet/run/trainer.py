@@ -18,40 +18,39 @@ from torch import nn
 
 import imagenet.checkpoint.disk as disk
 import imagenet.checkpoint.rundir as rundir
-import imagenet.data.resizing as resizing
-import imagenet.launching.timelimit as timelimit
+import imagenet.data.transforms as transforms
 import imagenet.launching.watchdog as watchdog
-import imagenet.settings.recipe as recipe
-from imagenet.checkpoint.good_state import last_good
 from imagenet.checkpoint.resume_from import Decided, decide
-from imagenet.checkpoint.storage import Remote
 from imagenet.data.folder import shutdown_workers
+from imagenet.data.index import image_check
 from imagenet.data.prefetch import device_batches
-from imagenet.data.valcheck import image_check
 from imagenet.errors import NonFiniteLossError, Preempted, on_every_rank
-from imagenet.evaluation.report import Report, for_validation
-from imagenet.evaluation.validate import evaluate
+from imagenet.evaluation.validate import Report, evaluate, for_validation
 from imagenet.launching.collectives import DistInfo
 from imagenet.launching.preemption import StopBetweenBatches, StopFlag, StopRequested
-from imagenet.reporting.logger import RunLogger, print_val_progress
-from imagenet.reporting.stages import FirstBatch, StartClock, slow_stage
-from imagenet.run.build import Run, build_inputs, build_run
+from imagenet.reporting.logger import (
+    FirstBatch,
+    RunLogger,
+    StartClock,
+    print_val_progress,
+    slow_stage,
+)
+from imagenet.run.build import Run, build_inputs, build_run, start_early
 from imagenet.run.checkpointing import finish_saves, resume, save
-from imagenet.run.describe import describe, describe_evaluation, finished
 from imagenet.run.outputs import Outputs
 from imagenet.run.preflight import (
     check_before_training,
     checkpoint_bytes,
+    describe,
+    describe_evaluation,
+    finished,
     nothing_left,
 )
-from imagenet.run.startup import start_early
-from imagenet.settings.decoders import image_backend
 from imagenet.settings.flags import get_args_parser
+from imagenet.settings.images import image_backend
 from imagenet.settings.plan import Plan
-from imagenet.training.compile_cache import graph_cache_counts, graph_signature, open_cache
-from imagenet.training.compiling import graphs_compiled, new_graphs
 from imagenet.training.engine import EpochTotals, Hooks, Step, epoch_metrics, train_one_epoch
-from imagenet.training.models import for_evaluation
+from imagenet.training.models import for_evaluation, graphs_compiled, new_graphs
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +64,11 @@ def run_training(plan: Plan, dist: DistInfo, outputs: Outputs | None = None
     ``outputs``: imagenet.train's caller's hooks (``imagenet.run.outputs``).
     """
     cfg, output_dir = plan.cfg, Path(plan.cfg.output_dir)
-    outs = replace(outputs or Outputs(), remote=Remote.of(plan.staged))
+    outs = outputs or Outputs()
+    if plan.staged is not None:  # object-storage URLs: mirrored through a local folder
+        from imagenet.checkpoint.storage import Remote
+
+        outs = replace(outs, remote=Remote.of(plan.staged))
     # Rank 0 of a training run holds OUTPUT_DIR's lock until the run ends (-e only reads). It
     # claims it once the data and the model are built (a mistyped data folder leaves no trace),
     # or first of all where OUTPUT_DIR is filled from elsewhere: an object-storage
@@ -123,6 +126,8 @@ def start_run(plan: Plan, dist: DistInfo, continues: Decided, clock: StartClock,
         val_check.start()
     compiled = None
     if cfg.compile:
+        from imagenet.training.compile_cache import graph_signature, open_cache
+
         compiled = open_cache(plan.cache_dir, graph_signature(cfg, plan.layout, data.num_classes,
                                                               dist.device), dist.is_main)
     if compiled is not None:  # None: no cache of its own (TORCHINDUCTOR_CACHE_DIR is set)
@@ -136,7 +141,11 @@ def start_run(plan: Plan, dist: DistInfo, continues: Decided, clock: StartClock,
 def recorded_recipe(path: str | None) -> dict[str, Any]:
     """config.json's record of the --config file (``recipe.record``); main.py's parser is
     built again only for a run that has one (to read the file as the flags did)."""
-    return recipe.record(path, get_args_parser()) if path is not None else {}
+    if path is None:
+        return {}
+    from imagenet.settings.recipe import record
+
+    return record(path, get_args_parser())
 
 
 def resume_and_train(run: Run) -> dict[str, float]:
@@ -193,8 +202,13 @@ def evaluate_only(run: Run) -> dict[str, float]:
 
 def train(run: Run, logger: RunLogger) -> dict[str, float]:
     """The epoch loop: train, validate, keep the best, checkpoint, log."""
-    stop = StopFlag(timelimit.deadline(run.plan.time_limit, run.dist.is_main,
-                                       lambda: sum(checkpoint_bytes(run))))
+    deadline = None
+    if run.plan.time_limit is not None:  # --time-limit
+        import imagenet.launching.timelimit as timelimit
+
+        deadline = timelimit.deadline(run.plan.time_limit, run.dist.is_main,
+                                      lambda: sum(checkpoint_bytes(run)))
+    stop = StopFlag(deadline)
     stop.install()
     hooks = Hooks(on_progress=logger.progress_hook(),
                   after_step=first_step_timed(run, logger, saver(run, stop)))
@@ -205,8 +219,8 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
         for epoch in range(run.step.epoch, run.cfg.epochs):
             run.step.epoch = epoch
             graphs = graphs_compiled() if run.cfg.compile else 0
-            cached = graph_cache_counts() if run.cfg.compile else {}
-            crop = resizing.announce(run.plan.crops, epoch, run.cfg.val_crop_size)
+            cached = cache_counts(run)
+            crop = transforms.announce(run.plan.crops, epoch, run.cfg.val_crop_size)
             new_crop = crop.get("train_crop_px") not in crops_seen
             if run.cfg.compile and new_crop and crops_seen and stop.settle(compiles=True):
                 raise stopped(run, stop, "before")  # no time to compile the new size's graphs
@@ -235,7 +249,7 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
                 raise stopped(run, stop, "during the validation of") from None
             if run.cfg.compile:  # in the first epoch only (compiling); a warning otherwise
                 record["compiled_graphs"] = new_graphs(graphs, epoch, expected=new_crop)
-                record.update(compile_cache_counts(cached, graph_cache_counts()))
+                record.update(compile_cache_counts(cached, cache_counts(run)))
                 keep_compiled(run)
             is_best, is_best_ema = track_best(run, validated, record)
             # Save (best files first, the record with it), then log the epoch.
@@ -251,6 +265,8 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
         finish_saves(run)  # the last checkpoint is on disk before the run says it is done
     except NonFiniteLossError as exc:
         run.writer.wait_quietly()  # the last good checkpoint may still be on its way to disk
+        from imagenet.checkpoint.states import last_good
+
         raise on_every_rank(NonFiniteLossError(f"{exc}; {last_good(run.output_dir)}")) from None
     finally:
         close(upcoming)  # stopped before the next epoch: its batches are not needed
@@ -317,7 +333,7 @@ def first_step_timed(run: Run, logger: RunLogger, after_step: AfterStep) -> Afte
             if run.early is not None:
                 record["notes"]["training_batches"] = run.early.outcome
             if run.cfg.compile:  # graphs compiled ("misses") and loaded by the first step
-                record["compile_cache"] = graph_cache_counts()
+                record["compile_cache"] = cache_counts(run)
             log.info("%s", StartClock.line(record))
             logger.record_start(record)
         keep_compiled(run)
@@ -331,6 +347,15 @@ def keep_compiled(run: Run) -> None:
     steps, where nothing is being compiled)."""
     if run.compile_cache is not None:
         run.compile_cache.save_if_compiled(run.plan.crops.size(run.step.epoch))
+
+
+def cache_counts(run: Run) -> dict[str, int]:
+    """--compile: inductor's cache hits and misses so far ({} without --compile)."""
+    if not run.cfg.compile:
+        return {}
+    from imagenet.training.compile_cache import graph_cache_counts
+
+    return graph_cache_counts()
 
 
 def compile_cache_counts(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -364,7 +389,9 @@ def stopped(run: Run, stop: StopFlag, when: str = "") -> Preempted:
     where = f"{when} epoch {run.step.epoch}" if when else \
         f"at epoch {run.step.epoch} step {run.step.step_in_epoch}"
     if stop.by_time_limit:
-        return timelimit.reached(where, run.output_dir, stop.deadline)
+        from imagenet.launching.timelimit import reached
+
+        return reached(where, run.output_dir, stop.deadline)
     return Preempted(f"stopped by {stop.reason} {where}; "
                      f"checkpoint saved in {run.output_dir}; resume with --resume auto")
 

@@ -18,8 +18,12 @@ from typing import Any
 from urllib.parse import urlparse
 
 from imagenet.errors import UsageError
-from imagenet.settings.choices import check_arch, check_trackers_installed, parse_log_to
-from imagenet.settings.duration import parse_time_limit
+from imagenet.settings.choices import (
+    check_arch,
+    check_trackers_installed,
+    parse_log_to,
+    parse_time_limit,
+)
 
 GROUPS = ("recipe", "data", "model", "optimisation", "distributed", "checkpointing", "logging")
 AUTO_AUGMENT = ("ra", "ta_wide", "augmix", "imagenet")

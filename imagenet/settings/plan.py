@@ -7,29 +7,52 @@ a launcher started, and in ``imagenet.train``. Every stage after it reads ``Plan
 reads the launchers' variables (RANK, MASTER_*, SLURM_*, TORCHELASTIC_*), and none derives a
 setting from the flags again (the per-process batch and workers, the crop of each epoch, where
 JPEGs are decoded, whether this is a restart, where the processes meet).
+
+Where an object-storage --output-dir, --resume or --predictions is on this node: the plan
+replaces each URL by a local path once (``stage``), and every later stage reads those paths;
+``checkpoint.storage.Remote`` mirrors them to the URLs.
+
+Every process computes the same paths. They lie in a folder of this user's own,
+``$TMPDIR/imagenet-trainer-<uid>`` (0700): ``stage`` makes it, or refuses one that another user
+owns or could write into (a shared folder let one user's run fail every other user's and
+take files another user had left, its folder index included, for its own).
+
+Where a job's processes meet: torch's init_method and rank 0's store, decided once by the plan
+(``settings.plan``) from --dist-url or the launcher's MASTER_ADDR/PORT; ``launching.process_group``
+joins there. Pure: the environment is read, never written.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import re
+import socket
+import stat
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
 from imagenet.errors import UsageError
-from imagenet.settings.crops import CropSchedule, crop_schedule
-from imagenet.settings.decoders import Decoding, choose_decoding
+from imagenet.settings.choices import end_time, no_end_note
 from imagenet.settings.devices import Accelerator, as_accelerator
-from imagenet.settings.duration import end_time, no_end_note
 from imagenet.settings.flags import CACHE, Config, cpu_per_image_flags
+from imagenet.settings.images import (
+    CropSchedule,
+    Decoding,
+    choose_decoding,
+    crop_schedule,
+    data_format,
+    is_url,
+)
 from imagenet.settings.launch import Launch, Layout, Ranks, plan_job
-from imagenet.settings.rendezvous import Rendezvous, rendezvous
-from imagenet.settings.sources import data_format
-from imagenet.settings.staging import Staging, stage
+from imagenet.settings.slurm import first_slurm_host, is_slurm_job_step
 
 
 @dataclass(frozen=True)
@@ -288,3 +311,157 @@ def fixed_plan(cfg: Config, layout: Layout, device_type: str = "cpu") -> Plan:
                 lr_rule=lr_rule, staged=staged, cache_dir=cache_dir(cfg),
                 decoding=choose_decoding(cfg),
                 accel=Accelerator(device_type, 1) if device_type != "cpu" else Accelerator())
+
+
+# ---- where an object-storage --output-dir, --resume or --predictions is on this node: the plan
+
+@dataclass(frozen=True)
+class Staging:
+    """The URLs of a run and their local stand-ins."""
+
+    output_url: str | None
+    staging: Path | None  # the local folder that stands for output_url
+    resume_url: str | None = None
+    resume_local: Path | None = None
+    uploads: dict[str, Path] = field(default_factory=dict)  # URL -> local file, outside staging
+
+
+def staging_root() -> Path:
+    """This user's folder of staging folders on this node."""
+    return Path(tempfile.gettempdir()) / f"imagenet-trainer-{os.geteuid()}"
+
+
+def staging_dir(url: str, evaluate: bool = False) -> Path:
+    """The local folder that stands for ``url`` on this node (the same on every rank);
+    ``evaluate``: -e's own, apart from a training run's."""
+    digest = hashlib.sha1(url.encode()).hexdigest()[:12]
+    tail = re.sub(r"[^A-Za-z0-9._-]+", "_", url.rstrip("/").rsplit("/", 1)[-1])[:40]
+    return staging_root() / f"{tail}-{digest}{'-eval' if evaluate else ''}"
+
+
+def make_private(root: Path, flag: str) -> None:
+    """Make ``root`` (0700), or check that the one there is this user's and that no one else can
+    write into it; UsageError naming ``flag`` (the URL that needs it) otherwise."""
+    try:
+        root.mkdir(mode=0o700)
+        root.chmod(0o700)  # whatever the umask
+        return
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise UsageError(f"{flag}: cannot create the staging folder {root} ({exc.strerror}); "
+                         "set TMPDIR to a folder you can write") from None
+    st = root.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        problem = "is not a folder (a link or a file)"
+    elif st.st_uid != os.geteuid():
+        problem = f"belongs to user {st.st_uid}"
+    elif st.st_mode & 0o022:
+        problem = "is writable by others"
+    else:
+        root.chmod(0o700)  # this user's own: readable by this user alone, too
+        return
+    raise UsageError(f"{flag}: the staging folder {root} {problem}, so files someone else put "
+                     f"there could be taken for this run's; set TMPDIR to a folder of your "
+                     f"own, or have {root} removed")
+
+
+def stage(cfg: Config) -> tuple[Config, Staging | None]:
+    """``cfg`` with a URL --output-dir / --resume / --predictions replaced by local paths, and
+    the URLs they stand for (None: no URL)."""
+    output_url = cfg.output_dir.rstrip("/") if is_url(cfg.output_dir) else None
+    resume_url = cfg.resume if is_url(cfg.resume) else None
+    predictions_url = cfg.predictions if is_url(cfg.predictions) else None
+    if output_url is None and resume_url is None and predictions_url is None:
+        return cfg, None
+    if output_url and cfg.sharded_checkpoint:
+        raise UsageError(f"--sharded-checkpoint: every rank writes its shards into "
+                         f"--output-dir, which {output_url} cannot collect; give a shared "
+                         "filesystem path, or drop --sharded-checkpoint")
+    make_private(staging_root(), f"--output-dir {output_url}" if output_url else
+                 f"--resume {resume_url}" if resume_url else f"--predictions {predictions_url}")
+    staging = staging_dir(output_url, cfg.evaluate) if output_url else None
+    changes: dict[str, str] = {}
+    if staging is not None:
+        changes["output_dir"] = str(staging)
+    resume_local = None
+    if resume_url:
+        resume_local = local_path(resume_url, output_url, staging, cfg.evaluate)
+        changes["resume"] = str(resume_local)
+    uploads = {}
+    if predictions_url:
+        local = local_path(predictions_url, output_url, staging, cfg.evaluate)
+        changes["predictions"] = str(local)
+        if staging is None or not local.is_relative_to(staging):
+            uploads[predictions_url] = local  # not part of OUTPUT_DIR's folder: on its own
+    return replace(cfg, **changes), Staging(output_url, staging, resume_url, resume_local,
+                                            uploads)
+
+
+def local_path(url: str, output_url: str | None, staging: Path | None, evaluate: bool) -> Path:
+    """Where the file at ``url`` is on this node: in the staging folder when it is inside the
+    --output-dir URL, else in a folder of its own."""
+    if staging is not None and output_url is not None and url.startswith(output_url + "/"):
+        return staging / url[len(output_url) + 1:]
+    return staging_dir(url, evaluate) / url.rstrip("/").rsplit("/", 1)[-1]
+
+
+# ------------------------------------- where the processes meet: init_method and rank 0's store
+
+def free_port() -> int:
+    """A TCP port on loopback that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where a job's processes meet: torch's init_method, and rank 0's store."""
+
+    init_method: str  # --dist-url as given, or env:// (MASTER_ADDR/PORT)
+    host: str = ""  # rank 0's store ("" and None: none known, as with a file:// --dist-url)
+    port: int | None = None
+
+    def variables(self) -> dict[str, str]:
+        """MASTER_ADDR/PORT as torch's env:// reads them: what mp.spawn's children are given."""
+        if self.init_method != "env://" or self.port is None:
+            return {}
+        return {"MASTER_ADDR": self.host, "MASTER_PORT": str(self.port)}
+
+
+def rendezvous(cfg: Config, launch: Launch, env: Mapping[str, str],
+               creates_group: bool = True) -> Rendezvous:
+    """Where the processes meet: --dist-url, or (env://) the launcher's MASTER_ADDR/PORT, rank 0's
+    node and a port from the job id under srun, a free loopback port for a one-node mp.spawn.
+
+    ``creates_group``: False where no process group is created here (one process, or the
+    caller's group): then only what the launcher said, nothing derived, and no error.
+    """
+    if cfg.dist_url != "env://":
+        url = urlparse(cfg.dist_url)  # checked by the flags (settings.flags.check_dist_url)
+        if url.scheme == "tcp":
+            return Rendezvous(cfg.dist_url, url.hostname or "", url.port)
+        return Rendezvous(cfg.dist_url)
+    given = {k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT") if k in env}
+    if creates_group and launch.mode in ("env", "spawn") and is_slurm_job_step(env) \
+            and "RANK" not in env:
+        # The step's nodes: an srun inside a larger allocation may not start on its first node.
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
+        given.setdefault("MASTER_ADDR", first_slurm_host(nodes))
+        # Every task must agree on the port without talking: derive it from the job id.
+        given.setdefault("MASTER_PORT", str(15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    if creates_group and len(given) < 2:
+        if launch.mode == "spawn" and launch.nnodes == 1:
+            # Single-node fallback: rank 0 is this machine; pick a free loopback port.
+            given.setdefault("MASTER_ADDR", "127.0.0.1")
+            given.setdefault("MASTER_PORT", str(free_port()))
+        else:
+            raise UsageError("--dist-url env:// needs MASTER_ADDR and MASTER_PORT for a "
+                             "multi-node or manual run; give --dist-url tcp://HOST:PORT of "
+                             "rank 0 or export both variables")
+    port = given.get("MASTER_PORT", "")
+    valid = port.isdigit() and 0 < int(port) < 65536
+    if creates_group and not valid:
+        raise UsageError(f"MASTER_PORT={port} is not a port: give a number from 1 to 65535")
+    return Rendezvous("env://", given.get("MASTER_ADDR", ""), int(port) if valid else None)

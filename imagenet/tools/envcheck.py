@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from imagenet.errors import INTERRUPTED_EXIT_CODE, TrainerError, UsageError, report
-from imagenet.settings import decoders, devices
+from imagenet.settings import devices, images
 from imagenet.settings.flags import Config, parse_config
 from imagenet.settings.launch import choose_backend, device_type_of
 from imagenet.tools.envprobe import FB_BATCH, RANDOM_NUMEL, STARTUP_S, Plan, run_probes
@@ -82,7 +82,7 @@ def library_lines(cfg: Config) -> list[str]:
     """torchvision, CUDA, cuDNN and NCCL versions, the accelerator and the JPEG decoder."""
     import torchvision
 
-    decoding = decoders.choose_decoding(cfg)
+    decoding = images.choose_decoding(cfg)
 
     cuda = torch.version.cuda or "none (CPU-only build)"
     if torch.version.hip:
@@ -99,7 +99,7 @@ def library_lines(cfg: Config) -> list[str]:
             f"NCCL        {nccl}",
             f"Accelerator {devices.detect().describe()} (torch.accelerator)",
             f"Decoder     {decoding.name} ({decoding.why}); TorchCodec "
-            f"{'installed' if decoders.torchcodec_installed() else 'not installed'}",
+            f"{'installed' if images.torchcodec_installed() else 'not installed'}",
             f"Parquet     pyarrow {installed('pyarrow')} (--data-format parquet); Hugging Face Hub "
             f"client {installed('huggingface_hub')} (hf:// data)"]
 

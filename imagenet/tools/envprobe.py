@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from imagenet.settings import devices
-from imagenet.settings.rendezvous import free_port
+from imagenet.settings.plan import free_port
 
 FB_BATCH, FB_PIXELS = 8, 64  # forward/backward probe: small, so the check takes seconds
 FB_SECONDS = 0.5  # measure forward/backward steps for about this long (at least 2)

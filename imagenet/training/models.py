@@ -1,11 +1,44 @@
-"""Build a torchvision model by name and load its weights; wrap it for training and unwrap it."""
+"""Build a torchvision model by name and load its weights; wrap it for training and unwrap it.
+
+Crop sizes the model accepts, found by running it on the meta device (shapes only: no memory,
+no arithmetic), so that a crop too small for ``-a`` fails before any data is read or process
+started, naming the size the model needs.
+
+The model answers for itself rather than a table: torchvision adds architectures, and a table
+would have to know each one's pooling arithmetic. Measured on torchvision 0.29: convolutional
+nets accept every size from a minimum up (AlexNet 63 px, Inception-v3 75 px, the rest 32 px or
+less); ViT and MaxViT take only the size they were built for (224 px: their position
+embeddings and attention partitions are fixed at construction, not interpolated at run time).
+
+--compile: torch.compile with one static graph per batch shape, compiled in the first epoch.
+
+Static shapes (``dynamic=False``): the last, smaller batch of an epoch and the validation
+batches get graphs of their own, compiled once, in the first epoch. With torch's automatic
+dynamic shapes the last batch would instead recompile the model for any batch size, and every
+later step would run that dynamic graph (slower kernels, no CUDA graphs). Dynamo keeps at most
+``recompile_limit`` graphs per Python function; under --fsdp every block's forward is a frame of
+its own, so one function holds a graph per block shape and batch shape: ResNet-50 needs 32
+(8 block shapes x train/eval x full/last batch; measured), beyond torch's default of 8, after
+which the blocks silently run uncompiled. ``RECOMPILE_LIMIT`` leaves room for that, for every
+training crop size of a progressive-resizing run (``resolution``): each size brings its own
+graphs, compiled in the first epoch that uses it.
+
+DDP is compiled from the outside (``torch.compile(DDP(model))``), as torch's DDP documentation
+asks: Dynamo's DDPOptimizer then splits the graph at DDP's gradient buckets so that each
+bucket's all-reduce overlaps the rest of the backward. Validation runs the model without DDP
+(``models.for_evaluation``): its compiled twin is kept here, one per training model.
+
+A call that compiles (``compiles``: a batch shape's first) does not count toward --hang-timeout:
+the engine pauses the hang watch around it (``launching.watchdog.paused``).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -15,13 +48,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel
 
-import imagenet.training.comm_hooks as comm_hooks
 import imagenet.training.fsdp as fsdp
 from imagenet.errors import RunError, UsageError
 from imagenet.launching.collectives import DistInfo
 from imagenet.settings.choices import TIMM_PREFIX
 from imagenet.settings.flags import Config
-from imagenet.training.compiling import compile_ddp, compile_model, evaluation_twin
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +181,8 @@ def wrap(raw: nn.Module, cfg: Config, dist: DistInfo, ema: AveragedModel | None 
     model = DDP(model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb,
                 gradient_as_bucket_view=True)
     settle_buckets(model, sizes[0])  # before a comm hook: it would count this step
+    import imagenet.training.comm_hooks as comm_hooks
+
     comm_hooks.register_comm_hook(model, raw, cfg, dist.backend or "gloo")
     if dist.is_main:
         comm_hooks.log_payload(raw, cfg, dist.world_size)
@@ -230,3 +263,133 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+# ---- crop sizes the model accepts, found by running it on the meta device (shapes only: no memory,
+
+LARGEST = 1024  # px: the largest crop tried when looking for a model's minimum
+BUILT_FOR = 224  # px: the size torchvision builds its models for, unless they say otherwise
+
+
+def accepts(model: nn.Module, size: int) -> bool:
+    """Whether ``model`` runs on a ``size`` x ``size`` image (on the meta device)."""
+    try:
+        with torch.no_grad():
+            model(torch.empty(1, 3, size, size, device="meta"))
+        return True
+    except Exception:  # too small: RuntimeError (conv, pool), AssertionError (ViT), ValueError
+        return False
+
+
+def smallest_above(model: nn.Module, size: int) -> int | None:
+    """The smallest size above ``size`` that ``model`` accepts, for models that accept every
+    size from a minimum up; None when none up to LARGEST does."""
+    if size >= LARGEST:
+        return None
+    high = size
+    while not accepts(model, high := min(high * 2, LARGEST)):
+        if high == LARGEST:
+            return None
+    low = size  # rejected; ``high`` accepted
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if accepts(model, middle) else (middle, high)
+    return high
+
+
+def check_crop_sizes(arch: str, crops: Mapping[str, int]) -> None:
+    """UsageError naming the size ``-a``/``arch`` needs when a crop flag gives it one it cannot
+    take (``crops``: the size each crop flag feeds the model, ``Plan.crop_flags``)."""
+    from imagenet.training.models import build_model  # torchvision: imported only when a run starts
+
+    try:
+        with torch.device("meta"):
+            model = build_model(arch, num_classes=10).eval()
+    except Exception as exc:  # e.g. RegNet's init copies data; the real build reports errors
+        log.debug("crop sizes not checked: -a %s cannot be built on the meta device (%s)",
+                  arch, exc)
+        return
+    taken = {size: accepts(model, size) for size in set(crops.values())}  # one forward each
+    bad = {flag: size for flag, size in crops.items() if not taken[size]}
+    if not bad:
+        return
+    given = " and ".join(f"{flag} {size}" for flag, size in bad.items())
+    least = smallest_above(model, max(bad.values()))
+    if least is not None:
+        wanted = " and ".join(f"{flag} {least}" for flag in bad)
+        raise UsageError(f"{given}: too small for -a {arch}, which needs crops of at least "
+                         f"{least} px; give {wanted} or more")
+    built = getattr(model, "image_size", BUILT_FOR)
+    if isinstance(built, int) and accepts(model, built):
+        raise UsageError(f"{given}: -a {arch} takes crops of exactly {built} px (the size "
+                         f"it is built for); give --train-crop-size {built} and "
+                         f"--val-crop-size {built}")
+    log.debug("crop sizes not checked: -a %s accepts none of the sizes tried", arch)
+
+
+# ---- --compile: torch.compile with one static graph per batch shape, compiled in the first epoch
+
+RECOMPILE_LIMIT = 64  # graphs per function; see the module docstring
+
+_EVALUATION: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+_SHAPES: weakref.WeakKeyDictionary[nn.Module, set] = weakref.WeakKeyDictionary()  # ``compiles``
+
+
+def compile_model(model: nn.Module, backend: str | Callable = "inductor",
+                  crop_sizes: int = 1, mode: str = "default") -> nn.Module:
+    """``model`` compiled with static shapes (a graph per batch shape), with room for the
+    graphs of ``crop_sizes`` training crop sizes; ``mode``: inductor's (--compile-mode:
+    "reduce-overhead" replays CUDA graphs), for the inductor backend only."""
+    import torch._dynamo  # only when compiling: importing Dynamo takes a while
+
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT * crop_sizes)
+    if backend == "inductor" and mode != "default":
+        return torch.compile(model, dynamic=False, backend=backend, mode=mode)
+    return torch.compile(model, dynamic=False, backend=backend)
+
+
+def compile_ddp(ddp: nn.Module, backend: str | Callable = "inductor",
+                crop_sizes: int = 1, mode: str = "default") -> nn.Module:
+    """A DDP module compiled from the outside, and its inner module compiled for validation."""
+    compiled = compile_model(ddp, backend, crop_sizes, mode)
+    _EVALUATION[compiled] = compile_model(ddp.module, backend, crop_sizes, mode)
+    return compiled
+
+
+def evaluation_twin(model: nn.Module) -> nn.Module | None:
+    """The compiled module without DDP that validates ``model`` (from ``compile_ddp``)."""
+    return _EVALUATION.get(model)
+
+
+def compiles(model: nn.Module, *batches: torch.Tensor) -> bool:
+    """Whether calling ``model`` on ``batches`` (a step's micro-batches) compiles: the first call
+    of a compiled model with these batch shapes in this mode (training, evaluation), each of
+    which gets a static graph of its own. An uncompiled model never compiles."""
+    if not hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+        return False
+    key = (model.training, *(tuple(batch.shape) for batch in batches))
+    seen = _SHAPES.setdefault(model, set())
+    if key in seen:
+        return False
+    seen.add(key)
+    return True
+
+
+def graphs_compiled() -> int:
+    """Graphs Dynamo has compiled in this process so far (torch's own counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def new_graphs(before: int, epoch: int, expected: bool) -> int:
+    """Graphs compiled since ``before`` (``graphs_compiled``). Unless ``expected`` (this
+    process's first epoch, or the first at a new crop size) any is a warning: a batch shape not
+    seen before, each costing minutes on a GPU."""
+    count = graphs_compiled() - before
+    if count and not expected:
+        log.warning("torch.compile compiled %d new graph(s) in epoch %d: a batch shape it had "
+                    "not seen (e.g. a resumed epoch's last batch; --debug with "
+                    "TORCH_LOGS=recompiles says which)", count, epoch)
+    return count

@@ -28,7 +28,7 @@ from imagenet.data.shards.plan import STREAMS, train_batches_per_rank
 from imagenet.data.shards.reader import ShardBatchSampler, ShardSamples, ShardTrain
 from imagenet.data.shards.sources import resolve
 from imagenet.errors import DataError, UsageError
-from imagenet.settings.decoders import image_backend
+from imagenet.settings.images import image_backend
 from imagenet.settings.plan import Plan
 
 __all__ = ["build_shard_data"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from imagenet.data.shards.parquet import open_reader
 from imagenet.data.shards.sources import ShardList
 from imagenet.data.shards.tarreader import ShardError
-from imagenet.settings.sources import is_remote
+from imagenet.settings.images import is_remote
 
 
 def first_bad_shard(shards: ShardList, rank: int, world_size: int) -> ShardError | None:

@@ -28,7 +28,7 @@ from imagenet.data.shards.sources import ShardList, ShardSet
 from imagenet.data.shards.streams import open_shard
 from imagenet.data.shards.tarreader import IMAGE_EXTENSIONS, SampleReader, ShardError
 from imagenet.errors import DataError, UsageError
-from imagenet.settings.sources import is_url
+from imagenet.settings.images import is_url
 
 PARQUET_EXTRA = "pip install 'imagenet-trainer[parquet]'"
 TRAIN_SPLIT = "train"

@@ -21,12 +21,12 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 import imagenet.data.transforms as T
 from imagenet.data import device
-from imagenet.data.resizing import follow_epoch
 from imagenet.data.samplers import seeded_call
 from imagenet.data.shards.parquet import ParquetReader, open_reader
 from imagenet.data.shards.plan import BLOCK, STREAMS, EpochPlan, train_batches_per_rank
 from imagenet.data.shards.sources import ShardList
 from imagenet.data.shards.tarreader import IMAGE_EXTENSIONS, SampleReader, ShardError
+from imagenet.data.transforms import follow_epoch
 from imagenet.errors import RunError
 
 WANTED = frozenset((*IMAGE_EXTENSIONS, "cls"))

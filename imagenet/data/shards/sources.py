@@ -31,7 +31,7 @@ from pathlib import Path
 from imagenet.data.shards.streams import CommandFailed, open_shard, read_small_file
 from imagenet.data.shards.tarreader import SampleReader
 from imagenet.errors import DataError, UsageError
-from imagenet.settings.sources import INFO_NAMES, is_remote, is_shard_pattern
+from imagenet.settings.images import INFO_NAMES, is_remote, is_shard_pattern
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from typing import BinaryIO
 
 import imagenet.data.objectstore as objectstore
 from imagenet.data.shards.tarreader import ShardError
-from imagenet.settings.sources import is_url
+from imagenet.settings.images import is_url
 
 ATTEMPTS = 3  # tries per download
 BACKOFF = 1.0  # seconds before the second try, doubled for each further one
