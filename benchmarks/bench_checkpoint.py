@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from imagenet.checkpoint import files  # noqa: E402
 from imagenet.checkpoint.resume_from import Decided  # noqa: E402
-from imagenet.launching.collectives import DistInfo  # noqa: E402
 from imagenet.launching.preemption import StopFlag  # noqa: E402
+from imagenet.launching.process_group import DistInfo  # noqa: E402
 from imagenet.run import (
     checkpointing,  # noqa: E402
     trainer,  # noqa: E402

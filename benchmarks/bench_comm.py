@@ -146,8 +146,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torchvision
 
-    from imagenet.launching.collectives import DistInfo
-    from imagenet.launching.process_group import set_socket_interface
+    from imagenet.launching.process_group import DistInfo, set_socket_interface
     from imagenet.settings.flags import parse_config
     from imagenet.training.models import wrap
 

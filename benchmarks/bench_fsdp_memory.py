@@ -45,7 +45,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torchvision
 
-    from imagenet.launching.collectives import DistInfo
+    from imagenet.launching.process_group import DistInfo
     from imagenet.settings.flags import parse_config
     from imagenet.settings.launch import Layout
     from imagenet.training.engine import Step, train_one_epoch

@@ -32,7 +32,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from imagenet.launching.collectives import DistInfo  # noqa: E402
+from imagenet.launching.process_group import DistInfo  # noqa: E402
 from imagenet.settings.flags import parse_config  # noqa: E402
 from imagenet.settings.launch import Layout  # noqa: E402
 from imagenet.settings.plan import free_port  # noqa: E402

@@ -63,7 +63,7 @@ def loaders(data: str, workers: int, world: int = 1):
     """The trainer's Data for ``data`` (a folder, shard folder or URL), one rank of ``world``."""
     import torch
 
-    from imagenet.launching.collectives import DistInfo
+    from imagenet.launching.process_group import DistInfo
     from imagenet.run.build import load_data
     from imagenet.settings.flags import parse_config
     from imagenet.settings.launch import Layout

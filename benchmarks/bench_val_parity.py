@@ -4,7 +4,7 @@ Validation on the fast path (libjpeg-turbo decode, uint8 v2 Resize + CenterCrop,
 must reach the PIL path's accuracy within a small tolerance on the same model. This
 script evaluates one model on one list of val images with both backends, in lockstep, through the
 trainer's own pieces (``data.image_folder``, ``transforms.val_transform``, ``transforms.normalize``,
-``metrics.topk_correct``), and prints top-1/top-5 of each, their difference, the per-image top-1
+``engine.topk_correct``), and prints top-1/top-5 of each, their difference, the per-image top-1
 agreement, and how far the input crops themselves differ. Run by hand (not a test)::
 
     # No model given: draws the demo shapes data set at 112 px (validation then really resizes,

@@ -6,11 +6,11 @@
   api         imagenet.train(argv): main.py's run in this process (Ray Train calls it).
   settings/   the flags, a recipe file and the launcher's environment resolved once into a
               ``Plan`` (launch, layout, crop schedule, data format, decode path, time limit).
-  launching/  the processes join (rendezvous), agree (collectives), fail together (failures)
+  launching/  the processes join and agree (process_group), fail together (failures)
               and stop together (preemption, time limit).
   run/        one process's run: build the ``Run``, resume it, check it can finish, train
               epoch by epoch, save. The only package that knows ``Run``.
-  evaluation/ validation beyond top-1: TTA, per-image predictions, the per-class report.
+  evaluation/ validation: the loop, TTA, per-image predictions, the per-class report.
   checkpoint/ checkpoint files and the run folder that holds them (lock, history, storage).
   training/   the step: engine, model, optimizer, compile, FSDP, comm hooks, fine-tuning.
   data/       folders and tar shards to batches on the device, exactly and resumably.

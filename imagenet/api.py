@@ -38,12 +38,12 @@ from imagenet.launching.failures import stop_together
 from imagenet.launching.process_group import cleanup, init_distributed, owns_group
 from imagenet.reporting.logger import console
 from imagenet.run.outputs import Outputs, Saved
-from imagenet.run.start import check_start
 from imagenet.settings import devices
 from imagenet.settings.devices import Accelerator
 from imagenet.settings.flags import Config, parse_config
 from imagenet.settings.launch import Launch, plan_launch
 from imagenet.settings.plan import make_plan
+from imagenet.training.models import check_start
 
 __all__ = ["Saved", "train"]
 

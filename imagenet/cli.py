@@ -21,10 +21,10 @@ from imagenet.launching.preemption import (
 )
 from imagenet.launching.process_group import cleanup, init_distributed
 from imagenet.reporting.logger import preload_writers, setup_logging, startup_notes
-from imagenet.run.start import check_start
 from imagenet.settings import devices
 from imagenet.settings.flags import parse_config
 from imagenet.settings.plan import Plan, make_plan
+from imagenet.training.models import check_start
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PREEMPTED_BY = {sig.name for sig in FORWARDED_SIGNALS}  # a child dead of these: preempted
@@ -254,7 +254,7 @@ def child_exit(index: int, exit_code: int | None, signal_name: str | None) -> tu
 def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int:
     """The command line entry point: returns the process exit code. ``own_process`` (main.py):
     the process ends when this returns, so a teardown that never ends is ended
-    (``teardown.exit_within``); an in-process caller's process is never."""
+    (``launching.failures.exit_within``); an in-process caller's process is never."""
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # main.py's already
     try:
         return _main(argv, own_process)

@@ -17,7 +17,7 @@ from helpers import gloo_rank_saving, tiny_engine, uint8_batches
 from torch import nn
 
 from imagenet.evaluation.validate import evaluate
-from imagenet.launching.collectives import DistInfo
+from imagenet.launching.process_group import DistInfo
 from imagenet.settings.flags import parse_config
 from imagenet.settings.plan import free_port
 from imagenet.training.engine import Step, train_one_epoch

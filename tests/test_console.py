@@ -79,7 +79,7 @@ def test_slow_start_up_stages_say_what_they_do(global_batch_runs):
     _, first, _ = global_batch_runs  # IMAGENET_NOTICE_AFTER=0: every stage counts as slow
     lines = first.splitlines()
     # The training loader starts as soon as the data set is listed: its worker fetches while
-    # the model is built and the checks run (run.startup).
+    # the model is built and the checks run (run.build).
     expected = ["=> reading the data set",
                 "=> found 3 classes, 24 training images per epoch and 9 validation images (",
                 "=> starting the training loader (1 worker process(es)) ...",

@@ -105,7 +105,7 @@ def test_train_raises_usage_errors_instead_of_exiting(argv, words):
 
 def test_train_makes_main_py_s_start_checks(tmp_path, capsys):
     """imagenet.train checks what main.py checks before any data is read (one start check,
-    ``run.start.check_start``): crops too small for the model (the data folder does not even
+    ``training.models.check_start``): crops too small for the model (the data folder does not even
     exist here), and it says the plan's notes (srun tasks that SLURM did not launch)."""
     missing = str(tmp_path / "no-data")
     with pytest.raises(UsageError, match="too small for -a alexnet, which needs crops of at "

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from imagenet.errors import UsageError
 from imagenet.launching.process_group import interface_to, set_socket_interface
+from imagenet.settings.choices import first_slurm_host
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import (
     Launch,
@@ -31,7 +32,6 @@ from imagenet.settings.launch import (
     resolve_ranks,
 )
 from imagenet.settings.plan import Rendezvous, choose_device, free_port, rendezvous
-from imagenet.settings.slurm import first_slurm_host
 
 
 def cfg_of(*argv: str):

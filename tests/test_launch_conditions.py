@@ -13,11 +13,11 @@ from helpers import TINY18, child_env, load_checkpoint, main_cmd, run_main, run_
 
 from imagenet.checkpoint.states import cuda_state_to_restore
 from imagenet.errors import UsageError
+from imagenet.settings.choices import unlaunched_slurm_tasks
 from imagenet.settings.devices import cpu_flags, native_bf16, slow_bf16_warning
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import plan_launch, resolve_ranks
 from imagenet.settings.plan import free_port
-from imagenet.settings.slurm import unlaunched_slurm_tasks
 
 DUMMY = ["--dummy", "--dummy-size", "16", "--dummy-val-size", "4", "--dummy-classes", "3"]
 

@@ -107,8 +107,9 @@ def test_the_layout_test_sees_a_circle_and_a_wrong_way_import():
 @pytest.mark.slow
 def test_a_folder_run_imports_no_feature_it_does_not_use():
     """Each process that trains imports the trainer (each mp.spawn rank, each torchrun worker):
-    tar shards and Parquet, torch.distributed.checkpoint (--sharded-checkpoint, --fsdp's state)
-    and the device decode path are imported only when a run uses them (issue 42)."""
+    tar shards and Parquet, torch.distributed.checkpoint (--sharded-checkpoint, --fsdp's state),
+    the device decode path and every feature below are imported only when a run uses them
+    (issue 42: ``benchmarks/start_path.py`` counts the modules a run enters)."""
     import subprocess
     import sys
 
@@ -117,7 +118,13 @@ def test_a_folder_run_imports_no_feature_it_does_not_use():
     code = ("import sys, imagenet.cli, imagenet.run.trainer, imagenet.run.build; "
             "print(sorted(m for m in sys.modules if m.startswith(('imagenet.data.shards', "
             "'torch.distributed.checkpoint', 'imagenet.data.device', "
-            "'imagenet.checkpoint.dcpread', 'imagenet.checkpoint.sharded'))))")
+            "'imagenet.checkpoint.dcpread', 'imagenet.checkpoint.sharded', "
+            "'imagenet.checkpoint.dcpfiles', 'imagenet.checkpoint.weights', "
+            "'imagenet.checkpoint.storage', 'imagenet.data.objectstore', "
+            "'imagenet.training.fsdp', 'imagenet.training.comm_hooks', "
+            "'imagenet.training.compile_cache', 'imagenet.training.finetune', "
+            "'imagenet.reporting.trackers', 'imagenet.launching.timelimit', "
+            "'imagenet.settings.recipe'))))")
     ran = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env=child_env(), timeout=120)
     assert ran.returncode == 0, ran.stderr

@@ -17,7 +17,7 @@ import imagenet.run.trainer as trainer
 from imagenet.checkpoint.resume_from import Decided
 from imagenet.data.prefetch import DeviceBatches, device_batches
 from imagenet.errors import DataError
-from imagenet.launching.collectives import DistInfo
+from imagenet.launching.process_group import DistInfo
 from imagenet.reporting.logger import RunLogger
 from imagenet.run.build import build_run
 from imagenet.run.checkpointing import resume

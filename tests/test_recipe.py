@@ -24,7 +24,7 @@ from imagenet.checkpoint.resume_from import Decided
 from imagenet.data import transforms as T
 from imagenet.errors import UsageError
 from imagenet.evaluation.validate import evaluate
-from imagenet.launching.collectives import DistInfo
+from imagenet.launching.process_group import DistInfo
 from imagenet.run.build import Run, build_run
 from imagenet.settings.flags import parse_config
 from imagenet.settings.launch import Layout

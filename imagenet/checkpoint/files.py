@@ -23,9 +23,8 @@ import torch
 
 import imagenet.checkpoint.disk as disk
 import imagenet.launching.watchdog as watchdog
-import imagenet.training.fsdp as fsdp
 from imagenet.errors import CheckpointError, UsageError
-from imagenet.training.models import without_dropped_aux
+from imagenet.training.models import is_sharded, without_dropped_aux
 
 log = logging.getLogger(__name__)
 
@@ -389,7 +388,9 @@ def load_model_state(model: torch.nn.Module, ckpt: Mapping[str, Any], path: Path
                         f"{own[key].shape[0]})")
             raise CheckpointError(f"{path}: '{key}' has shape {tuple(value.shape)} but the "
                                   f"model expects {tuple(own[key].shape)}{hint}")
-    if fsdp.is_sharded(model):
+    if is_sharded(model):
+        from imagenet.training import fsdp  # imported by --fsdp runs only
+
         fsdp.load_model_state(model, state)  # every rank checked it above: none fails alone
     else:
         model.load_state_dict(state, strict=True)

@@ -32,7 +32,7 @@ import imagenet.errors as errors
 from imagenet.checkpoint import files
 from imagenet.checkpoint.rundir import CONFIG
 from imagenet.errors import TrainerError, UsageError, on_every_rank
-from imagenet.launching.collectives import DistInfo
+from imagenet.launching.process_group import DistInfo
 from imagenet.settings.flags import Config
 from imagenet.settings.launch import Layout
 
@@ -264,7 +264,7 @@ def broadcast_weights(*modules: nn.Module | None) -> None:
                 dist.broadcast(tensor, src=0)
 
 
-# ---- run-defining flags: those that differ from the checkpoint's, and those every rank must share
+# ------------------------------------- the run-defining flags that differ from the checkpoint's
 
 # Flags that say how or where this invocation runs, not what is trained: changing them on a resume
 # is routine (another node's paths and ranks, other loader workers, more or fewer logs). Every

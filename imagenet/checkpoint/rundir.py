@@ -30,7 +30,7 @@ from pathlib import Path
 
 from imagenet.checkpoint import files
 from imagenet.errors import RunError, UsageError
-from imagenet.launching.collectives import DistInfo, on_rank0
+from imagenet.launching.process_group import DistInfo, on_rank0
 from imagenet.reporting.logger import METRICS
 from imagenet.reporting.results import FILES as REPORTS
 from imagenet.reporting.results import RUN_IDS

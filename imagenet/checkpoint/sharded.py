@@ -35,7 +35,7 @@ from torch.optim.swa_utils import AveragedModel
 import imagenet.training.fsdp as fsdp
 from imagenet.checkpoint import dcpfiles, dcpread, files, states
 from imagenet.errors import CheckpointError, on_every_rank
-from imagenet.launching.collectives import barrier, gathered, raise_agreed, share
+from imagenet.launching.process_group import barrier, gathered, raise_agreed, share
 
 SHARDED = ("state_dict", "optimizer", "ema")  # the keys whose tensors DCP holds
 

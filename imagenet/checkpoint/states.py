@@ -29,14 +29,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
-import imagenet.training.fsdp as fsdp
 from imagenet.checkpoint import files
 from imagenet.errors import CheckpointError, NonFiniteStateError
-from imagenet.launching.collectives import raise_agreed
+from imagenet.launching.process_group import raise_agreed
 from imagenet.settings import devices
 from imagenet.settings.flags import Config
 from imagenet.settings.launch import Layout
-from imagenet.training.models import unwrap
+from imagenet.training.models import is_sharded, unwrap
 from imagenet.training.optim import ResumePoint, resume_point
 
 log = logging.getLogger(__name__)
@@ -45,21 +44,29 @@ log = logging.getLogger(__name__)
 def model_state(model: nn.Module) -> dict[str, Any]:
     """The unwrapped model's state_dict; sharded, gathered to rank 0 ({} elsewhere; collective)."""
     model = unwrap(model)
-    return fsdp.gathered_model_state(model) if fsdp.is_sharded(model) else model.state_dict()
+    if not is_sharded(model):
+        return model.state_dict()
+    from imagenet.training import fsdp  # imported by --fsdp runs only
+
+    return fsdp.gathered_model_state(model)
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The classic ``optimizer.state_dict()`` (keyed by parameter index) for every mode;
     sharded, gathered to rank 0 ({} elsewhere; collective)."""
-    if fsdp.is_sharded(model):
+    if is_sharded(model):
+        from imagenet.training import fsdp  # imported by --fsdp runs only
+
         return fsdp.gathered_optimizer_state(unwrap(model), optimizer)
     return optimizer.state_dict()
 
 
 def ema_state(ema: AveragedModel) -> dict[str, Any]:
     """``ema.state_dict()``; sharded, gathered to rank 0 ({} elsewhere; collective)."""
-    if not fsdp.is_sharded(ema):
+    if not is_sharded(ema):
         return ema.state_dict()
+    from imagenet.training import fsdp  # imported by --fsdp runs only
+
     weights = fsdp.gathered_model_state(ema.module)
     if not weights:
         return {}
@@ -69,7 +76,9 @@ def ema_state(ema: AveragedModel) -> dict[str, Any]:
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                          state: dict[str, Any]) -> None:
     """Load a classic optimizer state_dict into the (possibly sharded) optimizer."""
-    if fsdp.is_sharded(model):
+    if is_sharded(model):
+        from imagenet.training import fsdp  # imported by --fsdp runs only
+
         fsdp.load_optimizer_state(unwrap(model), optimizer, state)
     else:
         optimizer.load_state_dict(state)
@@ -77,9 +86,11 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 def load_ema_state(ema: AveragedModel, state: dict[str, Any]) -> None:
     """Load ``ema.state_dict()`` into the (possibly sharded) EMA."""
-    if not fsdp.is_sharded(ema):
+    if not is_sharded(ema):
         ema.load_state_dict(state)
         return
+    from imagenet.training import fsdp  # imported by --fsdp runs only
+
     fsdp.load_model_state(ema.module, {k[len("module."):]: v for k, v in state.items()
                                        if k.startswith("module.")})
     ema.n_averaged.copy_(state["n_averaged"])
@@ -135,8 +146,8 @@ def same_order(ckpt: dict[str, Any], cfg: Config) -> bool:
 def data_resume_point(ckpt: dict[str, Any], cfg: Config, layout: Layout, steps_per_epoch: int,
                       train: Any) -> ResumePoint:
     """Where a resume of ``ckpt`` puts the training data ``train`` (a ``TrainData``) under this
-    run's flags and layout: the one answer the early start of the loader (``run.startup``) and
-    the resume itself (``run.checkpointing``) both use."""
+    run's flags and layout: the one answer the early start of the loader
+    (``run.build.start_early``) and the resume itself (``run.checkpointing``) both use."""
     kept = same_order(ckpt, cfg)
     return resume_point(ckpt, steps_per_epoch, layout, layout_kept(layout, ckpt) and kept,
                         train.order_size if train.continues_any_layout and kept else None)
@@ -160,7 +171,7 @@ def resumed_best(ckpt: dict[str, Any], path: Path, output_dir: Path, key: str = 
     return best
 
 
-# ----------- rNG states in checkpoints: every rank's captured, gathered to rank 0, and restored
+# ------------------------------------------------------------------ every rank's random streams
 
 def capture_rng() -> dict[str, Any]:
     """This process's RNG states (python, numpy, torch CPU, CUDA per device)."""
@@ -223,7 +234,7 @@ def rng_for_rank(saved: list[dict[str, Any]] | None, rank: int) -> dict[str, Any
     return saved[rank]
 
 
-# --------- only good state is written or resumed: every tensor finite, the class names the same
+# -------------------------------- only finite state, with the same classes, is saved or resumed
 
 ADVICE = "Lower --lr, try --clip-grad-norm, or check the data"
 

@@ -12,7 +12,7 @@ import torch
 
 from imagenet.checkpoint import dcpfiles, files
 from imagenet.errors import CheckpointError, TrainerError, UsageError
-from imagenet.launching.collectives import raise_agreed
+from imagenet.launching.process_group import raise_agreed
 from imagenet.training.finetune import Weights
 
 WEIGHT_KEYS = ("state_dict", "model")  # ours and the classic's; torchvision/DeiT references'

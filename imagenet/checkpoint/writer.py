@@ -107,7 +107,7 @@ class Writer:
             pass
 
 
-# ---- --keep-checkpoints N: the N best epoch checkpoints by top-1, their scores in checkpoints.json
+# ------------------------------------------- --keep-checkpoints N: the N best epoch checkpoints
 
 log = logging.getLogger(__name__)
 

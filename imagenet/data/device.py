@@ -191,7 +191,7 @@ class DeviceCrops:
     interpolation: str = "bilinear"
     resize: int | None = None
     batched: bool | None = None
-    backend: str = "tensor"  # the decoder: torchvision.io's or TorchCodec's (settings.decoders)
+    backend: str = "tensor"  # the decoder: torchvision.io's or TorchCodec's (settings.images)
 
     def __call__(self, batch: tuple[EncodedBatch, torch.Tensor], device: torch.device
                  ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -197,7 +197,7 @@ def init_worker(worker_id: int, stacks: str | None = None, parent: int | None = 
     """A loader worker's start: deaf to the stop signals (the training process stops it), dying
     with its training process ``parent`` (or at once, if that ended while this worker started),
     and ready to write its Python stacks into ``stacks`` when a hang is reported
-    (``launching.processes``; passed along, not inherited: workers may be spawned)."""
+    (``launching.preemption``; passed along, not inherited: workers may be spawned)."""
     ignore_stop_signals(worker_id)
     worker_stacks(stacks, parent)
 

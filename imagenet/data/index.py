@@ -352,7 +352,7 @@ def describe(listing: Listing) -> str | None:
             "rest from the index")
 
 
-# ---------------- every validation image of this rank's share readable, checked before training
+# ------------------------------------- every validation image readable, checked before training
 
 THREADS = 8  # files checked at once
 

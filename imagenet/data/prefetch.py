@@ -245,7 +245,7 @@ def device_batches(loader: Iterable, device: torch.device, finish: Finish | None
     return DeviceBatches(loader, device, finish, threaded)
 
 
-# ------------- room in /dev/shm for the loader workers' batches, checked before training starts
+# --------------------------------------------- room in /dev/shm for the loader workers' batches
 
 SHM = Path("/dev/shm")
 

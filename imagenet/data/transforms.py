@@ -8,25 +8,25 @@ Three backends:
 - ``"tensor"`` (default): libjpeg-turbo ``decode_jpeg`` and transforms on uint8 tensors, with
   the crop, resize and flip arranged around the memory layout of the fast uint8 resize kernel
   (see ``RandomResizedCropFlip``). About twice the classic pipeline's images/s per core.
-- ``"torchcodec"``: the same with TorchCodec's ``decode_jpeg`` (``--decoder``; data.jpeg): the
+- ``"torchcodec"``: the same with TorchCodec's ``decode_jpeg`` (``--decoder``): the
   same pixels.
 - ``"pil"``: the classic ``PIL.Image.open(...).convert("RGB")`` and torchvision transforms on
   PIL images, kept as the reference the fast path is compared with.
 
 Progressive resizing in the loaders: each training sample is cropped at its epoch's size.
 
-The schedule itself (``settings.crops.CropSchedule``: --train-crop-start growing to
+The schedule itself (``settings.images.CropSchedule``: --train-crop-start growing to
 --train-crop-size over --train-crop-ramp) is the plan's. Every training sample carries its epoch
 (the sampler's keys, the shard reader's items), and the loader process that augments it builds
 that epoch's transform itself (``EpochCrop``): the size is the same for any -j, constant within
 an epoch, and a resume mid-ramp trains the sizes the uninterrupted run would. Validation sizes
 (--val-resize-size, --val-crop-size) are independent. With --compile every size has static
-graphs of its own (``training.compiling``: one per batch shape), compiled when the size first
+graphs of its own (``training.models``: one per batch shape), compiled when the size first
 appears, rather than one dynamic-shape graph for all: a new size costs one compile, never one
 per batch.
 
 JPEG bytes -> uint8 RGB CHW tensors with torchvision.io's decoder or TorchCodec's
-(``settings.decoders`` chooses; ``"tensor"`` is torchvision's), on the CPU or, batched, on a CUDA
+(``settings.images`` chooses; ``"tensor"`` is torchvision's), on the CPU or, batched, on a CUDA
 device (nvJPEG).
 
 The same pixels whichever decoder runs, and the classic script's: its PIL loader ignores the EXIF
@@ -100,7 +100,7 @@ def load_image(path: str | Path, backend: str) -> torch.Tensor | Image.Image:
 def decode_image(data: bytes, name: str | Path, backend: str | None = None
                  ) -> torch.Tensor | Image.Image:
     """``load_image`` for encoded bytes (a shard member); DataError naming ``name``.
-    ``backend`` None: this installation's decoder (``settings.decoders.installed_backend``)."""
+    ``backend`` None: this installation's decoder (``settings.images.installed_backend``)."""
     backend = backend or installed_backend()
     if backend == "pil":
         return _open_pil(io.BytesIO(data), name)
@@ -330,7 +330,7 @@ def normalize(batch: torch.Tensor, channels_last: bool = False,
     return out if dtype == torch.float32 else out.to(dtype)
 
 
-# ----- progressive resizing in the loaders: each training sample is cropped at its epoch's size
+# ---------------------------------------- progressive resizing: each sample at its epoch's crop
 
 def announce(crops: CropSchedule, epoch: int, val_crop: int) -> dict[str, int]:
     """With progressive resizing: log the epoch's crop; its metrics.jsonl field (else {})."""
@@ -387,7 +387,7 @@ class CornerCrop:
         return image[..., :self.size, :self.size]
 
 
-# ------------ jPEG bytes -> uint8 RGB CHW tensors with torchvision.io's decoder or TorchCodec's
+# -------------------------------------------------------------- JPEG bytes to uint8 RGB tensors
 
 # EXIF orientation -> what undoes it on a CHW tensor. 1: as stored; 2: mirrored; 3: turned 180;
 # 4: flipped; 5: transposed; 6: turned 90 clockwise for display; 7: transversed; 8: 270.

@@ -37,14 +37,13 @@ from torch.utils.data import DataLoader
 import imagenet.checkpoint.rundir as rundir
 import imagenet.launching.watchdog as watchdog
 import imagenet.reporting.results as results
-import imagenet.training.fsdp as fsdp
 from imagenet.checkpoint import disk
 from imagenet.checkpoint.resume_from import Decided
 from imagenet.data.folder import Data, build_transforms, folder_loaders, other_val_folder
 from imagenet.data.index import IndexFiles
 from imagenet.data.samplers import shard_batches
 from imagenet.errors import RunError, TrainerError, UsageError, on_every_rank
-from imagenet.launching.collectives import DistInfo, raise_agreed
+from imagenet.launching.process_group import DistInfo, raise_agreed
 from imagenet.reporting.logger import RunLogger
 from imagenet.settings.flags import Config
 from imagenet.settings.images import image_backend
@@ -60,6 +59,7 @@ from imagenet.training.engine import (
     topk_correct,
     weighted,
 )
+from imagenet.training.models import is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,10 @@ def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count:
     sums = DeviceSums(SUMS, opts.device)
     start = time.perf_counter()
     total_batches = len(loader)  # type: ignore[arg-type]
-    sharded = fsdp.is_sharded(model)
+    sharded = is_sharded(model)
     if sharded:
+        from imagenet.training import fsdp  # imported by --fsdp runs only
+
         fsdp.broadcast_buffers(model)  # rank 0's BatchNorm statistics, as under DDP
         rounds = _most_batches(total_batches, opts.device)
     spare, done = None, 0
@@ -203,7 +205,7 @@ def build_eval_data(plan: Plan, rank: int, aug_seed: int, pin_memory: bool,
     return Data(stand_in, val_loader, len(classes), list(classes), len(val), train_counts=counts)
 
 
-# ---- validation that says what is wrong: --tta-flip, the per-image predictions (--predictions) and
+# ------------------------------------------ TTA, per-image predictions and the per-class report
 
 class FlipTTA(nn.Module):
     """--tta-flip: the mean of the softmax probabilities of each image and its mirror image,

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-import imagenet.launching.preemption as processes
+import imagenet.launching.preemption as preemption
 import imagenet.launching.watchdog as watchdog
 from imagenet.errors import (
     DistributedError,
@@ -54,7 +54,7 @@ from imagenet.errors import (
     first_line,
     say_error,
 )
-from imagenet.launching.collectives import DistInfo, from_rank0
+from imagenet.launching.process_group import DistInfo, from_rank0
 from imagenet.launching.watchdog import END_WAIT, HANG_DIR, LOOK, REQUEUE, write_report
 from imagenet.settings.launch import Ranks
 from imagenet.settings.plan import Plan
@@ -196,7 +196,7 @@ def follow(failure: Failure) -> None:
     if failure.host != host_id():
         return
     deadline = time.monotonic() + WAIT_FOR_EXIT
-    while not processes.process_exited(failure.pid) and time.monotonic() < deadline:
+    while not preemption.process_exited(failure.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(GRACE)
 
@@ -320,7 +320,7 @@ def _fate(fate: SharedFate | None, info: DistInfo) -> Iterator[None]:
         fate.finish()
 
 
-# --------------------------------- what ends a training process that does not end after its run
+# ---------------------------------------------------- a process that does not end after its run
 
 __all__ = ["LOOK", "StoppedChildren", "exit_within", "is_stopped"]
 
@@ -361,7 +361,7 @@ def exit_within(timeout: float, rank: int, output_dir: Path | None = None) -> No
 
 def is_stopped(pid: int) -> bool:
     """True while ``pid`` is stopped (SIGSTOP, a terminal's stop) on Linux; False elsewhere."""
-    return processes.process_state(pid) in ("T", "t")
+    return preemption.process_state(pid) in ("T", "t")
 
 
 class StoppedChildren:

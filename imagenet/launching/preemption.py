@@ -294,7 +294,7 @@ class StopBetweenBatches:
                 raise StopRequested
 
 
-# ------- the processes around a rank's hang watch (``watchdog``): a loader worker dies with its
+# ------------------------------------------ the processes around a rank: stacks, parents, /proc
 
 STACKS_SIGNAL = signal.SIGUSR2  # a process asked for its Python stacks (faulthandler)
 

@@ -6,7 +6,7 @@ main.py (under --multiprocessing-distributed the parent's start; under torchrun 
 worker's own; under ``imagenet.train`` its call), or ``slurm``: the end time of this SLURM
 job, from SLURM_JOB_END_TIME when the job's environment has it, else ``squeue -h -j
 $SLURM_JOB_ID -o %e``. The plan resolves it to an end time once
-(``settings.duration.end_time``).
+(``settings.choices.end_time``).
 
 Under --compile the first step at a new crop size (progressive resizing) compiles graphs, as
 long as the run's first step did (minutes on a GPU): before such an epoch the stop is agreed

@@ -2,10 +2,9 @@
 
   logger    console logging, what a person reads before a run starts (--demo's settings,
             where outputs go) and progress lines, TensorBoard, metrics.jsonl, config.json
-            (rank 0).
+            (rank 0); start-up stages that take a while say so, and how long they took.
   trackers  --log-to mlflow,wandb: the same scalars, flags and final metrics, continued across
-            resumes (OUTPUT_DIR/trackers.json).
+            resumes (OUTPUT_DIR/trackers.json); imported only when --log-to names one.
   results   the files of a validation's report: predictions CSV, per-class CSV/JSON,
             confusion matrix (also a TensorBoard image), the worst classes.
-  stages    start-up stages that take a while say so, and how long they took.
 """

@@ -70,8 +70,8 @@ def _flag(name: str) -> str:
 
 def startup_notes(cfg: Config) -> list[str]:
     """What a person reads before a run starts: the demo's own settings, and outputs in the
-    current folder (start-up stages that take a while: ``stages``; what a run says about
-    itself: ``run.describe``)."""
+    current folder (start-up stages that take a while: ``slow_stage``; what a run says
+    about itself: ``run.preflight``)."""
     notes = []
     if cfg.demo:
         settings = " ".join(f"{_flag(k)} {getattr(cfg, k)}" for k, v in DEMO_DEFAULTS.items()
@@ -322,7 +322,7 @@ class RunLogger:
         self.close("finished" if kind is None else "stopped" if stopped else "failed")
 
 
-# ---- start-up stages that take a while (listing a data set, starting loader workers, the first
+# ----------------------------------------- start-up stages: what they do and how long they took
 
 # A start-up stage that lasts longer than this says what it is doing (seconds). 0 shows every
 # stage: useful to see where a start-up hangs.

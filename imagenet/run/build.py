@@ -5,7 +5,7 @@ indexes are kept, and the data set with its loaders (an ImageFolder, --dummy dat
 -e --val-data's own).
 
 The training batches that load while the model is built (what each start-up stage costs is
-timed by ``reporting.stages.StartClock``).
+timed by ``reporting.logger.StartClock``).
 
 ``EarlyBatches``: once the data set is listed, the training loader's workers start and fetch the
 first batches of the position the resume will continue (read from the checkpoint's small
@@ -40,7 +40,7 @@ from imagenet.checkpoint.writer import Writer
 from imagenet.data.folder import Data, FolderTrain, build_data, stop_workers
 from imagenet.data.index import ImageCheck, IndexFiles
 from imagenet.errors import UsageError
-from imagenet.launching.collectives import DistInfo, from_rank0
+from imagenet.launching.process_group import DistInfo, from_rank0
 from imagenet.reporting.logger import FirstBatch, StartClock, slow_stage
 from imagenet.run.outputs import Outputs
 from imagenet.settings.flags import DEMO_DATA, Config
@@ -151,7 +151,7 @@ def build_inputs(plan: Plan, dist: DistInfo, continues: Decided) -> Inputs:
     # Rank 0's seed (unseeded: its draw) is the job's augmentation seed: a sample's
     # augmentation does not depend on the rank that loads it, and the checkpoint's seed is
     # every rank's. Every rank broadcasts, seeded or not, so that flags differing across ranks
-    # are reported (checkpoint.flag_changes), not stuck in a collective only some ranks call.
+    # are reported (checkpoint.resume_from), not stuck in a collective only some ranks call.
     aug_seed = from_rank0(cfg.seed if cfg.seed is not None else
                           random.SystemRandom().randrange(2**31))
     root = data_root(cfg, Path(cfg.output_dir))
@@ -210,7 +210,7 @@ def build_run(plan: Plan, dist: DistInfo, continues: Decided, inputs: Inputs | N
                compile_cache=compile_cache)
 
 
-# ---- this rank's data, as the plan says: the data argument (or the demo's data), where the folder
+# ----------------------------------------------------------- this rank's data, as the plan says
 
 log = logging.getLogger(__name__)
 STREAMED = ("shards", "parquet")  # read by the shard machinery (imagenet.data.shards)
@@ -261,7 +261,7 @@ def load_data(plan: Plan, dist: DistInfo, root: str, aug_seed: int,
     return build_data(plan, root, dist.rank, aug_seed, pin_memory=pin_memory, files=indexes)
 
 
-# ---- the training batches that load while the model is built (what each start-up stage costs is
+# -------------------------------------- the training batches that load while the model is built
 
 Key = tuple[int, int, int, int]  # order seed, augmentation seed, epoch, images already trained
 
@@ -317,7 +317,7 @@ def expected_start(plan: Plan, train: FolderTrain, ckpt: dict[str, Any] | None) 
     """Where ``resume`` will put the training data - (order seed, augmentation seed, epoch,
     images already trained) - by the same rule (``data_resume_point``) from the checkpoint it
     resumes, ``ckpt``, before the model exists; None when there is nothing to train first or it
-    cannot tell. A guess to start the loader early (``run.startup``): the trainer uses those
+    cannot tell. A guess to start the loader early (``start_early``): the trainer uses those
     batches only if the resume agrees."""
     cfg, layout = plan.cfg, plan.layout
     if cfg.evaluate:

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 import imagenet.launching.watchdog as watchdog
-import imagenet.training.fsdp as fsdp
 from imagenet.checkpoint import files, writer
 from imagenet.checkpoint.resume_from import broadcast_weights, check_ranks_agree, log_changes
 from imagenet.checkpoint.states import (
@@ -39,10 +38,11 @@ from imagenet.checkpoint.states import (
 )
 from imagenet.checkpoint.writer import to_host
 from imagenet.errors import TrainerError, UsageError, on_every_rank
-from imagenet.launching.collectives import barrier
+from imagenet.launching.process_group import barrier
 from imagenet.run.build import Run
 from imagenet.run.outputs import Saved
 from imagenet.training.engine import EpochTotals, Step
+from imagenet.training.models import is_sharded
 from imagenet.training.optim import (
     EpochStart,
     ResumePoint,
@@ -143,7 +143,8 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
     Best files are replaced before the checkpoint: a kill in between leaves a best file ahead of
     the checkpoint (``resumed_best`` adopts it), never a checkpoint whose best has no file.
     ``score``: the epoch's validation top-1 at an epoch's end; with --keep-checkpoints the
-    checkpoint is also kept as checkpoint_epochNNN.pth.tar when it is among the best (``history``).
+    checkpoint is also kept as checkpoint_epochNNN.pth.tar when it is among the best
+    (``writer.plan``).
     A save waits for the previous write; ``finish_saves`` waits for the last one.
     """
     start = time.perf_counter()
@@ -263,7 +264,7 @@ def load_weights(run: Run, ckpt: dict[str, Any], path: Path) -> None:
         return
     if isinstance(ckpt.get("ema"), dict):  # model_best_ema.pth.tar says "ema": True instead
         load_ema_state(parts.ema, ckpt["ema"])
-    elif not fsdp.is_sharded(parts.ema):  # no EMA state: it starts from the loaded weights
+    elif not is_sharded(parts.ema):  # no EMA state: it starts from the loaded weights
         parts.ema.module.load_state_dict(run.raw_model.state_dict())
 
 
@@ -328,7 +329,7 @@ def resume(run: Run) -> Path | None:
         restore_rng(saved_rng)
     if not run.cfg.evaluate:
         keep_seed(run, ckpt, restored)
-    if not fsdp.is_sharded(run.raw_model):  # sharded: loaded from rank 0's state already
+    if not is_sharded(run.raw_model):  # sharded: loaded from rank 0's state already
         broadcast_weights(run.raw_model, parts.ema)
     log.info("=> loaded checkpoint '%s' (epoch %d, step %d, best Acc@1 %.3f)", path,
              run.step.epoch, run.step.step_in_epoch, run.best.acc1)

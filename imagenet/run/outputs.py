@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import imagenet.checkpoint.rundir as rundir
 from imagenet.checkpoint import files
-from imagenet.launching.collectives import DistInfo, on_rank0
+from imagenet.launching.process_group import DistInfo, on_rank0
 from imagenet.settings.flags import Config
 
 if TYPE_CHECKING:  # object-storage URLs only: built by run.trainer when the plan has them

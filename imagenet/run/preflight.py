@@ -26,7 +26,7 @@ from imagenet.checkpoint.resume_from import Decided
 from imagenet.data.index import image_check
 from imagenet.data.samplers import shard_batches
 from imagenet.errors import DataError, RunError
-from imagenet.launching.collectives import DistInfo, on_rank0, raise_agreed
+from imagenet.launching.process_group import DistInfo, on_rank0, raise_agreed
 from imagenet.run.build import Run
 from imagenet.settings.choices import tracker_names
 from imagenet.settings.devices import native_bf16, slow_bf16_warning
@@ -173,7 +173,7 @@ def _finished(cfg: Config, continues: Decided) -> str | None:
             f"(best Acc@1 {best:.3f}); give a larger --epochs to train on")
 
 
-# ---- what a run says about itself: the derived settings at start-up (also stored in config.json),
+# ----------------------------------------------------------------- what a run says about itself
 
 def describe(run: Run) -> dict[str, Any]:
     """Derived quantities, printed at start-up and stored in config.json."""

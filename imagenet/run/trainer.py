@@ -26,8 +26,8 @@ from imagenet.data.index import image_check
 from imagenet.data.prefetch import device_batches
 from imagenet.errors import NonFiniteLossError, Preempted, on_every_rank
 from imagenet.evaluation.validate import Report, evaluate, for_validation
-from imagenet.launching.collectives import DistInfo
 from imagenet.launching.preemption import StopBetweenBatches, StopFlag, StopRequested
+from imagenet.launching.process_group import DistInfo
 from imagenet.reporting.logger import (
     FirstBatch,
     RunLogger,
@@ -106,7 +106,7 @@ def start_run(plan: Plan, dist: DistInfo, continues: Decided, clock: StartClock,
               services: contextlib.ExitStack) -> Run:
     """Build the run (``run.build``) with the start's services, each ended by ``services``:
     the training loader starts on the batches the resume will continue while the model is
-    built (``run.startup.start_early``), the validation images are checked in the background
+    built (``run.build.start_early``), the validation images are checked in the background
     (awaited by ``preflight``), --compile's graphs of a previous start are found
     (``training.compile_cache``, opened before anything compiles). ``clock`` times each stage."""
     cfg = plan.cfg
@@ -300,7 +300,7 @@ def train_rest_of_epoch(run: Run, hooks: Hooks, batches: Iterator | None = None
 def epoch_batches(run: Run, epoch: int, images: int) -> Iterator:
     """Epoch ``epoch``'s training batches after its first ``images`` images, on the device;
     their loading starts now (the workers prefetch, and with workers a thread decodes ahead:
-    ``data.prefetch``), unless the start began it already (``run.startup.EarlyBatches``)."""
+    ``data.prefetch``), unless the start began it already (``run.build.EarlyBatches``)."""
     train = run.data.train
     train.continue_after(epoch, images)
     started = run.early.take((train.order_seed, train.aug_seed, epoch, images)) \

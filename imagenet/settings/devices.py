@@ -167,7 +167,7 @@ def as_accelerator(found: Accelerator | int) -> Accelerator:
     return found if isinstance(found, Accelerator) else of_cuda(found)
 
 
-# ------ whether this CPU computes bf16 natively: --amp bf16 on one that does not is much slower
+# ------------------------------------------------------ whether this CPU computes bf16 natively
 
 X86 = ("x86_64", "amd64", "i386", "i686")
 ARM = ("aarch64", "arm64")

@@ -69,7 +69,7 @@ float_or_none.__name__, int_or_none.__name__ = "float", "int"
 
 def duration_text(text: str) -> str:
     """--time-limit's text (a recipe file may give a number of seconds); checked by
-    ``duration.parse_time_limit``."""
+    ``choices.parse_time_limit``."""
     return str(text)
 
 

@@ -125,7 +125,7 @@ def image_backend(cfg: Config) -> str:
     return choose_decoding(cfg).backend
 
 
-# ------ the training crop of every epoch: --train-crop-size throughout, or progressive resizing
+# ------------------------------------------------------------- the training crop of every epoch
 
 @dataclass(frozen=True)
 class CropSchedule:
@@ -165,7 +165,7 @@ def crop_schedule(cfg: Config) -> CropSchedule:
                         cfg.train_crop_multiple)
 
 
-# ------ what the data argument names, decided from its form (and, for a folder, what it holds):
+# ----------------------------------------------------------------- what the data argument names
 
 INFO_NAMES = ("_info.json", "info.json")  # timm tries them in this order
 SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")

@@ -1,7 +1,7 @@
 """Deciding how this invocation runs: launch mode, ranks, device, backend, per-process layout.
 
 The only reader of RANK / LOCAL_RANK / WORLD_SIZE / SLURM_* / TORCHELASTIC_* and Kubeflow's
-PET_* (MASTER_ADDR/PORT: ``settings.rendezvous``). Every function here is pure (flags,
+PET_* (MASTER_ADDR/PORT: ``settings.plan``). Every function here is pure (flags,
 environment and the accelerator in, a decision out); ``launching`` acts on the decisions.
 """
 
@@ -14,15 +14,15 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from imagenet.errors import UsageError
-from imagenet.settings.devices import SYNC_BN, Accelerator, as_accelerator, default_backend
-from imagenet.settings.flags import Config
-from imagenet.settings.slurm import (
+from imagenet.settings.choices import (
     env_int,
     is_slurm_job_step,
     slurm_tasks,
     slurm_tasks_per_node,
     unlaunched_slurm_tasks,
 )
+from imagenet.settings.devices import SYNC_BN, Accelerator, as_accelerator, default_backend
+from imagenet.settings.flags import Config
 
 
 @dataclass(frozen=True)

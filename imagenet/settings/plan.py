@@ -40,7 +40,7 @@ from urllib.parse import urlparse
 import torch
 
 from imagenet.errors import UsageError
-from imagenet.settings.choices import end_time, no_end_note
+from imagenet.settings.choices import end_time, first_slurm_host, is_slurm_job_step, no_end_note
 from imagenet.settings.devices import Accelerator, as_accelerator
 from imagenet.settings.flags import CACHE, Config, cpu_per_image_flags
 from imagenet.settings.images import (
@@ -52,7 +52,6 @@ from imagenet.settings.images import (
     is_url,
 )
 from imagenet.settings.launch import Launch, Layout, Ranks, plan_job
-from imagenet.settings.slurm import first_slurm_host, is_slurm_job_step
 
 
 @dataclass(frozen=True)
@@ -313,7 +312,7 @@ def fixed_plan(cfg: Config, layout: Layout, device_type: str = "cpu") -> Plan:
                 accel=Accelerator(device_type, 1) if device_type != "cpu" else Accelerator())
 
 
-# ---- where an object-storage --output-dir, --resume or --predictions is on this node: the plan
+# ------------------------------------------- the local paths that stand for object-storage URLs
 
 @dataclass(frozen=True)
 class Staging:

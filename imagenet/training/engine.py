@@ -3,7 +3,7 @@ loop, which uses the same ``Engine``, is ``evaluation.validate``).
 
 The contract is in the types: ``Parts`` (the objects a step uses and updates), ``Options`` (how
 a step runs, frozen) and ``Hooks`` (what the caller wants done during an epoch).
-``parts.build_engine`` makes the first two from the command line, for the trainer, the tests and
+``optim.build_engine`` makes the first two from the command line, for the trainer, the tests and
 the benchmarks alike.
 Nothing in a step waits for the device: losses, counts and the finiteness check stay on it until
 a progress line or the epoch's end reads them.

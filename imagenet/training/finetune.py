@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from imagenet.errors import CheckpointError, TrainerError, UsageError
-from imagenet.launching.collectives import raise_agreed
+from imagenet.launching.process_group import raise_agreed
 from imagenet.settings.flags import Config
 from imagenet.training.models import without_dropped_aux
 

@@ -176,11 +176,6 @@ def fsdp_root(model: nn.Module) -> FSDPModule | None:
     return None
 
 
-def is_sharded(model: nn.Module) -> bool:
-    """True when ``model`` is (or holds) an FSDP-sharded module."""
-    return fsdp_root(model) is not None
-
-
 @contextlib.contextmanager
 def no_gradient_sync(model: nn.Module) -> Iterator[None]:
     """Accumulating micro-batches: gradients stay unsharded and local, no reduce-scatter."""

@@ -30,6 +30,9 @@ bucket's all-reduce overlaps the rest of the backward. Validation runs the model
 
 A call that compiles (``compiles``: a batch shape's first) does not count toward --hang-timeout:
 the engine pauses the hang watch around it (``launching.watchdog.paused``).
+
+What every start checks and says before any data is read or process started, main.py's
+(``cli``) and ``imagenet.train``'s (``api``) alike.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -48,11 +52,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel
 
-import imagenet.training.fsdp as fsdp
 from imagenet.errors import RunError, UsageError
-from imagenet.launching.collectives import DistInfo
+from imagenet.launching.process_group import DistInfo
 from imagenet.settings.choices import TIMM_PREFIX
 from imagenet.settings.flags import Config
+from imagenet.settings.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +235,8 @@ def for_evaluation(model: nn.Module) -> nn.Module:
 def shard(model: nn.Module, cfg: Config, dist: DistInfo, ema: AveragedModel | None,
           compile_backend: str | Callable = "inductor", crop_sizes: int = 1) -> nn.Module:
     """--fsdp: shard ``model`` and the EMA's copy by the same rule, then compile."""
+    from imagenet.training import fsdp  # imported by --fsdp runs only
+
     units = fsdp.describe_units(model, fsdp.repeated_blocks(model))  # before classes change
     for module in ([ema.module] if ema is not None else []) + [model]:
         fsdp.shard(module, cfg, dist.device)
@@ -249,9 +255,18 @@ def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
     FSDP's equivalent, or nothing for a single process."""
     if hasattr(model, "no_sync"):
         return model.no_sync()
-    if fsdp.is_sharded(model):
+    if is_sharded(model):
+        from imagenet.training import fsdp  # imported by --fsdp runs only
+
         return fsdp.no_gradient_sync(model)
     return contextlib.nullcontext()
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when ``model`` is (or holds) an FSDP-sharded module. Only ``training.fsdp`` shards,
+    and only a --fsdp run imports it: without it in this process, nothing is sharded."""
+    fsdp = sys.modules.get("imagenet.training.fsdp")
+    return fsdp is not None and fsdp.fsdp_root(model) is not None
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -265,7 +280,7 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-# ---- crop sizes the model accepts, found by running it on the meta device (shapes only: no memory,
+# ----------------------------------------------- crop sizes the model accepts (the meta device)
 
 LARGEST = 1024  # px: the largest crop tried when looking for a model's minimum
 BUILT_FOR = 224  # px: the size torchvision builds its models for, unless they say otherwise
@@ -327,7 +342,7 @@ def check_crop_sizes(arch: str, crops: Mapping[str, int]) -> None:
     log.debug("crop sizes not checked: -a %s accepts none of the sizes tried", arch)
 
 
-# ---- --compile: torch.compile with one static graph per batch shape, compiled in the first epoch
+# -------------------------------------------------- --compile: one static graph per batch shape
 
 RECOMPILE_LIMIT = 64  # graphs per function; see the module docstring
 
@@ -393,3 +408,14 @@ def new_graphs(before: int, epoch: int, expected: bool) -> int:
                     "not seen (e.g. a resumed epoch's last batch; --debug with "
                     "TORCH_LOGS=recompiles says which)", count, epoch)
     return count
+
+
+# ----------------------------------- what every start checks first (main.py and imagenet.train)
+
+def check_start(plan: Plan) -> None:
+    """Say the plan's notes (warnings about the launch), then refuse crops the model cannot
+    take (``UsageError``, found on the meta device). The plan itself refused the impossible
+    launches (``settings.launch.plan_job``: the backend, --sync-bn's device)."""
+    for note in plan.notes:
+        log.warning("%s", note)
+    check_crop_sizes(plan.cfg.arch, plan.crop_flags)

@@ -221,7 +221,7 @@ def class_weights(counts: Sequence[int], beta: float) -> torch.Tensor:
     return (weights * len(n) / weights.sum()).float()
 
 
-# ---- the objects and options of a training step (``engine.Parts``, ``engine.Options``), from the
+# ------------------------------------------------- the step's parts and options, from the flags
 
 def amp_dtype(amp: str | None) -> torch.dtype | None:
     """torch dtype of --amp."""
@@ -260,7 +260,7 @@ def build_engine(cfg: Config, raw: nn.Module, model: nn.Module, device: torch.de
     return Engine(parts, opts)
 
 
-# ---------- where a run is in training, in epochs and images rather than in steps of one layout
+# --------------------------------------------------------- where a run is, in epochs and images
 
 @dataclass(frozen=True)
 class EpochStart:
