@@ -247,3 +247,35 @@ def test_evaluate_logs_to_mlflow_and_wandb_in_runs_of_its_own(tracked, monkeypat
     assert runs[0].data.metrics["eval/acc1"] == pytest.approx(acc1, abs=1e-3)
     assert runs[0].data.params["evaluate"] == "True"
     assert len(list((base / "wandb-eval" / "wandb").glob("offline-run-*"))) == 1
+
+
+def test_a_progress_lines_step_scalars_are_on_disk_before_it_is_printed(tmp_path, monkeypatch):
+    """TensorBoard's writer thread writes events behind the training loop; on a slow disk it
+    lagged, and a kill right after a checkpoint lost the step scalars the checkpoint covers (the
+    resume continues after them: a gap in step/lr). The progress hook now has them on disk first:
+    once its line is printed, every step it reports is in the event file."""
+    import time
+
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    from imagenet.reporting.logger import RunLogger
+
+    write = RecordWriter.write
+
+    def slow_write(self, data):  # a disk that takes 0.2 s per event
+        time.sleep(0.2)
+        write(self, data)
+
+    monkeypatch.setattr(RecordWriter, "write", slow_write)
+    logger = RunLogger(tmp_path, True)
+    hook = logger.progress_hook()
+    record = {"epoch": 0, "step": 1, "steps": 3, "batch_time": 0.1, "data_time": 0.0, "loss": 1.5,
+              "loss_avg": 1.5, "acc1": 0.0, "acc5": 0.0, "lr": 0.1, "images_per_sec": 80.0,
+              "data_wait": 0.0, "eta_epoch": 1.0, "eta_run": 2.0, "global_step": 7}
+    try:
+        for step, lr in ((7, 0.1), (8, 0.05)):
+            hook({**record, "global_step": step, "lr": lr})
+            on_disk = dict(_tensorboard_scalars(tmp_path / "tb").get("step/lr", []))
+            assert on_disk.get(step) == pytest.approx(lr), (step, on_disk)
+    finally:
+        logger.close()

@@ -285,15 +285,18 @@ class RunLogger:
         self._track("final", {k.split("/")[-1]: v for k, v in metrics.items()}, step)
 
     def progress_hook(self) -> Callable[[dict], None] | None:
-        """The engine's ``on_progress``: the progress line (its images/s: all ranks, over the
-        record's own window) and the step scalars in TensorBoard; None off rank 0."""
+        """The engine's ``on_progress``: the step scalars in TensorBoard, on disk before the
+        progress line (its images/s: all ranks, over the record's own window) is printed; None
+        off rank 0. TensorBoard's writer thread would otherwise hold them for a while: a kill
+        after a checkpoint lost the steps it covers, and the resume continues after them."""
         if not self.enabled:
             return None
 
         def on_progress(record: dict) -> None:
-            print_train_progress(record)
             self.scalars("step", {k: record[k] for k in ("loss", "lr", "images_per_sec",
                                                           "data_wait")}, record["global_step"])
+            self.flush()
+            print_train_progress(record)
 
         return on_progress
 
