@@ -1,6 +1,6 @@
 """What a checkpoint save to slow storage costs the training steps that overlap it.
 
-Saves are asynchronous (imagenet/checkpoint/writer.py): at the step boundary the state is copied
+Saves are asynchronous (imagenet/checkpoint/rundir.py): at the step boundary the state is copied
 off the model (``to_host``), rank 0's writer thread serializes and writes it while training goes
 on. This measures, in one process on the trainer's own pieces (build_run on --dummy data, the
 real ``after_step`` hook with --save-every), the time of each step:

@@ -1,4 +1,4 @@
-"""Checkpoints written in the background (imagenet/checkpoint/writer.py): the state is copied off
+"""Checkpoints written in the background (imagenet/checkpoint/rundir.py): the state is copied off
 the model at the save point, rank 0 writes it in a thread while training goes on, one write at a
 time; a stop and the end of the run wait for the write under way; a kill during a write leaves
 the previous checkpoint whole; the resume is bitwise.
@@ -29,7 +29,7 @@ from test_fault_tolerance import (
     step_line,
 )
 
-from imagenet.checkpoint.writer import Writer, to_host
+from imagenet.checkpoint.rundir import Writer, to_host
 
 THROTTLE = '''
 import os, time

@@ -31,7 +31,7 @@ from test_fault_tolerance import (
     step_line,
 )
 
-from imagenet.checkpoint import files, writer
+from imagenet.checkpoint import files, rundir
 from imagenet.tools import unshard
 
 pytestmark = pytest.mark.slow
@@ -131,7 +131,7 @@ def test_sharded_checkpoint_directory_resumes_and_converts_to_the_classic_file(r
     assert "(epoch 1, step 0," in output, output
     # --keep-checkpoints keeps directories too: the epoch's, whole, named in the index.
     assert files.is_checkpoint_dir(single / "checkpoint_epoch002.dcp")
-    assert [e.file for e in writer.read_index(single)] == ["checkpoint_epoch002.dcp"]
+    assert [e.file for e in rundir.read_index(single)] == ["checkpoint_epoch002.dcp"]
     assert unshard.main([str(single / "checkpoint.dcp")]) == 0
     resumed = load_checkpoint(single / "checkpoint.pth.tar")
     assert resumed["epoch"] == 2

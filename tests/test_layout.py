@@ -124,7 +124,7 @@ def test_a_folder_run_imports_no_feature_it_does_not_use():
             "'imagenet.training.fsdp', 'imagenet.training.comm_hooks', "
             "'imagenet.training.compile_cache', 'imagenet.training.finetune', "
             "'imagenet.reporting.trackers', 'imagenet.launching.timelimit', "
-            "'imagenet.settings.recipe'))))")
+            "'imagenet.settings.recipe', 'imagenet.reporting.results'))))")
     ran = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env=child_env(), timeout=120)
     assert ran.returncode == 0, ran.stderr

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, TINY18, child_env, run_main, write_image_folder
 
-from imagenet.reporting.trackers import RUN_IDS, Trackers
+from imagenet.reporting.logger import RUN_IDS
+from imagenet.reporting.trackers import Trackers
 
 STEPS_PER_EPOCH = 3  # 24 training images, -b 8
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import tiny_engine, tiny_net, uint8_batches, write_image_folder
 
-from imagenet.checkpoint import files, writer
+from imagenet.checkpoint import files, rundir
 from imagenet.checkpoint.rundir import move_previous_run
 from imagenet.data.folder import build_data, shutdown_workers
 from imagenet.data.samplers import ResumableDistributedSampler
@@ -284,10 +284,10 @@ def test_the_time_limit_keeps_room_for_compiling_a_new_crop_size():
 
 def keep(folder: Path, n: int, epoch: int, acc1: float) -> None:
     """An epoch end as run.checkpointing.save does it: index, file, prune."""
-    path = writer.plan(folder, n, writer.epoch_entry(epoch, acc1, epoch * 10, False))
+    path = rundir.plan(folder, n, rundir.epoch_entry(epoch, acc1, epoch * 10, False))
     if path is not None:
         files.atomic_save({"epoch": epoch, "state_dict": {}}, path)
-    writer.prune(folder, sharded=False)
+    rundir.prune(folder, sharded=False)
 
 
 def test_the_history_keeps_the_best_by_top1_later_epochs_first_at_a_tie(tmp_path):
@@ -299,7 +299,7 @@ def test_the_history_keeps_the_best_by_top1_later_epochs_first_at_a_tie(tmp_path
     assert [(e["epoch"], e["acc1"]) for e in index["checkpoints"]] == [(4, 30.0), (2, 30.0)]
     assert index["keep"] == 2 and index["ranked_by"] == "val_acc1"
     keep(tmp_path, 2, 4, 1.0)  # epoch 4 trained again (a resume from an older checkpoint)
-    assert [e.epoch for e in writer.read_index(tmp_path)] == [2, 4]
+    assert [e.epoch for e in rundir.read_index(tmp_path)] == [2, 4]
 
 
 def test_a_kill_between_the_steps_of_an_epoch_end_leaves_a_consistent_history(tmp_path):
@@ -307,14 +307,14 @@ def test_a_kill_between_the_steps_of_an_epoch_end_leaves_a_consistent_history(tm
     # Killed after the index named epoch 2 but before its file was written: the entry is
     # dropped when read, the one it evicted is still kept, and the next epoch end deletes what
     # no entry names.
-    writer.plan(tmp_path, 1, writer.epoch_entry(2, 60.0, 20, False))
-    assert [e.epoch for e in writer.read_index(tmp_path)] == [1]
+    rundir.plan(tmp_path, 1, rundir.epoch_entry(2, 60.0, 20, False))
+    assert [e.epoch for e in rundir.read_index(tmp_path)] == [1]
     assert (tmp_path / "checkpoint_epoch001.pth.tar").is_file()
     keep(tmp_path, 1, 2, 60.0)
     assert sorted(p.name for p in tmp_path.glob("checkpoint_epoch*")) == [
         "checkpoint_epoch002.pth.tar"]
     (tmp_path / "checkpoints.json").write_text("{not json")
-    assert writer.read_index(tmp_path) == []  # a damaged index: a warning, a new start
+    assert rundir.read_index(tmp_path) == []  # a damaged index: a warning, a new start
 
 
 def test_a_kill_between_the_index_and_the_link_loses_no_evicted_checkpoint(tmp_path):
@@ -323,16 +323,16 @@ def test_a_kill_between_the_index_and_the_link_loses_no_evicted_checkpoint(tmp_p
     the two best and must still be kept."""
     keep(tmp_path, 2, 1, 50.0)
     keep(tmp_path, 2, 2, 40.0)
-    writer.plan(tmp_path, 2, writer.epoch_entry(3, 60.0, 30, False))  # killed after this
-    assert [e.epoch for e in writer.read_index(tmp_path)] == [1, 2]  # as before epoch 3
+    rundir.plan(tmp_path, 2, rundir.epoch_entry(3, 60.0, 30, False))  # killed after this
+    assert [e.epoch for e in rundir.read_index(tmp_path)] == [1, 2]  # as before epoch 3
     keep(tmp_path, 2, 3, 30.0)  # epoch 3 again, from the resumed checkpoint of epoch 2
     assert sorted(p.name for p in tmp_path.glob("checkpoint_epoch*")) == [
         "checkpoint_epoch001.pth.tar", "checkpoint_epoch002.pth.tar"]
-    assert [e.epoch for e in writer.read_index(tmp_path)] == [1, 2]
+    assert [e.epoch for e in rundir.read_index(tmp_path)] == [1, 2]
     # Killed after the link, before the prune: the eviction stands.
-    path = writer.plan(tmp_path, 2, writer.epoch_entry(4, 45.0, 40, False))
+    path = rundir.plan(tmp_path, 2, rundir.epoch_entry(4, 45.0, 40, False))
     files.atomic_save({"epoch": 4, "state_dict": {}}, path)
-    assert [e.epoch for e in writer.read_index(tmp_path)] == [1, 4]
+    assert [e.epoch for e in rundir.read_index(tmp_path)] == [1, 4]
     keep(tmp_path, 2, 5, 1.0)
     assert sorted(p.name for p in tmp_path.glob("checkpoint_epoch*")) == [
         "checkpoint_epoch001.pth.tar", "checkpoint_epoch004.pth.tar"]

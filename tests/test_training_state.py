@@ -153,12 +153,12 @@ if what == "validation fails":
         raise RuntimeError("the validation broke")
     trainer.evaluate = evaluate
 if what == "killed before the log line":
-    import imagenet.checkpoint.writer as writer
-    writers, submit = [], writer.Writer.submit
+    import imagenet.checkpoint.rundir as rundir
+    writers, submit = [], rundir.Writer.submit
     def remember(self, *args, **kwargs):
         writers.append(self)
         return submit(self, *args, **kwargs)
-    writer.Writer.submit = remember
+    rundir.Writer.submit = remember
     def log_epoch(*args, **kwargs):
         for w in writers:  # the save has reached the disk (it is written in the background)
             w.wait()

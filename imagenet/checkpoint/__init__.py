@@ -5,9 +5,8 @@
                rank's random streams; only finite state with the same classes saved or resumed.
   resume_from  the checkpoint every rank resumes (rank 0 decides); the flags and layout that
                differ from the checkpoint's.
-  writer       the background write; --keep-checkpoints' history.
-  rundir       one run per folder: its lock, earlier runs moved to previous/.
-  disk         free space, the file size limit, one line for a write that did not fit.
+  rundir       one run per folder: its lock, earlier runs moved to previous/; the background
+               write; --keep-checkpoints' history.
   sharded      --sharded-checkpoint directories (torch.distributed.checkpoint); ``dcpread`` reads
                them as weights_only reads a file, ``dcpfiles`` checks their files.
   weights      any file's model weights (--finetune, export).

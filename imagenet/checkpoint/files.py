@@ -21,9 +21,8 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-import imagenet.checkpoint.disk as disk
 import imagenet.launching.watchdog as watchdog
-from imagenet.errors import CheckpointError, UsageError
+from imagenet.errors import CheckpointError, UsageError, is_write_failure, write_failure
 from imagenet.training.models import is_sharded, without_dropped_aux
 
 log = logging.getLogger(__name__)
@@ -124,10 +123,10 @@ def atomic_save(obj: Mapping[str, Any], path: Path, copies: Sequence[Path] = ())
                 atomic_copy(tmp, copy)
             os.replace(tmp, path)
         except OSError as exc:
-            if not disk.is_write_failure(exc, path.parent):
+            if not is_write_failure(exc, path.parent):
                 raise
             kept = "; the previous file is kept" if path.is_file() else ""
-            raise CheckpointError(disk.write_failure(path, path.parent, exc) + kept) from None
+            raise CheckpointError(write_failure(path, path.parent, exc) + kept) from None
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)

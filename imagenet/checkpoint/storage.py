@@ -51,8 +51,7 @@ import imagenet.data.objectstore as objectstore
 import imagenet.launching.watchdog as watchdog
 from imagenet.checkpoint import files
 from imagenet.errors import RunError, UsageError
-from imagenet.reporting.logger import METRICS
-from imagenet.reporting.results import RUN_IDS
+from imagenet.reporting.logger import METRICS, RUN_IDS
 from imagenet.settings.flags import CACHE, DEMO_DATA
 from imagenet.settings.plan import Staging
 

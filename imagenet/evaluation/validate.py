@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,13 +36,11 @@ from torch.utils.data import DataLoader
 
 import imagenet.checkpoint.rundir as rundir
 import imagenet.launching.watchdog as watchdog
-import imagenet.reporting.results as results
-from imagenet.checkpoint import disk
 from imagenet.checkpoint.resume_from import Decided
 from imagenet.data.folder import Data, build_transforms, folder_loaders, other_val_folder
 from imagenet.data.index import IndexFiles
 from imagenet.data.samplers import shard_batches
-from imagenet.errors import RunError, TrainerError, UsageError, on_every_rank
+from imagenet.errors import RunError, TrainerError, UsageError, on_every_rank, output_errors
 from imagenet.launching.process_group import DistInfo, raise_agreed
 from imagenet.reporting.logger import RunLogger
 from imagenet.settings.flags import Config
@@ -60,6 +58,9 @@ from imagenet.training.engine import (
     weighted,
 )
 from imagenet.training.models import is_sharded
+
+if TYPE_CHECKING:
+    from imagenet.reporting import results
 
 log = logging.getLogger(__name__)
 
@@ -269,11 +270,14 @@ class Report:
         self.predictions, self.tta_flip = predictions, tta_flip
         self.logger, self.tag = logger, tag
         self.parts: list[tuple[torch.Tensor, ...]] = []  # per batch, on the device
+        from imagenet.reporting import results  # the report's files: only a run that writes one
+
+        self.topk = results.TOPK
 
     def add(self, output: torch.Tensor, target: torch.Tensor) -> None:
         """``evaluate``'s ``on_output``: keep the batch's top classes (no host
         sync)."""
-        top = output.topk(min(results.TOPK, output.shape[1]), dim=1)  # as topk_correct
+        top = output.topk(min(self.topk, output.shape[1]), dim=1)  # as topk_correct
         prob = output.float().softmax(dim=1).gather(1, top.indices)
         self.parts.append((target, top.indices, prob))
 
@@ -311,6 +315,8 @@ class Report:
     def write(self, preds: results.Predictions, metrics: dict[str, float], epoch: int,
               global_step: int) -> None:
         """The files, the TensorBoard image and the console lines (rank 0)."""
+        from imagenet.reporting import results
+
         classes = self.data.classes
         if abs(preds.acc1() - metrics["acc1"]) > 1e-6:
             log.warning("the predictions' top-1 %.3f differs from the validation's %.3f",
@@ -320,12 +326,12 @@ class Report:
         summary = {"images": len(preds.ids), "acc1": metrics["acc1"], "acc5": metrics["acc5"],
                    "mean_class_acc1": results.mean_class_acc1(rows), "classes": classes,
                    "tta_flip": self.tta_flip, "epoch": epoch, "global_step": global_step}
-        with disk.output_errors(self.output_dir, "the per-class report"):
+        with output_errors(self.output_dir, "the per-class report"):
             written = results.write_per_class(self.output_dir, rows, confusion, classes,
                                               summary)
         if self.predictions:
             path = Path(self.predictions)
-            with disk.output_errors(path.parent, path, "--predictions"):
+            with output_errors(path.parent, path, "--predictions"):
                 results.write_predictions(path, sample_names(self.data.val_loader), classes,
                                           preds)
             written.append(path)
@@ -338,6 +344,8 @@ class Report:
     def add_image(self, confusion: torch.Tensor, global_step: int) -> None:
         """The confusion matrix in TensorBoard (``{tag}/confusion_matrix``), when the logger
         writes TensorBoard events."""
+        from imagenet.reporting import results
+
         if self.logger is not None:
             self.logger.images(f"{self.tag}/confusion_matrix",
                                results.confusion_image(confusion), global_step)
@@ -356,6 +364,8 @@ def gather_to_rank0(rows: dict[str, torch.Tensor]) -> list[dict[str, torch.Tenso
 
 def merge(gathered: list[dict[str, torch.Tensor]] | None, expected: int) -> results.Predictions:
     """The ranks' rows in dataset order; RunError unless every image is there exactly once."""
+    from imagenet.reporting import results
+
     assert gathered is not None
     parts = [g for g in gathered if "target" in g]
     ids = torch.cat([g["ids"] for g in gathered])

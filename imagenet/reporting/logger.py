@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
 CONFIG = "config.json"
+RUN_IDS = "trackers.json"  # MLflow's and W&B's run ids: {"mlflow": {"run_id": ...}, ...}
+# The per-class report (``reporting.results``, imported when one is written): -e, the last epoch.
+PER_CLASS_CSV, PER_CLASS_JSON = "per_class.csv", "per_class.json"
+CONFUSION_CSV = "confusion_matrix.csv"
+REPORTS = (PER_CLASS_CSV, PER_CLASS_JSON, CONFUSION_CSV)  # in OUTPUT_DIR
 
 
 def console(rank: int, debug: bool = False) -> tuple[logging.Handler, int]:
@@ -184,7 +189,7 @@ class RunLogger:
         if enabled and any(name != "tensorboard" for name in tracker_names(log_to)):
             from imagenet.reporting.trackers import open_trackers
 
-            self._trackers = open_trackers(log_to, output_dir, continues)
+            self._trackers = open_trackers(log_to, output_dir, output_dir / RUN_IDS, continues)
         if enabled and "tensorboard" in tracker_names(log_to):
             from torch.utils.tensorboard import SummaryWriter
 

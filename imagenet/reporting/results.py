@@ -17,16 +17,13 @@ from typing import Any
 
 import torch
 
-PER_CLASS_CSV, PER_CLASS_JSON = "per_class.csv", "per_class.json"
-CONFUSION_CSV = "confusion_matrix.csv"
-FILES = (PER_CLASS_CSV, PER_CLASS_JSON, CONFUSION_CSV)  # in OUTPUT_DIR
+from imagenet.reporting.logger import CONFUSION_CSV, PER_CLASS_CSV, PER_CLASS_JSON
+
 TOPK = 5  # classes per image in the predictions file
 WORST = 5  # classes named in the console summary
 # The confusion matrix image: white (no image) to dark blue (every image of the row's class).
 EMPTY_RGB, FULL_RGB, ABSENT_RGB = (255, 255, 255), (8, 48, 107), (200, 200, 200)
 IMAGE_PX = 512  # the image's side, at most (cells of 1 to 32 px)
-
-RUN_IDS = "trackers.json"  # OUTPUT_DIR/trackers.json: {"mlflow": {"run_id": ...}, ...}
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from imagenet.errors import RunError, first_line
-from imagenet.reporting.results import RUN_IDS
 from imagenet.settings.choices import install_hint, tracker_names
 
 log = logging.getLogger(__name__)
@@ -115,9 +114,9 @@ class WandbTracker:
         self._run.finish(exit_code=WANDB_EXIT_CODE[status])
 
 
-def saved_run_ids(output_dir: Path) -> dict[str, str]:
-    """The tracker run ids of the record in OUTPUT_DIR ({} for a fresh record)."""
-    path = output_dir / RUN_IDS
+def saved_run_ids(path: Path) -> dict[str, str]:
+    """The tracker run ids recorded in ``path``, OUTPUT_DIR/trackers.json ({} for a fresh
+    record)."""
     try:
         saved = json.loads(path.read_text())
         return {name: str(entry["run_id"]) for name, entry in saved.items()}
@@ -128,12 +127,12 @@ def saved_run_ids(output_dir: Path) -> dict[str, str]:
         return {}
 
 
-def save_run_ids(output_dir: Path, trackers: Mapping[str, Tracker]) -> None:
-    """OUTPUT_DIR/trackers.json, written atomically; keeps ids of trackers not used now."""
-    path = output_dir / RUN_IDS
-    saved = {name: {"run_id": run_id} for name, run_id in saved_run_ids(output_dir).items()}
+def save_run_ids(path: Path, trackers: Mapping[str, Tracker]) -> None:
+    """``path``, OUTPUT_DIR/trackers.json, written atomically; keeps ids of trackers not used
+    now."""
+    saved = {name: {"run_id": run_id} for name, run_id in saved_run_ids(path).items()}
     saved.update({name: {"run_id": t.run_id} for name, t in trackers.items()})
-    tmp = path.with_name(f".{RUN_IDS}.tmp")
+    tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(saved, indent=2) + "\n")
     tmp.replace(path)
 
@@ -168,12 +167,13 @@ class Trackers:
                 del self._open[name]
 
 
-def open_trackers(log_to: str, output_dir: Path, continues: bool = True) -> Trackers:
-    """Start (or continue) the MLflow and W&B runs --log-to asks for; rank 0 only.
-    ``continues=False`` (-e): new runs named OUTPUT_DIR-eval, not recorded in trackers.json (the
-    training run's record there stays as it is)."""
+def open_trackers(log_to: str, output_dir: Path, run_ids_file: Path,
+                  continues: bool = True) -> Trackers:
+    """Start (or continue) the MLflow and W&B runs --log-to asks for; rank 0 only. Their ids
+    are kept in ``run_ids_file`` (OUTPUT_DIR/trackers.json). ``continues=False`` (-e): new runs
+    named OUTPUT_DIR-eval, not recorded there (the training run's record stays as it is)."""
     names = [n for n in tracker_names(log_to) if n != "tensorboard"]
-    run_ids = saved_run_ids(output_dir) if names and continues else {}
+    run_ids = saved_run_ids(run_ids_file) if names and continues else {}
     run_name = output_dir.resolve().name + ("" if continues else "-eval")
     opened: dict[str, Tracker] = {}
     try:
@@ -183,7 +183,7 @@ def open_trackers(log_to: str, output_dir: Path, continues: bool = True) -> Trac
         Trackers(opened).close("failed")
         raise
     if opened and continues:
-        save_run_ids(output_dir, opened)
+        save_run_ids(run_ids_file, opened)
     return Trackers(opened)
 
 

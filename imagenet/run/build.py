@@ -35,8 +35,8 @@ import imagenet.data.prefetch as prefetch
 import imagenet.evaluation.validate as validate
 from imagenet.checkpoint import files
 from imagenet.checkpoint.resume_from import Decided
+from imagenet.checkpoint.rundir import Writer
 from imagenet.checkpoint.states import data_resume_point
-from imagenet.checkpoint.writer import Writer
 from imagenet.data.folder import Data, FolderTrain, build_data, stop_workers
 from imagenet.data.index import ImageCheck, IndexFiles
 from imagenet.errors import UsageError

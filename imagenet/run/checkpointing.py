@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 import imagenet.launching.watchdog as watchdog
-from imagenet.checkpoint import files, writer
+from imagenet.checkpoint import files, rundir
 from imagenet.checkpoint.resume_from import broadcast_weights, check_ranks_agree, log_changes
+from imagenet.checkpoint.rundir import to_host
 from imagenet.checkpoint.states import (
     check_resumable,
     data_resume_point,
@@ -36,7 +37,6 @@ from imagenet.checkpoint.states import (
     same_optimizer,
     same_order,
 )
-from imagenet.checkpoint.writer import to_host
 from imagenet.errors import TrainerError, UsageError, on_every_rank
 from imagenet.launching.process_group import barrier
 from imagenet.run.build import Run
@@ -136,7 +136,7 @@ def ema_weights_state(run: Run, ema: dict[str, Any]) -> dict[str, Any]:
 def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = False,
          score: float | None = None) -> float:
     """Save the run: its state copied off the model now, the files written by rank 0 in the
-    background (``checkpoint.writer``), atomically, the best files first when they improve.
+    background (``checkpoint.rundir.Writer``), atomically, the best files first when they improve.
     Returns the seconds it held up training, or the last whole write's if that was longer (the
     time limit's estimate of a save). Collective (it gathers every rank's RNG state).
 
@@ -144,7 +144,7 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
     the checkpoint (``resumed_best`` adopts it), never a checkpoint whose best has no file.
     ``score``: the epoch's validation top-1 at an epoch's end; with --keep-checkpoints the
     checkpoint is also kept as checkpoint_epochNNN.pth.tar when it is among the best
-    (``writer.plan``).
+    (``rundir.plan``).
     A save waits for the previous write; ``finish_saves`` waits for the last one.
     """
     start = time.perf_counter()
@@ -171,16 +171,16 @@ def save(run: Run, is_best: bool, epoch_done: bool = False, is_best_ema: bool = 
 
 
 def write_checkpoint(out: Path, payload: dict[str, Any], is_best: bool,
-                     ema: dict[str, Any] | None, entry: writer.Entry | None, keep: int) -> None:
+                     ema: dict[str, Any] | None, entry: rundir.Entry | None, keep: int) -> None:
     """Rank 0's files of a save (in the writer's thread): the EMA's best file, then the
     checkpoint with its copies (the best file, the history's), then the history pruned."""
     if ema is not None:
         files.atomic_save(ema, out / files.BEST_EMA)
     best = [out / files.BEST] if is_best else []
-    kept = writer.plan(out, keep, entry) if entry is not None else None
+    kept = rundir.plan(out, keep, entry) if entry is not None else None
     files.atomic_save(payload, out / files.CHECKPOINT, copies=best + ([kept] if kept else []))
     if entry is not None:
-        writer.prune(out, sharded=False)
+        rundir.prune(out, sharded=False)
 
 
 def finish_saves(run: Run) -> float | None:
@@ -223,15 +223,15 @@ def save_sharded(run: Run, is_best: bool, epoch_done: bool, is_best_ema: bool,
     sharded.save(run.raw_model, parts.optimizer, parts.ema, meta,
                  out / files.dcp_name(files.CHECKPOINT), is_main, copies=best + kept)
     if run.dist.is_main and score is not None and run.cfg.keep_checkpoints:
-        writer.prune(out, sharded=True)
+        rundir.prune(out, sharded=True)
 
 
-def epoch_entry(run: Run, score: float | None) -> writer.Entry | None:
+def epoch_entry(run: Run, score: float | None) -> rundir.Entry | None:
     """--keep-checkpoints at an epoch's end (``score``: its top-1): the history's entry of this
     epoch's checkpoint; None otherwise."""
     if score is None or not run.cfg.keep_checkpoints:
         return None
-    return writer.epoch_entry(run.step.epoch + 1, score, run.step.global_step,
+    return rundir.epoch_entry(run.step.epoch + 1, score, run.step.global_step,
                                run.cfg.sharded_checkpoint)
 
 
@@ -241,7 +241,7 @@ def keep_epoch(run: Run, score: float | None) -> list[Path]:
     entry = epoch_entry(run, score)
     if entry is None:
         return []
-    path = writer.plan(run.output_dir, run.cfg.keep_checkpoints, entry)
+    path = rundir.plan(run.output_dir, run.cfg.keep_checkpoints, entry)
     return [path] if path is not None else []
 
 

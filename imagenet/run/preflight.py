@@ -19,13 +19,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-import imagenet.checkpoint.disk as disk
 import imagenet.checkpoint.rundir as rundir
 from imagenet.checkpoint import files
 from imagenet.checkpoint.resume_from import Decided
 from imagenet.data.index import image_check
 from imagenet.data.samplers import shard_batches
-from imagenet.errors import DataError, RunError
+from imagenet.errors import DataError, RunError, file_size_limit, free_bytes, human
 from imagenet.launching.process_group import DistInfo, on_rank0, raise_agreed
 from imagenet.run.build import Run
 from imagenet.settings.choices import tracker_names
@@ -95,10 +94,10 @@ def check_room(run: Run, resumed: Path | None) -> None:
     holds the room of one.
     """
     size, ema = checkpoint_bytes(run)
-    limit = disk.file_size_limit()
+    limit = file_size_limit()
     if limit is not None and size > limit:
-        raise RunError(f"a checkpoint of this run takes about {disk.human(size)}, more than the "
-                       f"file size limit (ulimit -f = {disk.human(limit)}); raise the limit "
+        raise RunError(f"a checkpoint of this run takes about {human(size)}, more than the "
+                       f"file size limit (ulimit -f = {human(limit)}); raise the limit "
                        "(ulimit -f unlimited) and start again")
     several_saves = run.cfg.epochs - run.step.epoch > 1 or run.cfg.save_every > 0
     # --keep-checkpoints N: N more whole checkpoints once later saves replace the one they link
@@ -106,13 +105,13 @@ def check_room(run: Run, resumed: Path | None) -> None:
     own = run.output_dir / files.CHECKPOINT
     if continues_folder(run.output_dir, resumed) and own.is_file():
         need -= own.stat().st_size
-    free = disk.free_bytes(run.output_dir)
+    free = free_bytes(run.output_dir)
     if free is not None and free < need:
         kept = f"; --keep-checkpoints {run.cfg.keep_checkpoints} keeps as many more" \
             if run.cfg.keep_checkpoints else ""
-        raise RunError(f"{run.output_dir} has {disk.human(free)} free, but this run needs about "
-                       f"{disk.human(need)} for its checkpoints (one is about "
-                       f"{disk.human(size + ema)}, and a save writes the new file before it "
+        raise RunError(f"{run.output_dir} has {human(free)} free, but this run needs about "
+                       f"{human(need)} for its checkpoints (one is about "
+                       f"{human(size + ema)}, and a save writes the new file before it "
                        f"replaces the old{kept}); free some space or give another --output-dir")
 
 

@@ -16,7 +16,6 @@ from typing import Any
 import torchvision
 from torch import nn
 
-import imagenet.checkpoint.disk as disk
 import imagenet.checkpoint.rundir as rundir
 import imagenet.data.transforms as transforms
 import imagenet.launching.watchdog as watchdog
@@ -24,7 +23,7 @@ from imagenet.checkpoint.resume_from import Decided, decide
 from imagenet.data.folder import shutdown_workers
 from imagenet.data.index import image_check
 from imagenet.data.prefetch import device_batches
-from imagenet.errors import NonFiniteLossError, Preempted, on_every_rank
+from imagenet.errors import NonFiniteLossError, Preempted, on_every_rank, output_errors
 from imagenet.evaluation.validate import Report, evaluate, for_validation
 from imagenet.launching.preemption import StopBetweenBatches, StopFlag, StopRequested
 from imagenet.launching.process_group import DistInfo
@@ -79,7 +78,7 @@ def run_training(plan: Plan, dist: DistInfo, outputs: Outputs | None = None
             held.enter_context(rundir.claim_folder(output_dir, dist, plan.slurm_job))
         # Filled before anything reads OUTPUT_DIR: the check for a finished run, the early
         # start, -e --val-data's classes and the resume all see what the run continues.
-        with disk.output_errors(output_dir):
+        with output_errors(output_dir):
             outs.fill(cfg, dist, output_dir, plan.restarted)
         # The checkpoint the run continues, decided and read once (a --resume that does not
         # exist or cannot be read: an error now, before anything is built). Its read is the
@@ -98,7 +97,7 @@ def run_training(plan: Plan, dist: DistInfo, outputs: Outputs | None = None
             run.outputs = replace(outs, written=run.writer.wait)
             if not (cfg.evaluate or claims_first):
                 held.enter_context(rundir.claim_folder(output_dir, dist, plan.slurm_job))
-            with disk.output_errors(run.output_dir), run.outputs.uploading(dist):
+            with output_errors(run.output_dir), run.outputs.uploading(dist):
                 return resume_and_train(run)
 
 
