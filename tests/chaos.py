@@ -40,7 +40,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import MAIN, ROOT, TwoHosts, Unavailable, child_env, write_image_folder  # noqa: E402
+from helpers import (  # noqa: E402
+    MAIN,
+    ROOT,
+    TwoHosts,
+    Unavailable,
+    child_env,
+    prestarted_cmd,
+    write_image_folder,
+)
 
 sys.path.insert(0, str(ROOT))  # the trainer's own checkpoint loader judges a checkpoint whole
 import chaos_faults as faults  # noqa: E402
@@ -123,9 +131,11 @@ def flags(s: Setup) -> list[str]:
 
 
 def command(s: Setup, data: Path, out: Path, resume: str | None = None,
-            hosts: TwoHosts | None = None) -> list[str]:
+            hosts: TwoHosts | None = None, forked: bool = False) -> list[str]:
     """The whole command line of ``s``, writing to ``out`` (``hosts``: where a two-host run's
-    processes run)."""
+    processes run). ``forked``: a one-node mp.spawn or single-process run forked from the
+    pre-imported trainer (tests/prestart.py: the same bits as a plain start, without its
+    imports), for the runs that are neither interrupted nor resumed."""
     args = [str(data), *flags(s), "--output-dir", str(out)]
     if resume:
         args += ["--resume", resume]
@@ -136,7 +146,7 @@ def command(s: Setup, data: Path, out: Path, resume: str | None = None,
     if s.launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", str(s.world), "--monitor-interval", "0.5", MAIN, *args]
-    return [sys.executable, MAIN, *args]
+    return prestarted_cmd(*args) if forked else [sys.executable, MAIN, *args]
 
 
 @dataclass(frozen=True)
@@ -553,7 +563,7 @@ class References:
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir(parents=True)
             self.runs += 1
-            code, output = run_to_end(command(s, data, out / "run", hosts=hosts),
+            code, output = run_to_end(command(s, data, out / "run", hosts=hosts, forked=True),
                                       out / "log.txt")
             if code != 0:
                 return out / "run", f"the uninterrupted run exited {code} (see {out}/log.txt)"
@@ -607,11 +617,12 @@ def equal_tensors(a: dict, b: dict, where: str) -> list[str]:
 
 
 def evaluated(data: Path, best: Path, ema: bool, log: Path) -> str | None:
-    """' * Acc@1' of ``main.py -e --resume best`` (one process; None if it failed). Its report
-    files go beside the log, not into the working directory."""
-    cmd = [sys.executable, MAIN, str(data), *MODEL, "-b", "8", "-j", "0", "-e",
-           "--resume", str(best), *(["--model-ema"] if ema else []),
-           "--output-dir", str(log.with_suffix(""))]
+    """' * Acc@1' of ``main.py -e --resume best`` (one process, forked from the pre-imported
+    trainer; None if it failed). Its report files go beside the log, not into the working
+    directory."""
+    cmd = prestarted_cmd(str(data), *MODEL, "-b", "8", "-j", "0", "-e", "--resume", str(best),
+                         *(["--model-ema"] if ema else []), "--output-dir",
+                         str(log.with_suffix("")))
     code, output = run_to_end(cmd, log)
     found = re.findall(r"^ \* Acc@1 (\S+) ", output, flags=re.M)
     return found[0] if code == 0 and len(found) == 1 else None

@@ -47,7 +47,7 @@ PIDFILE = "IMAGENET_TEST_RUN_PIDFILE"
 # Read by the trainer while it runs, never at import: a run that sets them can be pre-imported.
 RUNTIME_ONLY = {"TMPDIR", "TORCH_HOME", "HF_HOME", "HF_HUB_OFFLINE", "IMAGENET_NOTICE_AFTER",
                 "PYTHONUNBUFFERED", "XDG_CACHE_HOME", "HOME", "PWD", "OLDPWD", "_", "SHLVL",
-                "FT_TOKEN", PIDFILE,
+                "FT_TOKEN", "CHAOS_TOKEN", PIDFILE,
                 # pytest names the running test here: every test's runs hold another value
                 "PYTEST_CURRENT_TEST",
                 # inductor reads it at each use (a compile sets it in the test process)
