@@ -1,6 +1,7 @@
 """main.py trains and validates from tar shards as from the ImageFolder they were written from:
 one process and two (x 2 loader workers), local files and a real ``python -m http.server``,
-killed with SIGKILL and resumed bitwise, and a bad shard ending in one error line."""
+killed with SIGKILL and resumed bitwise, and a bad shard ending in one error line. The runs fork
+from the pre-imported trainer (``prestarted_cmd``): what they test comes after start-up."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import child_env, load_checkpoint, main_cmd, run_main, run_parallel
+from helpers import child_env, load_checkpoint, prestarted_cmd, run_main, run_parallel
 from helpers import write_image_folder as write_folder
 from test_fault_tolerance import assert_same_run, kill_at, run_to_end
 from test_shards import batches, free_port, prepare_shards, start_server, write_published_layout
@@ -52,7 +53,7 @@ def data(tmp_path_factory) -> dict[str, Path]:
 def shard_run(data) -> Path:
     """An uninterrupted shard run without loader workers: the reference of the resume test."""
     out = data["root"] / "shard-run"
-    run_to_end(main_cmd(str(data["shards"]), *LEARN, "-j", "0", "--output-dir", str(out)))
+    run_to_end(prestarted_cmd(str(data["shards"]), *LEARN, "-j", "0", "--output-dir", str(out)))
     return out
 
 
@@ -83,7 +84,7 @@ def test_shards_train_on_the_folders_samples_to_the_same_top1(data, shard_run, t
             assert set(seen_shards) == seen_folder
     # Trained with the same flags, both reach the same top-1 (within 6 of 30 images).
     out = tmp_path / "folder-run"
-    run_to_end(main_cmd(str(data["folder"]), *LEARN, "-j", "0", "--output-dir", str(out)))
+    run_to_end(prestarted_cmd(str(data["folder"]), *LEARN, "-j", "0", "--output-dir", str(out)))
     folder_run, shards_run = epochs(out), epochs(shard_run)
     assert [r["val_count"] for r in shards_run] == [30] * 3
     assert folder_run[-1]["val_acc1"] >= 80 and shards_run[-1]["val_acc1"] >= 80, \
@@ -98,7 +99,7 @@ def test_sigkill_mid_epoch_on_shards_resumes_bitwise_with_other_workers(data, sh
     order of the shards, so the killed and resumed Parquet run ends as the shard run, bitwise
     (each file's rows read from the middle of a row group on resume)."""
     out = tmp_path / "out"
-    cmd = main_cmd(str(data[fmt]), *LEARN, "-j", "2", "--output-dir", str(out))
+    cmd = prestarted_cmd(str(data[fmt]), *LEARN, "-j", "2", "--output-dir", str(out))
     code, output = kill_at([*cmd, "--save-every", "2"], f"Epoch: [1][3/{STEPS}]", out=out,
                            saved=lambda at: at >= (1, 2))
     assert code == -signal.SIGKILL, output
@@ -126,7 +127,7 @@ def test_two_processes_two_workers_locally_and_over_http(data, tmp_path):
     try:
         outs = {"local": tmp_path / "local", "http": tmp_path / "http"}
         sources = {"local": str(data["shards"]), "http": f"http://127.0.0.1:{port}/"}
-        results = run_parallel([main_cmd(sources[k], *flags, "--output-dir", str(outs[k]))
+        results = run_parallel([prestarted_cmd(sources[k], *flags, "--output-dir", str(outs[k]))
                                 for k in outs], [child_env(), child_env()], tmp_path / "logs")
     finally:
         server.kill()
