@@ -390,10 +390,38 @@ def tiny_engine(model: nn.Module, *flags: str, steps: int, world: int = 1, batch
 
 # ---------------------------------------------------------------- gloo ranks
 
+# What a forkserver imports once per test process, before it forks the ranks (start_ranks).
+PRELOAD = ["torch", "torchvision", "torch.distributed", "imagenet.launching.process_group",
+           "imagenet.settings.plan", "imagenet.run.trainer", "imagenet.run.build"]
+
+
+def start_ranks(fn, args: tuple = (), nprocs: int = 2, join: bool = True):
+    """``torch.multiprocessing.start_processes(fn, args, nprocs, join)`` for a test's own ranks
+    (``fn(rank, *args)``, module-level), forked from a forkserver: one per test process, which
+    imported torch and the trainer once (``PRELOAD``), so a rank imports nothing again (a
+    spawned one pays ~2.5 s of CPU). Each rank runs in the caller's environment and working
+    folder of now, as a spawned child would, not in the forkserver's. How main.py starts its
+    own processes is tested with main.py's mp.spawn, never through here."""
+    import multiprocessing
+
+    import torch.multiprocessing
+
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    return torch.multiprocessing.start_processes(
+        _as_the_caller, args=(fn, dict(os.environ), os.getcwd(), *args), nprocs=nprocs,
+        join=join, start_method="forkserver")
+
+
+def _as_the_caller(rank: int, fn, env: dict[str, str], cwd: str, *args) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    fn(rank, *args)
+
 
 def join_gloo(rank: int, world: int, port: int):
     """Join a real gloo process group on loopback through imagenet.launching.process_group (as
-    main.py does); returns its DistInfo. For the body of mp.spawn'ed test processes."""
+    main.py does); returns its DistInfo. For the body of a test's ranks (start_ranks)."""
     import torch
 
     from imagenet.launching.process_group import init_distributed
@@ -409,10 +437,8 @@ def join_gloo(rank: int, world: int, port: int):
 
 
 def gloo_rank_saving(rank: int, world: int, port: int, out: Path, compute) -> None:
-    """mp.spawn body: join gloo, save ``compute(info)`` to ``out/rank{rank}.pt``, leave together.
-
-    ``compute`` must be a module-level function (spawned children unpickle it by name).
-    """
+    """A rank (start_ranks): join gloo, save ``compute(info)`` to ``out/rank{rank}.pt``, leave
+    together. ``compute`` must be a module-level function (the ranks unpickle it by name)."""
     import datetime
 
     import torch

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torchvision
 from helpers import (
     TINY18,
     gloo_rank_saving,
     load_checkpoint,
     run_main,
+    start_ranks,
     tiny_engine,
     tiny_net,
     uint8_batches,
@@ -85,8 +85,7 @@ def fp16_powersgd(info) -> dict:
 
 @pytest.mark.slow
 def test_fp16_powersgd_keeps_learning_after_an_overflow(tmp_path):
-    mp.spawn(gloo_rank_saving, args=(2, free_port(), tmp_path, fp16_powersgd), nprocs=2,
-             join=True)
+    start_ranks(gloo_rank_saving, args=(2, free_port(), tmp_path, fp16_powersgd))
     result = torch.load(tmp_path / "rank0.pt", weights_only=True)
     scales, weights = result["scales"], result["weights"]
     overflows = [i for i in range(1, STEPS) if scales[i] < scales[i - 1]]

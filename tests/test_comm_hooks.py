@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from helpers import (
     TINY18,
     StripedImages,
     gloo_rank_saving,
     load_checkpoint,
     run_main,
+    start_ranks,
     tiny_engine,
     tiny_net,
 )
@@ -90,8 +90,8 @@ def train_every_run(info) -> dict:
 def results(tmp_path_factory) -> list[dict]:
     """What each of 2 real gloo processes trained with each hook (loaded with weights_only)."""
     out = tmp_path_factory.mktemp("hooks")
-    procs = mp.start_processes(gloo_rank_saving, args=(2, free_port(), out, train_every_run),
-                               nprocs=2, join=False, start_method="spawn")
+    procs = start_ranks(gloo_rank_saving, args=(2, free_port(), out, train_every_run),
+                        join=False)
     deadline = time.monotonic() + 300  # a collective mismatch can hang instead of failing
     while not procs.join(timeout=2):  # raises if a process failed
         if time.monotonic() > deadline:

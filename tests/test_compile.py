@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from helpers import gloo_rank_saving, tiny_engine, uint8_batches
+from helpers import gloo_rank_saving, start_ranks, tiny_engine, uint8_batches
 from torch import nn
 
 from imagenet.evaluation.validate import evaluate
@@ -118,7 +117,7 @@ def both(info: DistInfo) -> dict:
 def ranks(tmp_path_factory) -> list[dict]:
     """Both ranks' reports (one pair of processes for both tests: start-up is the cost)."""
     out = tmp_path_factory.mktemp("compile")
-    mp.spawn(gloo_rank_saving, args=(2, free_port(), out, both), nprocs=2, join=True)
+    start_ranks(gloo_rank_saving, args=(2, free_port(), out, both))
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import TINY18, load_checkpoint, write_image_folder
+from helpers import TINY18, load_checkpoint, start_ranks, write_image_folder
 
 import imagenet
 from imagenet.errors import UsageError
@@ -164,7 +163,7 @@ def test_train_returns_metrics_and_resumes_a_callers_checkpoint_as_its_own(tmp_p
 
 
 def _train_in_callers_group(rank: int, world: int, port: int, data: str, out: str) -> None:
-    """mp.spawn body: a caller that creates the group and runs train() in a thread (Ray)."""
+    """A rank (start_ranks): a caller that creates the group and runs train() in a thread (Ray)."""
     import os
 
     torch.set_num_threads(1)
@@ -198,8 +197,7 @@ def test_train_uses_the_callers_process_group_and_leaves_it_alive(tmp_path):
     data = write_image_folder(tmp_path / "data")
     out = tmp_path / "out"
     out.mkdir()
-    mp.start_processes(_train_in_callers_group, args=(2, free_port(), str(data), str(out)),
-                       nprocs=2, start_method="spawn")
+    start_ranks(_train_in_callers_group, args=(2, free_port(), str(data), str(out)))
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     # every rank sees the same saves: the trained epoch's (before validation), the epoch's
     assert [r["saves"] for r in ranks] == [2, 2] and ranks[0]["all_saves"] == 4

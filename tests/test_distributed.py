@@ -1,6 +1,6 @@
 """Distributed building blocks: launch planning (pure functions) and DDP maths with real processes.
 
-The maths tests start two real processes on gloo (torch.multiprocessing.spawn) that drive
+The maths tests start two real processes on gloo (``helpers.start_ranks``) that drive
 imagenet.training.engine.train_one_epoch and imagenet.evaluation.validate.evaluate with
 imagenet.data.folder's samplers, and compare them with one process doing the same work on the
 same data order in this process.
@@ -12,8 +12,7 @@ import subprocess
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from helpers import StripedImages, gloo_rank_saving, tiny_engine, tiny_net
+from helpers import StripedImages, gloo_rank_saving, start_ranks, tiny_engine, tiny_net
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -297,7 +296,7 @@ def train_and_evaluate(info) -> dict:
 def ddp_results(tmp_path_factory) -> list[dict]:
     """What each of 2 real gloo processes trained and evaluated."""
     out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(gloo_rank_saving, args=(2, free_port(), out, train_and_evaluate), nprocs=2, join=True)
+    start_ranks(gloo_rank_saving, args=(2, free_port(), out, train_and_evaluate))
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 

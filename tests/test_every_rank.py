@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from helpers import (
     TINY18,
     child_env,
@@ -18,6 +17,7 @@ from helpers import (
     prestarted_cmd,
     run_parallel,
     save_edited,
+    start_ranks,
     tiny_engine,
     tiny_net,
     write_image_folder,
@@ -190,8 +190,7 @@ def nan_on_rank_1(info) -> dict:
 
 
 def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
-    mp.spawn(gloo_rank_saving, args=(2, free_port(), tmp_path, nan_on_rank_1), nprocs=2,
-             join=True)
+    start_ranks(gloo_rank_saving, args=(2, free_port(), tmp_path, nan_on_rank_1))
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     assert results[0] == results[1], results
     assert results[0]["step"] == 1
@@ -233,7 +232,7 @@ def _ema_rank(rank: int, world: int, port: int, out: Path, data: Path) -> None:
 
 def test_every_rank_validates_and_saves_the_same_ema(tmp_path):
     data = write_image_folder(tmp_path / "data")
-    mp.spawn(_ema_rank, args=(2, free_port(), tmp_path, data), nprocs=2, join=True)
+    start_ranks(_ema_rank, args=(2, free_port(), tmp_path, data))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     saved = load_checkpoint(tmp_path / "run" / "checkpoint.pth.tar")["ema"]
     for key, value in saved.items():

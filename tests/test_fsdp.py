@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torchvision
-from helpers import StripedImages, gloo_rank_saving, uint8_batches
+from helpers import StripedImages, gloo_rank_saving, start_ranks, uint8_batches
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -107,7 +106,7 @@ def train_every_run(info) -> dict:
 def results(tmp_path_factory) -> list[dict]:
     """Each rank's results (rank 0's hold the gathered states)."""
     out = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(gloo_rank_saving, args=(2, free_port(), out, train_every_run), nprocs=2, join=True)
+    start_ranks(gloo_rank_saving, args=(2, free_port(), out, train_every_run))
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import StripedImages, gloo_rank_saving, tiny_net
+from helpers import StripedImages, gloo_rank_saving, start_ranks, tiny_net
 
 from imagenet.evaluation.validate import evaluate
 from imagenet.settings.flags import parse_config
@@ -81,8 +80,7 @@ def _rank_loss(info, batch: int = 3):
 def test_class_balanced_validation_loss_at_world_size_2(tmp_path):
     from test_shards import free_port
 
-    mp.start_processes(gloo_rank_saving, args=(2, free_port(), tmp_path, _rank_loss), nprocs=2,
-                       start_method="spawn")
+    start_ranks(gloo_rank_saving, args=(2, free_port(), tmp_path, _rank_loss))
     want = expected_loss(tiny_net(classes=3), StripedImages(20, classes=3, seed=3),
                          FLAGS["smoothed"])
     for rank in range(2):
