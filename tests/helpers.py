@@ -395,20 +395,22 @@ PRELOAD = ["torch", "torchvision", "torch.distributed", "imagenet.launching.proc
            "imagenet.settings.plan", "imagenet.run.trainer", "imagenet.run.build"]
 
 
-def start_ranks(fn, args: tuple = (), nprocs: int = 2, join: bool = True):
+def start_ranks(fn, args: tuple = (), nprocs: int = 2, join: bool = True,
+                env: dict[str, str] | None = None):
     """``torch.multiprocessing.start_processes(fn, args, nprocs, join)`` for a test's own ranks
     (``fn(rank, *args)``, module-level), forked from a forkserver: one per test process, which
     imported torch and the trainer once (``PRELOAD``), so a rank imports nothing again (a
-    spawned one pays ~2.5 s of CPU). Each rank runs in the caller's environment and working
-    folder of now, as a spawned child would, not in the forkserver's. How main.py starts its
-    own processes is tested with main.py's mp.spawn, never through here."""
+    spawned one pays ~2.5 s of CPU). Each rank runs in the caller's environment (or ``env``)
+    and working folder of now, as a spawned child would, not in the forkserver's. How main.py
+    starts its own processes is tested with main.py's mp.spawn, never through here."""
     import multiprocessing
 
     import torch.multiprocessing
 
     multiprocessing.set_forkserver_preload(PRELOAD)
     return torch.multiprocessing.start_processes(
-        _as_the_caller, args=(fn, dict(os.environ), os.getcwd(), *args), nprocs=nprocs,
+        _as_the_caller, args=(fn, dict(os.environ if env is None else env), os.getcwd(), *args),
+        nprocs=nprocs,
         join=join, start_method="forkserver")
 
 

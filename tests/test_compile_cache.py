@@ -2,8 +2,9 @@
 size, loaded by a requeued start (which then compiles nothing it compiled before), not used -
 with one line - when they were made for another torch, device, model or shapes, or are damaged.
 
-Real inductor compiles in fresh processes (a process keeps compiled graphs in memory): a tiny
-model through the cache's own calls for the cases, and main.py for the requeued run, whose
+Real inductor compiles in processes of their own (a process keeps compiled graphs in memory;
+forked from a forkserver that imported torch and compiled nothing, ``helpers.start_ranks``): a
+tiny model through the cache's own calls for the cases, and main.py for the requeued run, whose
 weights must be the uninterrupted run's, bit for bit. Inductor's C++ kernels need a compiler:
 without one these tests are skipped (as test_recipe.py's compile smoke test is).
 """
@@ -13,8 +14,8 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from helpers import (  # noqa: E402
     load_checkpoint,
     main_cmd,
     run_main,
+    start_ranks,
     write_image_folder,
 )
 
@@ -35,10 +37,10 @@ pytestmark = pytest.mark.slow
 SIGNATURE = {"arch": "tiny", "batch": 4}
 
 
-def compile_steps(place: str, sizes: str, signature: str) -> None:
-    """In a fresh process: open the compile cache at ``place``, train a tiny model one step at
-    each crop size in ``sizes`` (comma-separated), keeping each size's graphs; print what the
-    cache said and inductor's counts as one JSON line."""
+def compile_steps(_: int, place: str, sizes: str, signature: str, result: str) -> None:
+    """In a process of its own: open the compile cache at ``place``, train a tiny model one step
+    at each crop size in ``sizes`` (comma-separated), keeping each size's graphs; write what the
+    cache said and inductor's counts to ``result`` (JSON)."""
     import logging
 
     import torch
@@ -47,6 +49,7 @@ def compile_steps(place: str, sizes: str, signature: str) -> None:
     from imagenet.training.compile_cache import graph_cache_counts, open_cache
     from imagenet.training.models import compile_model
 
+    torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 (child_env) sets it for a new process
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
@@ -63,15 +66,15 @@ def compile_steps(place: str, sizes: str, signature: str) -> None:
         optimizer.step()
         cache.save_if_compiled(size)
     cache.close()
-    print(json.dumps({"lines": lines, **graph_cache_counts()}))
+    Path(result).write_text(json.dumps({"lines": lines, **graph_cache_counts()}))
 
 
 def run_compile(place: Path, sizes: str, signature: dict | None = None) -> dict:
-    proc = subprocess.run([sys.executable, __file__, str(place), sizes,
-                           json.dumps(signature or SIGNATURE)], capture_output=True, text=True,
-                          env=child_env(), timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory() as folder:
+        result = Path(folder) / "result.json"
+        start_ranks(compile_steps, args=(str(place), sizes, json.dumps(signature or SIGNATURE),
+                                         str(result)), nprocs=1, env=child_env())
+        return json.loads(result.read_text())
 
 
 def manifest(place: Path) -> dict:
@@ -210,6 +213,3 @@ def test_a_requeued_compiled_run_compiles_nothing_and_ends_bitwise(toolchain, tm
     for key, value in want["state_dict"].items():
         assert value.equal(got["state_dict"][key]), key
 
-
-if __name__ == "__main__":
-    compile_steps(*sys.argv[1:])
