@@ -26,6 +26,7 @@ from helpers import (
     TINY18,
     child_env,
     load_checkpoint,
+    prestarted_cmd,
     run_main,
     write_image_folder,
 )
@@ -54,6 +55,13 @@ def data(tmp_path_factory) -> Path:
 
 def main(*args: str) -> list[str]:
     return [sys.executable, MAIN, *TINY, "-p", "1", "--hang-timeout", str(HANG), *args]
+
+
+def forked(command: list[str]) -> list[str]:
+    """``python main.py ...`` forked from the pre-imported trainer instead (its mp.spawn ranks
+    too): for the runs that are neither stopped nor watched, the references and resumes."""
+    assert command[:2] == [sys.executable, MAIN], command
+    return prestarted_cmd(*command[2:])
 
 
 @pytest.mark.slow
@@ -103,7 +111,7 @@ def two_processes(launcher: str, data: Path, out: Path, *extra: str) -> list[str
 def whole(data, tmp_path_factory) -> Path:
     """The uninterrupted run both launchers' stopped and resumed runs must end as."""
     out = tmp_path_factory.mktemp("whole")
-    ran = Live(two_processes("spawn", data, out), timeout=600)
+    ran = Live(forked(two_processes("spawn", data, out)), timeout=600)
     assert ran.finish() == 0, ran.output
     return out
 
@@ -134,7 +142,8 @@ def test_a_stopped_rank_is_named_and_every_process_ends(data, whole, tmp_path, l
         assert code == 143, live.output[-3000:]
     assert (out / "hang" / "rank0.txt").is_file() and (out / "hang" / "rank1.txt").is_file()
     assert "Thread" in (out / "hang" / "rank1.txt").read_text()  # asked for before it ended
-    resumed = Live(command(out, "--resume", "auto"), timeout=600)
+    resumed = command(out, "--resume", "auto")
+    resumed = Live(forked(resumed) if launcher == "spawn" else resumed, timeout=600)
     assert resumed.finish() == 0, resumed.output
     a, b = (load_checkpoint(d / "checkpoint.pth.tar") for d in (whole, out))
     for key, value in a["state_dict"].items():
@@ -346,8 +355,8 @@ def test_a_rank_stopped_after_the_run_ended_does_not_hold_the_job(data, tmp_path
     report = json.loads((out / "hang" / "report.json").read_text())
     assert report["rank"] == 0 and report["pid"] == rank0
     assert "Traceback" not in live.output
-    again = Live(main(str(data), "-b", "4", "-j", "1", "--epochs", "1", "--output-dir", str(out),
-                      "--nproc-per-node", "2", "--resume", "auto"), timeout=300)
+    again = Live(forked(main(str(data), "-b", "4", "-j", "1", "--epochs", "1", "--output-dir",
+                             str(out), "--nproc-per-node", "2", "--resume", "auto")), timeout=300)
     assert again.finish() == 0, again.output[-3000:]
     assert load_checkpoint(out / "checkpoint.pth.tar")["epoch"] == 1
 
