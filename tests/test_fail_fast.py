@@ -28,13 +28,16 @@ from helpers import (
     child_env,
     load_checkpoint,
     main_cmd,
+    prestarted_cmd,
     private_mount_prefix,
     run_main,
     run_parallel,
     write_image_folder,
 )
+from test_fault_tolerance import Live
 
 from imagenet.cli import main
+from imagenet.launching.failures import is_stopped
 
 
 def one_error_line(text: str, rank: int = 0) -> str:
@@ -404,35 +407,16 @@ def test_the_image_check_reads_ends_and_leaves_the_rest_to_the_decoder(tmp_path)
 
 # ---------------------------------------------------------------- case 10: signals
 
-def start(cmd: list[str]) -> subprocess.Popen:
-    """main.py in its own process group, output (stdout and stderr) read line by line."""
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=child_env(PYTHONUNBUFFERED="1"), start_new_session=True)
+# The runs are signalled once they train, never while they start: forked from the pre-imported
+# trainer (prestarted_cmd), each in a process group of its own that the signals go to (Live).
 
-
-def read_until(proc: subprocess.Popen, text: str) -> list[str]:
-    """Output lines up to the first that contains ``text``."""
-    lines = []
-    for line in proc.stdout:  # type: ignore[union-attr]
-        lines.append(line)
-        if text in line:
-            return lines
-    proc.wait()
-    raise AssertionError(f"'{text}' never printed:\n{''.join(lines)}")
-
-
-def interrupt_when(cmd: list[str], text: str) -> tuple[int, str]:
-    """Run ``cmd``; Ctrl-C (SIGINT to its whole process group) once it prints ``text``.
-    Returns its exit code and output."""
-    proc = start(cmd)
-    try:
-        lines = read_until(proc, text)
-        os.killpg(proc.pid, signal.SIGINT)
-        rest = proc.communicate(timeout=300)[0]
-        return proc.returncode, "".join(lines) + rest
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+def interrupt_when(args: list[str], text: str) -> tuple[int, str]:
+    """Run main.py with ``args``; Ctrl-C (SIGINT to its whole process group) once it prints
+    ``text``. Returns its exit code and output."""
+    live = Live(prestarted_cmd(*args), timeout=300)
+    live.wait_for(text)
+    live.signal_group(signal.SIGINT)
+    return live.finish(), live.output
 
 
 @pytest.mark.slow
@@ -440,9 +424,9 @@ def test_a_signal_during_validation_stops_within_a_batch_and_keeps_the_trained_e
     # 60 validation images at 224 px: about a second per batch of 8 on one CPU core.
     data = write_image_folder(tmp_path / "data", val_per_class=20, size=260)
     out = tmp_path / "out"
-    cmd = main_cmd(str(data), *TINY18, "--val-resize-size", "232", "--val-crop-size", "224",
-                   "-p", "1", "--epochs", "1", "--output-dir", str(out))
-    code, output = interrupt_when(cmd, "Test: [1/8]")
+    args = [str(data), *TINY18, "--val-resize-size", "232", "--val-crop-size", "224", "-p", "1",
+            "--epochs", "1", "--output-dir", str(out)]
+    code, output = interrupt_when(args, "Test: [1/8]")
     assert code == 143, output
     assert one_error_line(output) == (f"error: stopped by SIGINT during the validation of epoch "
                                       f"0; checkpoint saved in {out}; resume with --resume auto")
@@ -451,7 +435,7 @@ def test_a_signal_during_validation_stops_within_a_batch_and_keeps_the_trained_e
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["steps_per_epoch"]) == (0, 3, 3)
     # The resumed run validates the trained epoch, and that is all that was left.
-    proc = run_main(*cmd[2:], "--resume", "auto")
+    proc = run_main(*args, "--resume", "auto")
     assert proc.returncode == 0, proc.stderr
     assert "Epoch: [" not in proc.stdout
     (record,) = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
@@ -464,10 +448,10 @@ def test_ranks_with_unequal_validation_shards_stop_validation_together(tmp_path)
     # must still take part in the stop agreement of rank 0's fifth batch.
     data = write_image_folder(tmp_path / "data", val_per_class=11, size=260)
     out = tmp_path / "out"
-    code, output = interrupt_when(main_cmd(str(data), *TINY18, "--val-resize-size", "232",
-                                           "--val-crop-size", "224", "-p", "1", "--epochs", "1",
-                                           "--multiprocessing-distributed", "--nproc-per-node",
-                                           "2", "--output-dir", str(out)), "Test: [1/5]")
+    code, output = interrupt_when([str(data), *TINY18, "--val-resize-size", "232",
+                                   "--val-crop-size", "224", "-p", "1", "--epochs", "1",
+                                   "--multiprocessing-distributed", "--nproc-per-node", "2",
+                                   "--output-dir", str(out)], "Test: [1/5]")
     assert code == 143, output
     # Rank 0 may learn of the stop from rank 1's vote before its own SIGINT handler has run.
     assert re.search(r"\nerror: stopped by (SIGINT|a signal on another rank) during the "
@@ -480,24 +464,23 @@ def test_ranks_with_unequal_validation_shards_stop_validation_together(tmp_path)
 
 @pytest.mark.slow
 def test_a_signal_after_the_stopped_line_still_exits_143(data, tmp_path):
-    proc = start(main_cmd(str(data), *TINY18, "-j", "2", "-p", "1", "--epochs", "1",
-                          "--output-dir", str(tmp_path / "out")))
-    try:
-        lines = read_until(proc, "Epoch: [0][1/3]")
-        os.killpg(proc.pid, signal.SIGINT)
-        lines += read_until(proc, "error: stopped by SIGINT")
-        # Frozen while it shuts down, then a second Ctrl-C more than a second after the first.
-        os.killpg(proc.pid, signal.SIGSTOP)
-        assert proc.poll() is None, "exited before the second signal: nothing was tested"
-        time.sleep(1.2)
-        os.killpg(proc.pid, signal.SIGINT)
-        os.killpg(proc.pid, signal.SIGCONT)
-        output = "".join(lines) + proc.communicate(timeout=120)[0]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 143, output
-    assert "KeyboardInterrupt" not in output and "Traceback" not in output, output
+    live = Live(prestarted_cmd(str(data), *TINY18, "-j", "2", "-p", "1", "--epochs", "1",
+                               "--output-dir", str(tmp_path / "out")), timeout=300)
+    live.wait_for("Epoch: [0][1/3]")
+    live.signal_group(signal.SIGINT)
+    live.wait_for("error: stopped by SIGINT")
+    # Frozen while it shuts down, then a second Ctrl-C more than a second after the first.
+    live.signal_group(signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while not is_stopped(live.group):  # the run's main process: the leader of its group
+        assert time.monotonic() < deadline, "exited before the second signal: nothing was tested"
+        time.sleep(0.01)
+    time.sleep(1.2)
+    live.signal_group(signal.SIGINT)
+    live.signal_group(signal.SIGCONT)
+    code = live.finish()
+    assert code == 143, live.output
+    assert "KeyboardInterrupt" not in live.output and "Traceback" not in live.output, live.output
 
 
 @pytest.mark.slow
