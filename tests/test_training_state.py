@@ -23,7 +23,16 @@ from pathlib import Path
 import pytest
 import torch
 from chaos import Leg
-from helpers import MAIN, child_env, load_checkpoint, main_cmd, run_main, write_image_folder
+from helpers import (
+    MAIN,
+    child_env,
+    load_checkpoint,
+    main_cmd,
+    prestarted_cmd,
+    run_main,
+    write_image_folder,
+)
+from test_fault_tolerance import Live
 
 from imagenet.data.folder import shutdown_workers
 from imagenet.settings.plan import fixed_plan
@@ -44,12 +53,14 @@ def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def signal_when(cmd: list[str], text: str, sig: int, log: Path) -> tuple[int | None, str]:
-    """Run ``cmd`` in its own process group; send ``sig`` to the group when ``text`` prints."""
-    leg = Leg(cmd, log)
-    if leg.wait_for(text):
-        leg.send(sig, group=True)
-    return leg.wait(), leg.output
+def signal_when(args: list[str], text: str, sig: int) -> tuple[int | None, str]:
+    """Run main.py with ``args``, forked from the pre-imported trainer in a process group of its
+    own (it is signalled while it trains, not while it starts); send ``sig`` to the group when
+    ``text`` prints."""
+    live = Live(prestarted_cmd(*args), timeout=300)
+    live.wait_for(text)
+    live.signal_group(sig)
+    return live.finish(), live.output
 
 
 def evaluated_acc1(out: Path, *args: str) -> str:
@@ -70,11 +81,9 @@ def ema_run(data, tmp_path_factory) -> dict:
     cmd = main_cmd(str(data), *FLAGS, "--model-ema", "--model-ema-steps", "1", "--epochs", "2",
                    "--output-dir", str(out))
     # The model's own summary line is printed; the EMA's validation is next.
-    code, stopped = signal_when([*cmd, "--seed", "0"], " * Acc@1", signal.SIGTERM,
-                                out.parent / "stopped.txt")
+    code, stopped = signal_when([*cmd[2:], "--seed", "0"], " * Acc@1", signal.SIGTERM)
     ckpt = load_checkpoint(out / "checkpoint.pth.tar") if code == 143 else None
-    resumed = subprocess.run([*cmd, "--seed", "1", "--resume", "auto"], capture_output=True,
-                             text=True, env=child_env(), timeout=300)
+    resumed = run_main(*cmd[2:], "--seed", "1", "--resume", "auto")
     return {"out": out, "cmd": cmd, "code": code, "stopped": stopped, "ckpt": ckpt,
             "resumed": resumed}
 
