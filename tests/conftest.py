@@ -83,18 +83,20 @@ def image_folder(tmp_path: Path) -> Path:
     return write_image_folder(tmp_path / "data")
 
 
-# The files that take longest, run first (measured: a run on both cores, docs/testing.md): with
-# the suite on both workers (pytest-xdist, a file's tests on one worker, --no-loadscope-reorder)
-# neither is left with a long file at the end while the other idles. A serial run's time does
-# not depend on the order.
-LONGEST_FIRST = ("test_fault_tolerance.py", "test_hang.py", "test_examples.py",
-                 "test_compile_cache.py", "test_resume_matrix.py", "test_fail_fast.py",
-                 "test_shards_train.py", "test_fsdp_checkpoints.py", "test_every_rank.py",
-                 "test_chaos.py", "test_training_state.py", "test_netns.py", "test_launchers.py",
-                 "test_checkpoint_safety.py", "test_object_storage.py", "test_finetune.py",
-                 "test_cli.py", "test_training_controls_runs.py", "test_demo.py",
-                 "test_folder_index.py", "test_decoders.py", "test_fsdp.py", "test_trackers.py",
-                 "test_run_folder.py", "test_async_save.py", "test_comm_hooks.py")
+# The files that take longest, run first (measured per file, all processes counted:
+# benchmarks/cpu_per_test.py, docs/testing.md): with the suite on both workers (pytest-xdist, a
+# file's tests on one worker, --no-loadscope-reorder) neither is left with a long file at the end
+# while the other idles, and test_hang's waits (stopped ranks, hang timeouts) start beside the
+# compile cache's busy compiles. A serial run's time does not depend on the order.
+LONGEST_FIRST = ("test_hang.py", "test_compile_cache.py", "test_examples.py", "test_launchers.py",
+                 "test_fault_tolerance.py", "test_chaos.py", "test_fail_fast.py",
+                 "test_netns.py", "test_training_state.py", "test_async_save.py",
+                 "test_every_rank.py", "test_shards_train.py", "test_resume_matrix.py",
+                 "test_fsdp_checkpoints.py", "test_decoders.py", "test_checkpoint_safety.py",
+                 "test_object_storage.py", "test_folder_index.py",
+                 "test_training_controls_runs.py", "test_prestart.py", "test_cli.py",
+                 "test_demo.py", "test_trackers.py", "test_finetune.py", "test_fsdp.py",
+                 "test_run_folder.py", "test_comm_hooks.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
