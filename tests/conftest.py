@@ -84,9 +84,9 @@ def image_folder(tmp_path: Path) -> Path:
 
 
 # The files that take longest, run first (measured per file, all processes counted:
-# benchmarks/cpu_per_test.py, docs/testing.md): with the suite on both workers (pytest-xdist, a
-# file's tests on one worker, --no-loadscope-reorder) neither is left with a long file at the end
-# while the other idles, and test_hang's waits (stopped ranks, hang timeouts) start beside the
+# benchmarks/cpu_per_test.py, docs/testing.md): with the suite on three workers (pytest-xdist, a
+# file's tests on one worker, --no-loadscope-reorder) no worker is left with a long file at the
+# end while the others idle, and test_hang's waits (stopped ranks, hang timeouts) start beside the
 # compile cache's busy compiles. A serial run's time does not depend on the order.
 LONGEST_FIRST = ("test_hang.py", "test_compile_cache.py", "test_examples.py", "test_launchers.py",
                  "test_fault_tolerance.py", "test_chaos.py", "test_fail_fast.py",

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, child_env
+from helpers import ROOT, child_env, private_mount_prefix
 
 from imagenet.settings.flags import get_args_parser, parse_config
 
@@ -35,6 +35,26 @@ def test_run_multinode_without_master_addr_says_what_to_set():
                             text=True, env=env, timeout=60)
     assert result.returncode != 0
     assert "set MASTER_ADDR to the address of node 0" in result.stderr
+
+
+def test_install_on_a_disk_too_small_says_so_before_pip_starts(tmp_path):
+    """A CI machine with ~2 GB free ended install.sh half way, in pip's "[Errno 28] No space
+    left on device" after a screen of warnings. With the environment on a 50 MB disk it now
+    stops at once with one line naming the venv and what it needs, and creates nothing."""
+    prefix = private_mount_prefix()
+    if prefix is None:
+        pytest.skip("cannot mount a tmpfs here (needs root or user namespaces)")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = (f'mount -t tmpfs -o size=50m tmpfs "{disk}" && '
+              f'VENV="{disk}/venv" exec bash "{ROOT / "install.sh"}" --dev')
+    result = subprocess.run([*prefix, "sh", "-c", script], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("install.sh: "), result.stderr
+    assert f"MB free on the disk of {disk}/venv" in lines[0] and "need ~7 GB" in lines[0]
+    assert "Traceback" not in result.stderr and "pip" not in result.stdout
 
 
 @pytest.mark.slow
