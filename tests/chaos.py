@@ -321,6 +321,29 @@ class Leg:
             seen += 1
         return False
 
+    def hold_at(self, text: str, timeout: float = LEG_TIMEOUT, go_on: float = 0.01) -> bool:
+        """``wait_for``, with the leg's process group let on ``go_on`` seconds at a time (stopped
+        and continued): True once a line containing ``text`` is read, the group left stopped
+        within about one slice of printing it, however late this process reads the line (a
+        signal sent at a line read late, on busy cores, landed steps after it). The caller
+        signals the group, then sends SIGCONT. False: the output ended first."""
+        seen, deadline = 0, time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.send(signal.SIGSTOP, group=True)
+            time.sleep(go_on / 2)  # what it printed before it stopped reaches the reader
+            with self.changed:
+                for line in self.lines[seen:]:
+                    if text in line:
+                        return True
+                    if not line:  # the end of the output
+                        self.send(signal.SIGCONT, group=True)
+                        return False
+                seen = len(self.lines)
+            self.send(signal.SIGCONT, group=True)
+            time.sleep(go_on)
+        self.send(signal.SIGCONT, group=True)
+        return False
+
     def send(self, sig: int, group: bool) -> None:
         try:
             (os.killpg if group else os.kill)(self.proc.pid, sig)

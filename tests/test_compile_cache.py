@@ -198,8 +198,9 @@ def test_a_requeued_compiled_run_compiles_nothing_and_ends_bitwise(toolchain, tm
     torchvision.models.resnet18(num_classes=3).load_state_dict(ckpt["state_dict"])
     out = tmp_path / "out"
     leg = Leg(main_cmd(*flags, "--output-dir", str(out)), tmp_path / "leg1.txt")
-    if leg.wait_for("Epoch: [1][1/3]", timeout=900):
+    if leg.hold_at("Epoch: [1][1/3]", timeout=900):  # held there: it lands within a step
         leg.send(signal.SIGTERM, group=True)
+        leg.send(signal.SIGCONT, group=True)
     assert leg.wait() == 143, leg.output
     proc = run_main(*flags, "--output-dir", str(out), "--resume", "auto", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

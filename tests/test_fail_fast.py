@@ -34,7 +34,7 @@ from helpers import (
     run_parallel,
     write_image_folder,
 )
-from test_fault_tolerance import Live
+from test_fault_tolerance import Live, kill_at
 
 from imagenet.cli import main
 from imagenet.launching.failures import is_stopped
@@ -409,14 +409,11 @@ def test_the_image_check_reads_ends_and_leaves_the_rest_to_the_decoder(tmp_path)
 
 # The runs are signalled once they train, never while they start: forked from the pre-imported
 # trainer (prestarted_cmd), each in a process group of its own that the signals go to (Live).
+# ``kill_at`` holds the run at its line, so that the signal lands within a step of it.
 
-def interrupt_when(args: list[str], text: str) -> tuple[int, str]:
-    """Run main.py with ``args``; Ctrl-C (SIGINT to its whole process group) once it prints
-    ``text``. Returns its exit code and output."""
-    live = Live(prestarted_cmd(*args), timeout=300)
-    live.wait_for(text)
-    live.signal_group(signal.SIGINT)
-    return live.finish(), live.output
+def ctrl_c_at(args: list[str], text: str) -> tuple[int, str]:
+    """main.py with ``args``, Ctrl-C (SIGINT to its whole group) at the line ``text``."""
+    return kill_at(prestarted_cmd(*args), text, signal.SIGINT)
 
 
 @pytest.mark.slow
@@ -426,7 +423,7 @@ def test_a_signal_during_validation_stops_within_a_batch_and_keeps_the_trained_e
     out = tmp_path / "out"
     args = [str(data), *TINY18, "--val-resize-size", "232", "--val-crop-size", "224", "-p", "1",
             "--epochs", "1", "--output-dir", str(out)]
-    code, output = interrupt_when(args, "Test: [1/8]")
+    code, output = ctrl_c_at(args, "Test: [1/8]")
     assert code == 143, output
     assert one_error_line(output) == (f"error: stopped by SIGINT during the validation of epoch "
                                       f"0; checkpoint saved in {out}; resume with --resume auto")
@@ -448,7 +445,7 @@ def test_ranks_with_unequal_validation_shards_stop_validation_together(tmp_path)
     # must still take part in the stop agreement of rank 0's fifth batch.
     data = write_image_folder(tmp_path / "data", val_per_class=11, size=260)
     out = tmp_path / "out"
-    code, output = interrupt_when([str(data), *TINY18, "--val-resize-size", "232",
+    code, output = ctrl_c_at([str(data), *TINY18, "--val-resize-size", "232",
                                    "--val-crop-size", "224", "-p", "1", "--epochs", "1",
                                    "--multiprocessing-distributed", "--nproc-per-node", "2",
                                    "--output-dir", str(out)], "Test: [1/5]")

@@ -32,7 +32,7 @@ from helpers import (
     run_main,
     write_image_folder,
 )
-from test_fault_tolerance import Live
+from test_fault_tolerance import kill_at
 
 from imagenet.data.folder import shutdown_workers
 from imagenet.settings.plan import fixed_plan
@@ -53,16 +53,6 @@ def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def signal_when(args: list[str], text: str, sig: int) -> tuple[int | None, str]:
-    """Run main.py with ``args``, forked from the pre-imported trainer in a process group of its
-    own (it is signalled while it trains, not while it starts); send ``sig`` to the group when
-    ``text`` prints."""
-    live = Live(prestarted_cmd(*args), timeout=300)
-    live.wait_for(text)
-    live.signal_group(sig)
-    return live.finish(), live.output
-
-
 def evaluated_acc1(out: Path, *args: str) -> str:
     """The ' * Acc@1' value that ``main.py -e`` prints (3 decimals, as the log has it); its
     reports go to ``out``."""
@@ -81,7 +71,8 @@ def ema_run(data, tmp_path_factory) -> dict:
     cmd = main_cmd(str(data), *FLAGS, "--model-ema", "--model-ema-steps", "1", "--epochs", "2",
                    "--output-dir", str(out))
     # The model's own summary line is printed; the EMA's validation is next.
-    code, stopped = signal_when([*cmd[2:], "--seed", "0"], " * Acc@1", signal.SIGTERM)
+    code, stopped = kill_at(prestarted_cmd(*cmd[2:], "--seed", "0"), " * Acc@1",
+                            signal.SIGTERM)  # forked: signalled while it trains, held at the line
     ckpt = load_checkpoint(out / "checkpoint.pth.tar") if code == 143 else None
     resumed = run_main(*cmd[2:], "--seed", "1", "--resume", "auto")
     return {"out": out, "cmd": cmd, "code": code, "stopped": stopped, "ckpt": ckpt,
