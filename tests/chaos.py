@@ -43,9 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import (  # noqa: E402
     MAIN,
     ROOT,
+    NeverReached,
     TwoHosts,
     Unavailable,
     child_env,
+    hold_group,
     prestarted_cmd,
     write_image_folder,
 )
@@ -322,27 +324,30 @@ class Leg:
         return False
 
     def hold_at(self, text: str, timeout: float = LEG_TIMEOUT, go_on: float = 0.01) -> bool:
-        """``wait_for``, with the leg's process group let on ``go_on`` seconds at a time (stopped
-        and continued): True once a line containing ``text`` is read, the group left stopped
-        within about one slice of printing it, however late this process reads the line (a
-        signal sent at a line read late, on busy cores, landed steps after it). The caller
-        signals the group, then sends SIGCONT. False: the output ended first."""
-        seen, deadline = 0, time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.send(signal.SIGSTOP, group=True)
-            time.sleep(go_on / 2)  # what it printed before it stopped reaches the reader
+        """``wait_for``, with the leg's process group held (``helpers.hold_group``: let on
+        ``go_on`` seconds at a time, stopped and continued): True once a line containing
+        ``text`` is read, the group left stopped within about one slice of printing it, however
+        late this process reads the line (a signal sent at a line read late, on busy cores,
+        landed steps after it). The caller signals the group, then sends SIGCONT. False: the
+        output ended first."""
+        looked = [0]
+
+        def printed() -> bool | None:
             with self.changed:
-                for line in self.lines[seen:]:
+                for line in self.lines[looked[0]:]:
                     if text in line:
                         return True
                     if not line:  # the end of the output
-                        self.send(signal.SIGCONT, group=True)
-                        return False
-                seen = len(self.lines)
+                        raise NeverReached("the output ended")
+                looked[0] = len(self.lines)
+            return None
+
+        try:
+            pipe = (self.proc.stdout.fileno(), self.reader)  # type: ignore[union-attr]
+            return hold_group(self.proc.pid, printed, timeout, go_on, pipe=pipe)
+        except NeverReached:
             self.send(signal.SIGCONT, group=True)
-            time.sleep(go_on)
-        self.send(signal.SIGCONT, group=True)
-        return False
+            return False
 
     def send(self, sig: int, group: bool) -> None:
         try:

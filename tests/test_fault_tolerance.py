@@ -27,7 +27,9 @@ import torch
 from helpers import (
     MAIN,
     SMALL_ARCH,
+    NeverReached,
     child_env,
+    hold_group,
     hold_until_saved,
     load_checkpoint,
     prestarted_cmd,
@@ -83,11 +85,12 @@ class Live:
         raise AssertionError(f"'{text}' never printed:\n{self.output}")
 
     def hold_at(self, text: str, go_on: float = 0.01, timeout: float = 300) -> None:
-        """``wait_for``, with the run let on ``go_on`` seconds at a time (its group stopped and
-        continued): when a line contains ``text`` the run is left stopped (SIGSTOP) within about
-        one slice of printing it, however late this process reads it. A signal sent at a line
-        read late - three test workers on two busy cores - landed after the epoch's last step,
-        in its validation. The caller signals the group, then lets it go on (SIGCONT)."""
+        """``wait_for``, with the run held (``helpers.hold_group``: let on ``go_on`` seconds at a
+        time, stopped and continued): when a line contains ``text`` the run is left stopped
+        (SIGSTOP) within about one slice of printing it, however late this process reads it. A
+        signal sent at a line read late - three test workers on two busy cores - landed after
+        the epoch's last step, in its validation. The caller signals the group, then lets it
+        go on (SIGCONT)."""
         seen, ended = threading.Event(), threading.Event()
 
         def read() -> None:
@@ -97,19 +100,21 @@ class Live:
                     seen.set()
             ended.set()
 
+        def printed() -> bool | None:
+            if seen.is_set():
+                return True
+            if ended.is_set():
+                raise NeverReached("the output ended")
+            return None
+
         self._reader = threading.Thread(target=read, daemon=True)
         self._reader.start()
-        deadline = time.monotonic() + timeout
-        while True:
-            self.signal_group(signal.SIGSTOP)
-            time.sleep(go_on / 2)  # what it printed before it stopped reaches the reader
-            if seen.is_set():
-                return
-            if ended.is_set() or time.monotonic() > deadline:
-                self.signal_group(signal.SIGCONT)
-                raise AssertionError(f"'{text}' never printed:\n{self.output}")
+        try:
+            hold_group(self.group, printed, timeout, go_on,
+                       pipe=(self.proc.stdout.fileno(), self._reader))  # type: ignore[union-attr]
+        except NeverReached as why:
             self.signal_group(signal.SIGCONT)
-            time.sleep(go_on)
+            raise AssertionError(f"'{text}' never printed ({why}):\n{self.output}") from None
 
     @property
     def group(self) -> int:
@@ -174,20 +179,21 @@ def run_to_end(cmd: list[str]) -> str:
 
 
 def kill_at(cmd: list[str], line: str, sig: int = signal.SIGKILL,
-            saved: Callable[[tuple[int, int]], bool] | None = None, out: Path | None = None
-            ) -> tuple[int, str]:
+            saved: Callable[[tuple[int, int]], bool] | None = None, out: Path | None = None,
+            go_on: float = 0.01) -> tuple[int, str]:
     """Start ``cmd``, send ``sig`` to its process group when ``line`` is printed (and, with
     ``saved``, once ``out``'s checkpoint is at a position (epoch, step_in_epoch) that it takes:
     saves are written in the background, so a save point printed is not yet a file on disk; a
     SIGKILL cannot wait for the write). Without ``saved`` the run is held at ``line``
-    (``Live.hold_at``): the signal lands within a step of it."""
+    (``Live.hold_at``, let on ``go_on`` seconds at a time): the signal lands within a slice of
+    it."""
     live = Live(cmd)
     if saved is not None:
         assert out is not None
         live.wait_for(line)
         hold_until_saved(live.group, out / "checkpoint.pth.tar", saved)
     else:
-        live.hold_at(line)
+        live.hold_at(line, go_on=go_on)
     live.signal_group(sig)
     live.signal_group(signal.SIGCONT)  # held: a signal but SIGKILL waits for it
     code = live.finish()
