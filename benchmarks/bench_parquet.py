@@ -4,6 +4,7 @@
     python benchmarks/bench_parquet.py speed           # 2000 images, 3 passes each
     python benchmarks/bench_parquet.py speed --images 5000 --passes 5
     python benchmarks/bench_parquet.py accuracy        # the demo recipe on both: top-1
+    python benchmarks/bench_parquet.py check           # the row check before the first step
 
 The data: ``--images`` photo-like JPEGs of ImageNet sizes (~470x360, quality 90; 10 classes) in
 WORKDIR/folder, the tar shards and the Hub-layout Parquet that ``python -m imagenet.tools.prepare
@@ -19,6 +20,12 @@ accuracy: the demo's procedural 10-class data set with 500 validation images (10
 and 50 validation images per class), as class folders and as Hub Parquet (``prepare --format
 parquet``); ``recipes/demo.toml`` trained on each (``--no-demo DIR``), one after the other; the
 final top-1 of both. The target: within 4 points.
+
+check: what the check of every row before the first step (``parquet.check_rows``) costs on one
+real-sized file (``--rows`` rows of ``--row-bytes`` random bytes, row groups of 100, as
+``datasets`` writes): with the footer's statistics (pyarrow and ``datasets`` write them), without
+them on a local file (the label and image columns read), and without them at a ``local://`` URL
+(the labels alone). Rows per second of each, best of ``--passes``.
 """
 
 from __future__ import annotations
@@ -130,10 +137,52 @@ def speed(args: argparse.Namespace) -> None:
               "(best pass of each)", flush=True)
 
 
+def check(args: argparse.Namespace) -> None:
+    import os
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from imagenet.data.shards.parquet import check_rows, features, open_parquet
+    from imagenet.tools.parquetwrite import ROW_GROUP, hub_metadata
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    schema = pa.schema([("image", image), ("label", pa.int64())],
+                       metadata=hub_metadata([f"c{i}" for i in range(1000)]))
+    paths = {}
+    for statistics in (True, False):
+        path = args.workdir / f"check-{args.rows}x{args.row_bytes}-{statistics}.parquet"
+        paths[statistics] = path
+        if path.is_file():
+            continue
+        with pq.ParquetWriter(path, schema, write_statistics=statistics) as writer:
+            for start in range(0, args.rows, ROW_GROUP):
+                n = min(ROW_GROUP, args.rows - start)
+                rows = pa.array([{"bytes": os.urandom(args.row_bytes), "path": f"{start + i}.jpg"}
+                                 for i in range(n)], image)
+                labels = pa.array([(start + i) % 1000 for i in range(n)], pa.int64())
+                writer.write_table(pa.table([rows, labels], schema=schema))
+    size = paths[True].stat().st_size / 1e9
+    print(f"{args.rows} rows of {args.row_bytes} bytes in row groups of {ROW_GROUP}: "
+          f"{size:.2f} GB a file")
+    cases = (("footer statistics, local", str(paths[True])),
+             ("no statistics, local (labels + image bytes read)", str(paths[False])),
+             ("no statistics, local:// URL (labels read)", f"local://{paths[False]}"))
+    for name, url in cases:
+        best = float("inf")
+        for _ in range(args.passes):
+            start = time.perf_counter()
+            file = open_parquet(url)
+            check_rows(file, url, "train", features(file, url))
+            best = min(best, time.perf_counter() - start)
+        print(f"{name:>50}: {best:.3f} s, {args.rows / best:,.0f} rows/s", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("speed", "accuracy"),
+    p.add_argument("what", choices=("speed", "accuracy", "check"),
                    help="speed: loader img/s per core, Parquet vs tar shards; accuracy: the demo "
                         "recipe's top-1 on class folders vs their Parquet")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/bench_parquet"),
@@ -143,11 +192,11 @@ def main() -> None:
     p.add_argument("--shard-size", type=float, default=16.0, metavar="MB",
                    help="speed: the largest shard or Parquet file, megabytes (default: 16)")
     p.add_argument("--passes", type=int, default=3, help="epochs per reader (default: 3)")
+    p.add_argument("--rows", type=int, default=50000, help="check: rows (default: 50000)")
+    p.add_argument("--row-bytes", type=int, default=20000,
+                   help="check: bytes of each row's image (default: 20000)")
     args = p.parse_args()
-    if args.what == "speed":
-        speed(args)
-    else:
-        accuracy(args)
+    {"speed": speed, "accuracy": accuracy, "check": check}[args.what](args)
 
 
 if __name__ == "__main__":

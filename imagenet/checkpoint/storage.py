@@ -35,6 +35,7 @@ refused. A warning says so; the lock on the staging folder covers this host only
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -211,8 +212,10 @@ class Remote:
         for url, local in self.uploads.items():
             if local.is_file() and self.uploaded.get(url) == signature(local):
                 local.unlink()
+                remove_if_empty(local.parent)  # the URL's own folder (plan.staging_dir)
         if self.resume_local is not None and self._resume_key() is None:
             self.resume_local.unlink(missing_ok=True)  # a download from another URL
+            remove_if_empty(self.resume_local.parent)
 
     def move_previous_run(self) -> str | None:
         """A fresh run: the URL's earlier record to URL/previous/<its start time>/; returns
@@ -271,6 +274,12 @@ def clear_staging(staging: Path) -> None:
             shutil.rmtree(path)
         else:
             path.unlink()
+
+
+def remove_if_empty(folder: Path) -> None:
+    """Remove ``folder`` where nothing is left in it (another run may be filling it)."""
+    with contextlib.suppress(OSError):
+        folder.rmdir()
 
 
 def record_files(staging: Path) -> Iterator[Path]:

@@ -26,6 +26,7 @@ from imagenet.errors import UsageError
 from imagenet.settings.images import SCHEME
 
 CLOUD_EXTRA = "pip install 'imagenet-trainer[cloud]'"
+HUB_EXTRA = "pip install 'imagenet-trainer[parquet]'"  # hf:// (huggingface_hub's HfFileSystem)
 # Protocols whose uploads are atomic: the object appears only once it is complete.
 WHOLE_OBJECT_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"}
 def protocol(url: str) -> str:
@@ -45,8 +46,9 @@ def filesystem(url: str) -> tuple[Any, str]:
     try:
         return fsspec.core.url_to_fs(url)
     except ImportError as exc:  # fsspec names the backend package, e.g. "Install s3fs to ..."
-        raise UsageError(f"{url}: {first_line(exc)} ({CLOUD_EXTRA} installs s3fs and "
-                         "gcsfs)") from None
+        extra = f"{HUB_EXTRA} installs huggingface_hub" if protocol(url) == "hf" else \
+            f"{CLOUD_EXTRA} installs s3fs and gcsfs"
+        raise UsageError(f"{url}: {first_line(exc)} ({extra})") from None
     except ValueError as exc:  # an unknown protocol
         raise UsageError(f"{url}: {first_line(exc)}") from None
 

@@ -101,17 +101,23 @@ class Config:
                            "'pipe:COMMAND' (default: %(default)s)")
     data_format: str = _flag("--data-format", group="data", default="auto",
                              choices=DATA_FORMATS,
-                             help="how to read DIR; auto = Parquet (Hugging Face's layout) "
-                                  "when DIR holds .parquet files or is an hf:// URL, tar shards "
-                                  "when DIR is a pattern, URL, pipe: or holds _info.json, else "
-                                  "ImageFolder (default: %(default)s)")
+                             help="how to read DIR; auto = ImageFolder when DIR holds "
+                                  "train/ and val/ class folders (whatever other files it "
+                                  "holds), Parquet (Hugging Face's layout) when DIR or a URL "
+                                  "holds .parquet files and no _info.json, or is an hf:// "
+                                  "URL, tar shards when DIR is a pattern, URL, pipe: or holds "
+                                  "_info.json (default: %(default)s)")
     val_data: str | None = _flag("--val-data", group="data", default=None, metavar="PATH",
                                  help="the validation images: with a shard pattern DIR, shards "
                                       "(default: the validation split of the _info.json beside "
-                                      "them); else an ImageFolder (class folders) used instead "
-                                      "of DIR/val/, its classes matched to the training "
-                                      "classes by name (a subset is fine); with -e it needs no "
-                                      "DIR: the classes are the --resume checkpoint's")
+                                      "them); with Parquet, a file or a folder of Parquet "
+                                      "files: its validation split (validation, val, valid or "
+                                      "test files, never its training files), or all its files "
+                                      "when none names a split; else an ImageFolder (class "
+                                      "folders) used instead of DIR/val/, its classes matched "
+                                      "to the training classes by name (a subset is fine); "
+                                      "with -e it needs no DIR: the classes are the --resume "
+                                      "checkpoint's")
     num_classes: int | None = _flag("--num-classes", group="data", default=None, type=int,
                                     metavar="N",
                                     help="classes of shards whose _info.json lists no class "

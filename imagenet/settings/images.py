@@ -195,14 +195,20 @@ def data_format(data: str, requested: str) -> str:
         return requested
     if data.startswith("hf://") or data.endswith(".parquet"):
         return "parquet"
-    if is_remote(data) or is_shard_pattern(data):
+    if is_shard_pattern(data):
+        return "shards"
+    if is_url(data):
+        return url_format(data)
+    if is_remote(data):
         return "shards"
     root = Path(data)
-    if root.is_dir() and not any((root / name).is_file() for name in INFO_NAMES) and any(
-            next(root.glob(f"{'*/' * depth}*.parquet"), None) for depth in range(3)):
-        return "parquet"  # the Hub's layout: *.parquet, data/*.parquet, default/train/*.parquet
-    folder = (root / "train").is_dir() and (root / "val").is_dir()
     shards = any((root / name).is_file() for name in INFO_NAMES)
+    # class folders under train/ and val/, whatever other files DIR holds (a captions.parquet);
+    # the Hub's converted branch holds train/0000.parquet: its split folders hold the files
+    folder = (root / "train").is_dir() and (root / "val").is_dir() \
+        and next((root / "train").glob("*.parquet"), None) is None
+    if root.is_dir() and not folder and not shards and holds_parquet(root):
+        return "parquet"  # the Hub's layout: *.parquet, data/*.parquet, default/train/*.parquet
     if folder and shards:
         raise UsageError(f"'{data}' holds both an ImageFolder (train/, val/) and shards "
                          "(_info.json): give --data-format folder or --data-format shards")
@@ -213,3 +219,25 @@ def data_format(data: str, requested: str) -> str:
                          f"shards as a pattern ('{data}/train-{{000000..000009}}.tar') and "
                          "the validation shards with --val-data")
     return "shards" if shards else "folder"
+
+
+def holds_parquet(root: Path) -> bool:
+    """.parquet files in ``root`` or up to two folders below it (the Hub's layouts)."""
+    return any(next(root.glob(f"{'*/' * depth}*.parquet"), None) for depth in range(3))
+
+
+def url_format(url: str) -> str:
+    """"parquet" for an fsspec URL holding .parquet files (up to two folders down) and no
+    ``_info.json``, else "shards" (whose reader says what is missing: fsspec, the backend, the
+    _info.json). A few listings of the URL."""
+    try:
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(url)
+        root = path.rstrip("/")
+        if any(fs.exists(f"{root}/{name}") for name in INFO_NAMES):
+            return "shards"
+        found = any(fs.glob(f"{root}/{'*/' * depth}*.parquet") for depth in range(3))
+    except Exception:  # not installed, no credentials, no such bucket: the shards' error says
+        return "shards"
+    return "parquet" if found else "shards"

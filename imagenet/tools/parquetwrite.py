@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -33,7 +34,10 @@ from imagenet.tools.shardwrite import (
     plan_shards,
 )
 
+log = logging.getLogger(__name__)
+
 ROW_GROUP = 100  # rows per row group (datasets' writer batch size for image features)
+MAX_NAME = 200  # bytes of a class folder's name (file systems allow 255)
 
 
 def hub_metadata(classes: list[str]) -> dict[bytes, bytes]:
@@ -88,29 +92,51 @@ def parquet_from_folder(args: argparse.Namespace) -> int:
     return 0
 
 
+def folder_names(classes: list[str]) -> list[str]:
+    """A folder name for each class that stays inside its split's folder: unsafe characters
+    become ``_``, a name of dots alone (``..``), an empty one or a hidden one (``.x``) is
+    prefixed ``class<i>_``, a long one cut to fit a file name (with its index)."""
+    names = []
+    for i, name in enumerate(classes):
+        safe = re.sub(r"[^\w.-]+", "_", name)
+        if not safe.strip(".") or safe.startswith("."):
+            safe = f"class{i}_{safe}".rstrip("_")
+        if len(safe.encode()) > MAX_NAME:
+            safe = f"{safe.encode()[:MAX_NAME - 12].decode(errors='ignore')}-class{i}"
+        names.append(safe)
+    return names
+
+
 def folder_from_parquet(args: argparse.Namespace) -> int:
-    """``prepare --from-parquet DIR``: OUT/train/<class>/ and OUT/val/<class>/."""
-    shards = resolve_parquet(str(args.from_parquet), None)
-    safe = [re.sub(r"[^\w.-]+", "_", name) or f"class{i}" for i, name in
-            enumerate(shards.classes)]
+    """``prepare --from-parquet DIR``: OUT/train/<class>/ and OUT/val/<class>/. Rows labeled -1
+    (the Hub's unlabeled rows) are not written, and counted."""
+    shards = resolve_parquet(str(args.from_parquet), None, unlabeled=True)
+    safe = folder_names(shards.classes)
     if len(set(safe)) != len(safe):
         raise UsageError(f"{args.from_parquet}: two class names give one folder name; the "
                          "folders would mix them")
     for split, files in (("train", shards.train), ("val", shards.val)):
-        claim_folder(args.out / split)
-        progress, row = Progress(split, args.log_every), 0
+        out = args.out / split
+        claim_folder(out)
+        progress, row, unlabeled = Progress(split, args.log_every), 0, 0
         for url in files.urls:
             reader = ParquetReader(url)
             while (sample := reader.next()) is not None:
+                row += 1
+                if sample["cls"] == -1:  # resolve_parquet let no other label outside 0..N-1
+                    unlabeled += 1
+                    continue
                 ext = next(k for k in sample if not k.startswith("_") and k != "cls")
-                folder = args.out / split / safe[int(sample["cls"])]
+                folder = out / safe[sample["cls"]]
                 folder.mkdir(exist_ok=True)
-                path = folder / f"{row:08d}.{ext}"  # row numbers: file names may repeat
+                path = folder / f"{row - 1:08d}.{ext}"  # row numbers: file names may repeat
                 if not path.is_file():
                     tmp = path.with_name(path.name + PART_SUFFIX)
                     tmp.write_bytes(sample[ext])
                     os.replace(tmp, path)
                 progress.add(1, 1, len(sample[ext]))
-                row += 1
         progress.log(note=f" from {len(files.urls)} Parquet files")
+        if unlabeled:
+            log.warning("%d unlabeled rows (label -1) of split %s not written: an ImageFolder "
+                        "has no class for them", unlabeled, split)
     return 0

@@ -125,8 +125,11 @@ def features(file: Any, url: str) -> tuple[str, str, list[str]]:
     return images[0], label, [str(n) for n in names]
 
 
-def counted(urls: list[str], what: str) -> tuple[ShardList, tuple[str, str, list[str]]]:
-    """The files with their row counts (from their footers), and the features they share."""
+def counted(urls: list[str], what: str, split: str, unlabeled: bool = False
+            ) -> tuple[ShardList, tuple[str, str, list[str]]]:
+    """The files with their row counts (from their footers), and the features they share; every
+    row checked for image bytes and a label of the classes (``check_rows``: -1 passes where
+    ``unlabeled``)."""
     counts, shared, first = [], None, ""
     for url in urls:
         file = open_parquet(url)
@@ -137,31 +140,112 @@ def counted(urls: list[str], what: str) -> tuple[ShardList, tuple[str, str, list
         elif found != shared:
             raise DataError(f"Parquet file {url} disagrees with {first} on its columns or class "
                             f"names ({what}): the files of one data set must share them")
+        check_rows(file, url, split, found, unlabeled)
     if shared is None:
         raise UsageError(f"no Parquet files for {what}")
     return ShardList(tuple(urls), tuple(counts)), shared
 
 
-def resolve_parquet(data: str, val_data: str | None) -> ShardSet:
-    """The Parquet files of a run (training and validation) and their class names."""
+def check_rows(file: Any, url: str, split: str, found: tuple[str, str, list[str]],
+               unlabeled: bool = False) -> None:
+    """DataError naming the file, its split and the first row without image bytes or without a
+    label of the data set's classes (-1, the Hub's "unlabeled", passes where ``unlabeled``).
+
+    Each row group's statistics in the footer (null counts, the label's min and max; pyarrow
+    and ``datasets`` write them) settle it without reading a row; a group without them, or whose
+    statistics show a bad row, has its label column read (8 bytes a row), and its image bytes
+    too where the file is local (a URL's are checked as they are read)."""
+    image, label, classes = found
+    meta = file.metadata
+    column = {meta.schema.column(i).path: i for i in range(meta.num_columns)}
+    low = -1 if unlabeled else 0
+    row = 0
+    for group in range(meta.num_row_groups):
+        chunk = meta.row_group(group)
+        labels = chunk.column(column[label]).statistics
+        if labels is None or not labels.has_null_count or labels.null_count or \
+                not labels.has_min_max or labels.min < low or labels.max >= len(classes):
+            values = file.read_row_group(group, columns=[label]).column(0).to_pylist()
+            for i, value in enumerate(values):
+                if value is None or not low <= value < len(classes):
+                    raise DataError(f"Parquet file {url} (split {split}): row {row + i} "
+                                    f"{bad_label(value, classes, split)}")
+        data = chunk.column(column[f"{image}.bytes"]).statistics
+        if data is None or not data.has_null_count:
+            if is_url(url):
+                continue
+        elif not data.null_count:
+            row += chunk.num_rows
+            continue
+        images = file.read_row_group(group, columns=[f"{image}.bytes"]).column(0)
+        missing = images.combine_chunks().field("bytes").is_null(nan_is_null=False).to_pylist()
+        if True in missing:
+            raise DataError(f"Parquet file {url} (split {split}): row {row + missing.index(True)}"
+                            " has no image bytes (only a path, or none): write the images "
+                            "into the rows (datasets: embed_table_storage, as push_to_hub "
+                            "does) or use python -m imagenet.tools.prepare --format parquet")
+        row += chunk.num_rows
+
+
+def bad_label(value: int | None, classes: list[str], split: str) -> str:
+    """What is wrong with a row's label, and what to do."""
+    if value is None:
+        return "has no label: fill in its label or drop the row"
+    if value == -1:
+        use = "trained on" if split == TRAIN_SPLIT else "validated on"
+        return (f"has label -1 (unlabeled), as the Hub's test splits often have: its split "
+                f"cannot be {use}; drop the unlabeled rows, or give labeled validation files "
+                "with --val-data")
+    names = f"{classes[0]} ... {classes[-1]}" if len(classes) > 2 else ", ".join(classes)
+    return (f"has label {value}, but the data set has {len(classes)} classes ({names}): fix its "
+            "labels or the ClassLabel names in its metadata")
+
+
+def files_by_split(root: str) -> dict[str | None, list[str]]:
+    """The .parquet files under ``root`` by the split each belongs to (``split_of_file``)."""
+    found: dict[str | None, list[str]] = {}
+    for url in list_files(root):
+        found.setdefault(split_of_file(root, url), []).append(url)
+    return found
+
+
+def val_files(val_data: str) -> tuple[list[str], str]:
+    """The files --val-data names and their split: a file itself; of a folder, its validation
+    split (``VAL_SPLITS``), else every file that is not a training file."""
+    root = val_data.rstrip("/")
+    if is_parquet(root):
+        return [root], split_of_file(root, root) or "--val-data"
+    splits = files_by_split(root)
+    split = next((s for s in VAL_SPLITS if s in splits), None)
+    if split is not None:
+        return splits[split], split
+    others = sorted(url for s, urls in splits.items() if s != TRAIN_SPLIT for url in urls)
+    if not others and splits:
+        raise UsageError(f"--val-data {val_data} holds only training files (train-*.parquet): "
+                         "give its validation split, or a file or folder of validation files")
+    return others, "--val-data"
+
+
+def resolve_parquet(data: str, val_data: str | None, unlabeled: bool = False) -> ShardSet:
+    """The Parquet files of a run (training and validation) and their class names, every row
+    checked (``check_rows``)."""
     root = data.rstrip("/")
-    files = list_files(root)
-    by_split: dict[str | None, list[str]] = {}
-    for url in files:
-        by_split.setdefault(split_of_file(root, url), []).append(url)
+    by_split = files_by_split(root)
     if TRAIN_SPLIT not in by_split:
         raise UsageError(f"'{data}' holds no training split in the Hub's layout (found "
-                         f"{len(files)} .parquet files; expected data/train-*.parquet or "
-                         "train/*.parquet)")
-    train, train_features = counted(by_split[TRAIN_SPLIT], f"{data} train")
+                         f"{sum(map(len, by_split.values()))} .parquet files; expected "
+                         "data/train-*.parquet or train/*.parquet)")
+    train, train_features = counted(by_split[TRAIN_SPLIT], f"{data} train", TRAIN_SPLIT,
+                                    unlabeled)
     if val_data:
-        val, val_features = counted(list_files(val_data.rstrip("/")), f"--val-data {val_data}")
+        urls, split = val_files(val_data)
+        val, val_features = counted(urls, f"--val-data {val_data}", split, unlabeled)
     else:
         split = next((s for s in VAL_SPLITS if s in by_split), None)
         if split is None:
             raise UsageError(f"'{data}' holds no validation split ({', '.join(VAL_SPLITS)}): "
                              "give the validation Parquet files with --val-data")
-        val, val_features = counted(by_split[split], f"{data} {split}")
+        val, val_features = counted(by_split[split], f"{data} {split}", split, unlabeled)
     if val_features[2] != train_features[2]:
         raise DataError(f"Parquet file {val.urls[0]} lists other class names than "
                         f"{train.urls[0]}: the splits disagree ({len(val_features[2])} vs "

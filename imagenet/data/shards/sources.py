@@ -168,7 +168,8 @@ def base_info(base: str) -> tuple[dict, str]:
         raise UsageError(f"data '{base}' does not exist: give an ImageFolder root (train/, "
                          "val/), a shard folder or URL with _info.json, or a shard pattern")
     raise UsageError(f"no _info.json in '{base}': give the shards as a pattern "
-                     "('.../train-{000000..000009}.tar') and --val-data, or add an _info.json")
+                     "('.../train-{000000..000009}.tar') and --val-data, or add an _info.json; "
+                     "a Hugging Face data set of Parquet files there: --data-format parquet")
 
 
 def load_info(url: str) -> dict | None:
