@@ -46,17 +46,8 @@ from imagenet.reporting.logger import RunLogger
 from imagenet.settings.flags import Config
 from imagenet.settings.images import image_backend
 from imagenet.settings.plan import Plan
-from imagenet.training.engine import (
-    SUMS,
-    DeviceSums,
-    Engine,
-    autocast,
-    compile_pause,
-    mean_loss,
-    to_device,
-    topk_correct,
-    weighted,
-)
+from imagenet.training.engine import Engine, autocast, compile_pause, to_device, weighted
+from imagenet.training.meters import SUMS, DeviceSums, mean_loss, topk_correct
 from imagenet.training.models import is_sharded
 
 if TYPE_CHECKING:
