@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torchvision
 from torch import nn
@@ -24,7 +24,6 @@ from imagenet.data.folder import shutdown_workers
 from imagenet.data.index import image_check
 from imagenet.data.prefetch import device_batches
 from imagenet.errors import NonFiniteLossError, Preempted, on_every_rank, output_errors
-from imagenet.evaluation.validate import Report, evaluate, for_validation
 from imagenet.launching.preemption import StopBetweenBatches, StopFlag, StopRequested
 from imagenet.launching.process_group import DistInfo
 from imagenet.reporting.logger import (
@@ -50,6 +49,9 @@ from imagenet.settings.images import image_backend
 from imagenet.settings.plan import Plan
 from imagenet.training.engine import EpochTotals, Hooks, Step, epoch_metrics, train_one_epoch
 from imagenet.training.models import for_evaluation, graphs_compiled, new_graphs
+
+if TYPE_CHECKING:  # validation is imported at the first one: nothing before the first step uses it
+    from imagenet.evaluation.validate import Report
 
 log = logging.getLogger(__name__)
 
@@ -402,6 +404,8 @@ def validate(run: Run, model: nn.Module, name: str = "", stop: StopFlag | None =
     With ``stop``, a signal ends it within a batch (StopRequested) on every rank. With
     ``report``, the per-image and per-class results are written too.
     """
+    from imagenet.evaluation.validate import evaluate, for_validation
+
     loader = device_batches(FirstBatch(run.data.val_loader, run.layout.workers, "validation"),
                             run.dist.device, run.data.val_finish, threaded=run.layout.workers > 0)
     if stop is not None:
@@ -423,6 +427,8 @@ def validate(run: Run, model: nn.Module, name: str = "", stop: StopFlag | None =
 
 def report_of(run: Run, logger: RunLogger | None = None, tag: str = "val") -> Report:
     """The per-image and per-class report of a validation of ``run``."""
+    from imagenet.evaluation.validate import Report
+
     return Report(run.data, run.dist, run.output_dir, run.cfg.predictions, run.cfg.tta_flip,
                   logger, tag)
 
