@@ -38,9 +38,8 @@ from bench_checkpoint import build  # noqa: E402
 
 from imagenet.checkpoint import files  # noqa: E402
 from imagenet.launching.preemption import StopFlag  # noqa: E402
-from imagenet.run import trainer  # noqa: E402
 from imagenet.run.build import Run  # noqa: E402
-from imagenet.run.checkpointing import finish_saves  # noqa: E402
+from imagenet.run.checkpointing import finish_saves, saver  # noqa: E402
 from imagenet.training.engine import Hooks, Step, train_one_epoch  # noqa: E402
 
 
@@ -69,7 +68,7 @@ def epoch(run: Run, save_every: int) -> Steps:
     """One epoch, saving every ``save_every`` steps (0: never), each step timed."""
     cfg = dataclasses.replace(run.cfg, save_every=save_every)
     run.plan = dataclasses.replace(run.plan, cfg=cfg)
-    save = trainer.saver(run, StopFlag())
+    save = saver(run, StopFlag())
     steps, last = Steps(), [time.perf_counter()]
     busy_at_start = [run.writer.busy]
 

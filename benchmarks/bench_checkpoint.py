@@ -25,10 +25,7 @@ from imagenet.checkpoint import files  # noqa: E402
 from imagenet.checkpoint.resume_from import Decided  # noqa: E402
 from imagenet.launching.preemption import StopFlag  # noqa: E402
 from imagenet.launching.process_group import DistInfo  # noqa: E402
-from imagenet.run import (
-    checkpointing,  # noqa: E402
-    trainer,  # noqa: E402
-)
+from imagenet.run import checkpointing  # noqa: E402
 from imagenet.run.build import Run, build_run  # noqa: E402
 from imagenet.settings.flags import parse_config  # noqa: E402
 from imagenet.settings.launch import Layout  # noqa: E402
@@ -50,7 +47,7 @@ def epoch_time(run: Run, save_every: int) -> float:
     """Seconds per step over one epoch, saving every ``save_every`` steps (0: never)."""
     cfg = dataclasses.replace(run.cfg, save_every=save_every)
     run.plan = dataclasses.replace(run.plan, cfg=cfg)
-    hooks = Hooks(after_step=trainer.saver(run, StopFlag()))
+    hooks = Hooks(after_step=checkpointing.saver(run, StopFlag()))
     run.step = Step()
     run.data.train.set_position(0, 0)
     start = time.perf_counter()

@@ -4,7 +4,7 @@ Validation on the fast path (libjpeg-turbo decode, uint8 v2 Resize + CenterCrop,
 must reach the PIL path's accuracy within a small tolerance on the same model. This
 script evaluates one model on one list of val images with both backends, in lockstep, through the
 trainer's own pieces (``data.image_folder``, ``transforms.val_transform``, ``transforms.normalize``,
-``engine.topk_correct``), and prints top-1/top-5 of each, their difference, the per-image top-1
+``meters.topk_correct``), and prints top-1/top-5 of each, their difference, the per-image top-1
 agreement, and how far the input crops themselves differ. Run by hand (not a test)::
 
     # No model given: draws the demo shapes data set at 112 px (validation then really resizes,
@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from imagenet.checkpoint.files import load_checkpoint, load_model_state  # noqa: E402
 from imagenet.data import transforms as T  # noqa: E402
 from imagenet.data.folder import image_folder  # noqa: E402
-from imagenet.training.engine import topk_correct  # noqa: E402
+from imagenet.training.meters import topk_correct  # noqa: E402
 from imagenet.training.models import build_model, resolve_weights  # noqa: E402
 
 

@@ -192,6 +192,7 @@ def serve(sock: str) -> dict:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # as main.py's first line
     before = dict(os.environ)
     import imagenet.cli  # noqa: F401  (parse, plan, launch)
+    import imagenet.evaluation.validate  # noqa: F401  (the trainer's, at the first validation)
     import imagenet.run.trainer  # noqa: F401  (what a training process imports after its plan)
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

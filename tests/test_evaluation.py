@@ -19,7 +19,7 @@ from torch import nn
 
 from imagenet.cli import main
 from imagenet.errors import RunError
-from imagenet.evaluation.validate import FlipTTA, merge
+from imagenet.evaluation.validate import FlipTTA
 from imagenet.reporting import results as reports
 
 
@@ -54,10 +54,10 @@ def test_merge_puts_ranks_in_dataset_order_and_refuses_a_duplicate():
         return {"ids": torch.tensor(ids), "target": torch.tensor(ids) % 2,
                 "top": torch.zeros(n, 2, dtype=torch.long), "prob": torch.ones(n, 2)}
 
-    merged = merge([rows([0, 2, 4]), rows([1, 3])], 5)
+    merged = reports.merge([rows([0, 2, 4]), rows([1, 3])], 5)
     assert merged.ids.tolist() == [0, 1, 2, 3, 4] and merged.target.tolist() == [0, 1, 0, 1, 0]
     with pytest.raises(RunError, match="cover 4 distinct images in 5 rows"):
-        merge([rows([0, 2, 4]), rows([1, 2])], 5)
+        reports.merge([rows([0, 2, 4]), rows([1, 2])], 5)
 
 
 def test_flip_tta_returns_the_log_of_the_mean_probabilities():

@@ -147,12 +147,13 @@ def test_the_best_files_evaluate_and_resume(ema_run, data, tmp_path):
 
 PATCHED_MAIN = """
 import os, signal, sys
+import imagenet.evaluation.validate as validate
 import imagenet.run.trainer as trainer
 what = os.environ["STATE_TEST_PATCH"]
 if what == "validation fails":
     def evaluate(*args, **kwargs):
         raise RuntimeError("the validation broke")
-    trainer.evaluate = evaluate
+    validate.evaluate = evaluate
 if what == "killed before the log line":
     import imagenet.checkpoint.rundir as rundir
     writers, submit = [], rundir.Writer.submit

@@ -1,4 +1,4 @@
 """Evaluation (``validate``): the validation loop, every image once at any world size; --tta-flip,
-per-image predictions and the per-class report; -e on another ImageFolder and the checks before
-any of it is written.
+each rank's per-image predictions gathered for the report (its files: ``reporting.results``); -e
+on another ImageFolder. Imported at the first validation: nothing before the first step uses it.
 """

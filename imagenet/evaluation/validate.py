@@ -4,17 +4,16 @@ uses (its device, precision and loss). Under --fsdp a rank with fewer batches jo
 last forwards. What sees each batch's outputs (the per-image report, TTA) is the caller's
 (``report``).
 
-Before -e or the last validation writes anything: its folder and --predictions can be written;
-and -e --val-data FOLDER, another ImageFolder labelled with the checkpoint's classes (no DIR).
+-e --val-data FOLDER: another ImageFolder labelled with the checkpoint's classes (no DIR).
 
 Validation that says what is wrong: --tta-flip, the per-image predictions (--predictions) and
 the per-class report, with -e and after the last epoch.
 
 ``Report`` takes each batch's outputs from ``validate.evaluate`` (``on_output``), keeps only
 the top-5 on the device, and after the pass gathers every rank's rows to rank 0, which checks
-that every validation image is there exactly once and writes the files
-(``imagenet.reporting.results``). The predictions are the same outputs the printed top-1
-counts, so the file's accuracy is that top-1.
+that every validation image is there exactly once (``reporting.results.merge``) and writes the
+files (``reporting.results.ReportFiles``). The predictions are the same outputs the printed
+top-1 counts, so the file's accuracy is that top-1.
 """
 
 from __future__ import annotations
@@ -22,45 +21,31 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterable
 from itertools import accumulate
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-import imagenet.checkpoint.rundir as rundir
 import imagenet.launching.watchdog as watchdog
 from imagenet.checkpoint.resume_from import Decided
 from imagenet.data.folder import Data, build_transforms, folder_loaders, other_val_folder
 from imagenet.data.index import IndexFiles
 from imagenet.data.samplers import shard_batches
-from imagenet.errors import RunError, TrainerError, UsageError, on_every_rank, output_errors
+from imagenet.errors import RunError, TrainerError, UsageError, on_every_rank
 from imagenet.launching.process_group import DistInfo, raise_agreed
 from imagenet.reporting.logger import RunLogger
 from imagenet.settings.flags import Config
 from imagenet.settings.images import image_backend
 from imagenet.settings.plan import Plan
-from imagenet.training.engine import (
-    SUMS,
-    DeviceSums,
-    Engine,
-    autocast,
-    compile_pause,
-    mean_loss,
-    to_device,
-    topk_correct,
-    weighted,
-)
+from imagenet.training.engine import Engine, autocast, compile_pause, to_device, weighted
+from imagenet.training.meters import SUMS, DeviceSums, mean_loss, topk_correct
 from imagenet.training.models import is_sharded
-
-if TYPE_CHECKING:
-    from imagenet.reporting import results
 
 log = logging.getLogger(__name__)
 
@@ -141,36 +126,7 @@ def _most_batches(batches: int, device: torch.device) -> int:
     return int(most[0].item())
 
 
-# ------------------------------------------------ -e's data, and the files validation writes
-
-
-def check_outputs(cfg: Config, info: DistInfo) -> None:
-    """-e's OUTPUT_DIR (the reports go there) and --predictions can be written; rank 0
-    checks, every rank raises its error. Collective."""
-    error = None
-    if info.is_main:
-        try:
-            if cfg.predictions:
-                check_predictions_path(Path(cfg.predictions))
-            if cfg.evaluate:
-                rundir.prepare_folder(Path(cfg.output_dir))
-        except TrainerError as exc:
-            error = exc
-    raise_agreed(error)
-
-
-def check_predictions_path(path: Path) -> None:
-    """--predictions FILE: a file (not a folder) in a folder that exists (made) and is writable."""
-    if path.is_dir():
-        raise UsageError(f"--predictions {path} is a folder; give a file name, e.g. "
-                         f"{path / 'predictions.csv'}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--predictions {path}: cannot create its folder "
-                         f"({exc.strerror})") from None
-    if not os.access(path.parent, os.W_OK):
-        raise UsageError(f"--predictions {path}: its folder is not writable")
+# ---------------------------------------------------------------------------- -e's data
 
 
 def checkpoint_classes(continues: Decided | None
@@ -260,18 +216,18 @@ def sample_names(loader: DataLoader) -> Callable[[int], str]:
 # ---------------------------------------------------------------- the report
 
 class Report:
-    """The predictions of one validation pass and what ``finish`` writes from them: the files
-    go to ``output_dir`` (and ``predictions``), the confusion matrix to ``logger``'s TensorBoard
-    under ``tag``."""
+    """The predictions of one validation pass, gathered by ``finish`` to rank 0, which writes
+    them (``reporting.results.ReportFiles``): the files to ``output_dir`` (and
+    ``predictions``), the confusion matrix to ``logger``'s TensorBoard under ``tag``."""
 
     def __init__(self, data: Data, dist: DistInfo, output_dir: Path, predictions: str | None,
                  tta_flip: bool, logger: RunLogger | None = None, tag: str = "val") -> None:
-        self.data, self.dist, self.output_dir = data, dist, output_dir
-        self.predictions, self.tta_flip = predictions, tta_flip
-        self.logger, self.tag = logger, tag
-        self.parts: list[tuple[torch.Tensor, ...]] = []  # per batch, on the device
         from imagenet.reporting import results  # the report's files: only a run that writes one
 
+        self.data, self.dist = data, dist
+        self.files = results.ReportFiles(output_dir, predictions, tta_flip, data.classes,
+                                         data.train_counts, logger, tag)
+        self.parts: list[tuple[torch.Tensor, ...]] = []  # per batch, on the device
         self.topk = results.TOPK
 
     def add(self, output: torch.Tensor, target: torch.Tensor) -> None:
@@ -296,6 +252,8 @@ class Report:
     def finish(self, metrics: dict[str, float], epoch: int, global_step: int) -> None:
         """Gather the rows to rank 0, which writes the files and names the worst classes
         (recorded at ``epoch`` and ``global_step``). Collective: every rank calls it."""
+        from imagenet.reporting import results
+
         error, rows = None, {}
         try:
             rows = self.local()
@@ -305,51 +263,14 @@ class Report:
         gathered = gather_to_rank0(rows)
         if self.dist.is_main:
             try:
-                self.write(merge(gathered, self.data.val_size), metrics, epoch, global_step)
+                preds = results.merge(gathered, self.data.val_size)
+                self.files.write(preds, sample_names(self.data.val_loader), metrics, epoch,
+                                 global_step)
             except TrainerError as exc:
                 error = exc
             except OSError as exc:  # not a write (is_write_failure): say what it was
                 error = RunError(f"cannot write the evaluation report: {exc}")
         raise_agreed(error)
-
-    def write(self, preds: results.Predictions, metrics: dict[str, float], epoch: int,
-              global_step: int) -> None:
-        """The files, the TensorBoard image and the console lines (rank 0)."""
-        from imagenet.reporting import results
-
-        classes = self.data.classes
-        if abs(preds.acc1() - metrics["acc1"]) > 1e-6:
-            log.warning("the predictions' top-1 %.3f differs from the validation's %.3f",
-                        preds.acc1(), metrics["acc1"])
-        confusion = results.confusion_matrix(preds.target, preds.pred, len(classes))
-        rows = results.per_class(confusion, classes, self.data.train_counts)
-        summary = {"images": len(preds.ids), "acc1": metrics["acc1"], "acc5": metrics["acc5"],
-                   "mean_class_acc1": results.mean_class_acc1(rows), "classes": classes,
-                   "tta_flip": self.tta_flip, "epoch": epoch, "global_step": global_step}
-        with output_errors(self.output_dir, "the per-class report"):
-            written = results.write_per_class(self.output_dir, rows, confusion, classes,
-                                              summary)
-        if self.predictions:
-            path = Path(self.predictions)
-            with output_errors(path.parent, path, "--predictions"):
-                results.write_predictions(path, sample_names(self.data.val_loader), classes,
-                                          preds)
-            written.append(path)
-        self.add_image(confusion, global_step)
-        log.info(" * per class: mean Acc@1 %.3f over %d classes; worst: %s",
-                 summary["mean_class_acc1"], sum(r["acc1"] is not None for r in rows),
-                 results.worst_classes(rows))
-        log.info(" * wrote %s", ", ".join(map(str, written)))
-
-    def add_image(self, confusion: torch.Tensor, global_step: int) -> None:
-        """The confusion matrix in TensorBoard (``{tag}/confusion_matrix``), when the logger
-        writes TensorBoard events."""
-        from imagenet.reporting import results
-
-        if self.logger is not None:
-            self.logger.images(f"{self.tag}/confusion_matrix",
-                               results.confusion_image(confusion), global_step)
-            self.logger.flush()
 
 
 def gather_to_rank0(rows: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]] | None:
@@ -360,19 +281,3 @@ def gather_to_rank0(rows: dict[str, torch.Tensor]) -> list[dict[str, torch.Tenso
         else None
     dist.gather_object(rows, gathered, dst=0)
     return gathered
-
-
-def merge(gathered: list[dict[str, torch.Tensor]] | None, expected: int) -> results.Predictions:
-    """The ranks' rows in dataset order; RunError unless every image is there exactly once."""
-    from imagenet.reporting import results
-
-    assert gathered is not None
-    parts = [g for g in gathered if "target" in g]
-    ids = torch.cat([g["ids"] for g in gathered])
-    order = ids.argsort()
-    if len(ids) != expected or not torch.equal(ids[order], torch.arange(expected)):
-        raise RunError(f"the ranks' predictions cover {ids.unique().numel()} distinct images "
-                       f"in {len(ids)} rows, but the validation set has {expected}")
-    target, top, prob = (torch.cat([g[k] for g in parts])[order]
-                         for k in ("target", "top", "prob"))
-    return results.Predictions(ids[order], target, top, prob)

@@ -7,6 +7,6 @@
   trackers  --log-to mlflow,wandb: the same scalars, flags and final metrics, continued across
             resumes (OUTPUT_DIR/trackers.json); imported only when --log-to names one.
   results   the files of a validation's report: predictions CSV, per-class CSV/JSON,
-            confusion matrix (also a TensorBoard image), the worst classes; imported when a
-            report is written (-e, the last epoch).
+            confusion matrix (also a TensorBoard image), the worst classes (``ReportFiles``);
+            imported when a report is written (-e, the last epoch) or --predictions checked.
 """

@@ -2,13 +2,16 @@
 confusion matrix (CSV, JSON, a TensorBoard image), and the console's worst classes.
 
 Pure functions of the gathered predictions (``Predictions``: every validation image once, in
-dataset order); ``imagenet.evaluation.validate`` collects them and decides when to call these.
+dataset order, ``merge``); ``ReportFiles`` writes them where the run says, with the console's
+lines. ``imagenet.evaluation.validate`` collects each rank's predictions (``Report``) and decides
+when to write; --predictions FILE is checked before any work (``check_predictions_path``).
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,7 +20,10 @@ from typing import Any
 
 import torch
 
-from imagenet.reporting.logger import CONFUSION_CSV, PER_CLASS_CSV, PER_CLASS_JSON
+from imagenet.errors import RunError, UsageError, output_errors
+from imagenet.reporting.logger import CONFUSION_CSV, PER_CLASS_CSV, PER_CLASS_JSON, RunLogger
+
+log = logging.getLogger(__name__)
 
 TOPK = 5  # classes per image in the predictions file
 WORST = 5  # classes named in the console summary
@@ -42,6 +48,20 @@ class Predictions:
     def acc1(self) -> float:
         """Top-1 in percent, as ``evaluation.validate.evaluate`` computes it."""
         return 100 * int((self.pred == self.target).sum()) / max(len(self.target), 1)
+
+
+def merge(gathered: list[dict[str, torch.Tensor]] | None, expected: int) -> Predictions:
+    """The ranks' rows in dataset order; RunError unless every image is there exactly once."""
+    assert gathered is not None
+    parts = [g for g in gathered if "target" in g]
+    ids = torch.cat([g["ids"] for g in gathered])
+    order = ids.argsort()
+    if len(ids) != expected or not torch.equal(ids[order], torch.arange(expected)):
+        raise RunError(f"the ranks' predictions cover {ids.unique().numel()} distinct images "
+                       f"in {len(ids)} rows, but the validation set has {expected}")
+    target, top, prob = (torch.cat([g[k] for g in parts])[order]
+                         for k in ("target", "top", "prob"))
+    return Predictions(ids[order], target, top, prob)
 
 
 def confusion_matrix(target: torch.Tensor, pred: torch.Tensor, num_classes: int
@@ -161,3 +181,66 @@ def confusion_image(confusion: torch.Tensor) -> torch.Tensor:
     cell = max(1, min(32, IMAGE_PX // max(len(confusion), 1)))
     image = rgb.round().to(torch.uint8).permute(2, 0, 1)
     return image.repeat_interleave(cell, dim=1).repeat_interleave(cell, dim=2)
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    """Where a validation's report goes: the files to ``output_dir`` (and ``predictions``), the
+    confusion matrix to ``logger``'s TensorBoard under ``tag``."""
+
+    output_dir: Path
+    predictions: str | None  # --predictions FILE
+    tta_flip: bool
+    classes: Sequence[str]
+    train_counts: Sequence[int] | None  # training images per class, when known
+    logger: RunLogger | None = None
+    tag: str = "val"
+
+    def write(self, preds: Predictions, names: Callable[[int], str], metrics: dict[str, float],
+              epoch: int, global_step: int) -> None:
+        """The files, the TensorBoard image and the console lines (rank 0); ``names``: what the
+        predictions file calls each image (``evaluation.validate.sample_names``)."""
+        classes = self.classes
+        if abs(preds.acc1() - metrics["acc1"]) > 1e-6:
+            log.warning("the predictions' top-1 %.3f differs from the validation's %.3f",
+                        preds.acc1(), metrics["acc1"])
+        confusion = confusion_matrix(preds.target, preds.pred, len(classes))
+        rows = per_class(confusion, classes, self.train_counts)
+        summary = {"images": len(preds.ids), "acc1": metrics["acc1"], "acc5": metrics["acc5"],
+                   "mean_class_acc1": mean_class_acc1(rows), "classes": classes,
+                   "tta_flip": self.tta_flip, "epoch": epoch, "global_step": global_step}
+        with output_errors(self.output_dir, "the per-class report"):
+            written = write_per_class(self.output_dir, rows, confusion, classes,
+                                              summary)
+        if self.predictions:
+            path = Path(self.predictions)
+            with output_errors(path.parent, path, "--predictions"):
+                write_predictions(path, names, classes, preds)
+            written.append(path)
+        self.add_image(confusion, global_step)
+        log.info(" * per class: mean Acc@1 %.3f over %d classes; worst: %s",
+                 summary["mean_class_acc1"], sum(r["acc1"] is not None for r in rows),
+                 worst_classes(rows))
+        log.info(" * wrote %s", ", ".join(map(str, written)))
+
+    def add_image(self, confusion: torch.Tensor, global_step: int) -> None:
+        """The confusion matrix in TensorBoard (``{tag}/confusion_matrix``), when the logger
+        writes TensorBoard events."""
+        if self.logger is not None:
+            self.logger.images(f"{self.tag}/confusion_matrix",
+                               confusion_image(confusion), global_step)
+            self.logger.flush()
+
+
+def check_predictions_path(path: Path) -> None:
+    """--predictions FILE: a file (not a folder) in a folder that exists (made) and is writable."""
+    if path.is_dir():
+        raise UsageError(f"--predictions {path} is a folder; give a file name, e.g. "
+                         f"{path / 'predictions.csv'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--predictions {path}: cannot create its folder "
+                         f"({exc.strerror})") from None
+    if not os.access(path.parent, os.W_OK):
+        raise UsageError(f"--predictions {path}: its folder is not writable")

@@ -32,15 +32,14 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import imagenet.data.prefetch as prefetch
-import imagenet.evaluation.validate as validate
-from imagenet.checkpoint import files
+from imagenet.checkpoint import files, rundir
 from imagenet.checkpoint.resume_from import Decided
 from imagenet.checkpoint.rundir import Writer
 from imagenet.checkpoint.states import data_resume_point
 from imagenet.data.folder import Data, FolderTrain, build_data, stop_workers
 from imagenet.data.index import ImageCheck, IndexFiles
-from imagenet.errors import UsageError
-from imagenet.launching.process_group import DistInfo, from_rank0
+from imagenet.errors import TrainerError, UsageError
+from imagenet.launching.process_group import DistInfo, from_rank0, raise_agreed
 from imagenet.reporting.logger import FirstBatch, StartClock, slow_stage
 from imagenet.run.outputs import Outputs
 from imagenet.settings.flags import DEMO_DATA, Config
@@ -147,7 +146,7 @@ def build_inputs(plan: Plan, dist: DistInfo, continues: Decided) -> Inputs:
     cfg, layout = plan.cfg, plan.layout
     # Model init uses the same seed on every rank; augmentation gets its own per-sample seeds.
     seed_process(cfg.seed)
-    validate.check_outputs(cfg, dist)  # -e's report folder, --predictions
+    check_outputs(cfg, dist)  # -e's report folder, --predictions
     # Rank 0's seed (unseeded: its draw) is the job's augmentation seed: a sample's
     # augmentation does not depend on the rank that loads it, and the checkpoint's seed is
     # every rank's. Every rank broadcasts, seeded or not, so that flags differing across ranks
@@ -168,6 +167,23 @@ def build_inputs(plan: Plan, dist: DistInfo, continues: Decided) -> Inputs:
     if no_room:
         raise UsageError(no_room)
     return Inputs(data, aug_seed)
+
+
+def check_outputs(cfg: Config, info: DistInfo) -> None:
+    """-e's OUTPUT_DIR (the reports go there) and --predictions can be written; rank 0
+    checks, every rank raises its error. Collective."""
+    error = None
+    if info.is_main:
+        try:
+            if cfg.predictions:  # the report's files: imported when a run writes one
+                from imagenet.reporting.results import check_predictions_path
+
+                check_predictions_path(Path(cfg.predictions))
+            if cfg.evaluate:
+                rundir.prepare_folder(Path(cfg.output_dir))
+        except TrainerError as exc:
+            error = exc
+    raise_agreed(error)
 
 
 def build_run(plan: Plan, dist: DistInfo, continues: Decided, inputs: Inputs | None = None,
@@ -246,8 +262,9 @@ def load_data(plan: Plan, dist: DistInfo, root: str, aug_seed: int,
     if dist.is_main and plan.data_format != "dummy":
         log.info("=> images decoded by %s (%s)", plan.decoding.name, plan.decoding.why)
     if plan.data_format not in STREAMED and cfg.evaluate and cfg.val_data:  # DIR not read
-        return validate.build_eval_data(plan, dist.rank, aug_seed, pin_memory, indexes,
-                                         continues)
+        from imagenet.evaluation.validate import build_eval_data
+
+        return build_eval_data(plan, dist.rank, aug_seed, pin_memory, indexes, continues)
     if dist.is_main and plan.decode.on_device:
         log.info("=> JPEGs decoded and cropped on %s (--decode-on-device %s); loader workers "
                  "read files", dist.device, plan.decode.why)

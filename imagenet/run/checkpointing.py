@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,8 @@ from imagenet.checkpoint.states import (
     same_optimizer,
     same_order,
 )
-from imagenet.errors import TrainerError, UsageError, on_every_rank
+from imagenet.errors import NonFiniteLossError, TrainerError, UsageError, on_every_rank
+from imagenet.launching.preemption import StopFlag
 from imagenet.launching.process_group import barrier
 from imagenet.run.build import Run
 from imagenet.run.outputs import Saved
@@ -51,6 +53,83 @@ from imagenet.training.optim import (
 )
 
 log = logging.getLogger(__name__)
+
+AfterStep = Callable[[Step, Callable[[], None]], bool]  # the engine's Hooks.after_step
+
+
+class Checkpointer:
+    """The epoch loop's saves: every --save-every steps and at a stop (``after_step``, the
+    engine's hook), the trained epoch before its validation, the validated epoch with the best
+    files; the background write waited for on leaving. ``stop`` hears how long each save took
+    (the time limit's estimate of the next one)."""
+
+    def __init__(self, run: Run, stop: StopFlag) -> None:
+        self.run, self.stop = run, stop
+        self.after_step = saver(run, stop)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.run.writer.wait_quietly()  # an error on its way: the write under way still finishes
+
+    def trained(self, steps_before: int) -> None:
+        """The trained epoch saved before it is validated (when it trained a step since
+        ``steps_before``): a signal or an error during validation loses none of it (a resume
+        then only validates)."""
+        if self.run.step.global_step > steps_before:
+            self.stop.saved(save(self.run, is_best=False))
+
+    def epoch_done(self, validated: dict[str, dict[str, float]], record: dict[str, Any]) -> None:
+        """The validated epoch saved, ``record`` with it (its validation and best added): the
+        best files first, when they improve (``track_best``)."""
+        run = self.run
+        is_best, is_best_ema = track_best(run, validated, record)
+        run.last_record, run.train_totals = record, None
+        self.stop.saved(save(run, is_best, epoch_done=True, is_best_ema=is_best_ema,
+                             score=record["val_acc1"]))
+
+    def finish(self) -> None:
+        """The last checkpoint on disk before the run says it is done (collective)."""
+        self.stop.drain()
+        finish_saves(self.run)
+
+    def non_finite(self, exc: NonFiniteLossError) -> NonFiniteLossError:
+        """``exc`` (a loss gone NaN/inf) naming the last good checkpoint, once it is on disk."""
+        self.run.writer.wait_quietly()  # the last good checkpoint may still be on its way to disk
+        from imagenet.checkpoint.states import last_good
+
+        return on_every_rank(NonFiniteLossError(f"{exc}; {last_good(self.run.output_dir)}"))
+
+
+def saver(run: Run, stop: StopFlag) -> AfterStep:
+    """The ``after_step`` hook: mid-epoch saving (--save-every) and preemption."""
+
+    def after_step(step: Step, check_finite: Callable[[], None]) -> bool:
+        stopping = stop.should_stop()
+        every = run.cfg.save_every
+        if stopping or (every and step.step_in_epoch % every == 0
+                        and step.step_in_epoch < run.engine.opts.steps_per_epoch):
+            check_finite()
+            stop.saved(save(run, is_best=False))
+        return stopping
+
+    return after_step
+
+
+def track_best(run: Run, validated: dict[str, dict[str, float]],
+               record: dict[str, Any]) -> tuple[bool, bool]:
+    """Add ``{prefix}val_*`` and ``best_{prefix}acc1`` to ``record``; whether the model and the
+    EMA are the best so far. Only once every validation is done: a best recorded before a stop
+    would be saved without its file."""
+    improved = {}
+    for prefix, best in (("", run.best), ("ema_", run.best_ema)):
+        if best is None or prefix not in validated:
+            continue
+        record.update({f"{prefix}val_{k}": v for k, v in validated[prefix].items()})
+        improved[prefix] = best.update(validated[prefix]["acc1"])
+        record[f"best_{prefix}acc1"] = best.acc1
+    return improved.get("", False), improved.get("ema_", False)
 
 
 def comm_hook_state(run: Run) -> dict[str, Any] | None:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torchvision
 from torch import nn
@@ -23,8 +23,7 @@ from imagenet.checkpoint.resume_from import Decided, decide
 from imagenet.data.folder import shutdown_workers
 from imagenet.data.index import image_check
 from imagenet.data.prefetch import device_batches
-from imagenet.errors import NonFiniteLossError, Preempted, on_every_rank, output_errors
-from imagenet.evaluation.validate import Report, evaluate, for_validation
+from imagenet.errors import NonFiniteLossError, output_errors
 from imagenet.launching.preemption import StopBetweenBatches, StopFlag, StopRequested
 from imagenet.launching.process_group import DistInfo
 from imagenet.reporting.logger import (
@@ -35,25 +34,26 @@ from imagenet.reporting.logger import (
     slow_stage,
 )
 from imagenet.run.build import Run, build_inputs, build_run, start_early
-from imagenet.run.checkpointing import finish_saves, resume, save
+from imagenet.run.checkpointing import AfterStep, Checkpointer, resume
 from imagenet.run.outputs import Outputs
 from imagenet.run.preflight import (
     check_before_training,
-    checkpoint_bytes,
     describe,
     describe_evaluation,
     finished,
     nothing_left,
 )
+from imagenet.run.stopping import Stop, cache_counts, keep_compiled
 from imagenet.settings.flags import get_args_parser
 from imagenet.settings.images import image_backend
 from imagenet.settings.plan import Plan
 from imagenet.training.engine import EpochTotals, Hooks, Step, epoch_metrics, train_one_epoch
-from imagenet.training.models import for_evaluation, graphs_compiled, new_graphs
+from imagenet.training.models import for_evaluation
+
+if TYPE_CHECKING:  # validation is imported at the first one: nothing before the first step uses it
+    from imagenet.evaluation.validate import Report
 
 log = logging.getLogger(__name__)
-
-AfterStep = Callable[[Step, Callable[[], None]], bool]  # the engine's Hooks.after_step
 
 
 def run_training(plan: Plan, dist: DistInfo, outputs: Outputs | None = None
@@ -200,77 +200,31 @@ def evaluate_only(run: Run) -> dict[str, float]:
 
 
 def train(run: Run, logger: RunLogger) -> dict[str, float]:
-    """The epoch loop: train, validate, keep the best, checkpoint, log."""
-    deadline = None
-    if run.plan.time_limit is not None:  # --time-limit
-        import imagenet.launching.timelimit as timelimit
-
-        deadline = timelimit.deadline(run.plan.time_limit, run.dist.is_main,
-                                      lambda: sum(checkpoint_bytes(run)))
-    stop = StopFlag(deadline)
-    stop.install()
-    hooks = Hooks(on_progress=logger.progress_hook(),
-                  after_step=first_step_timed(run, logger, saver(run, stop)))
+    """The epoch loop: train, validate, save (the best files with it), log."""
     start, record = time.perf_counter(), {}
-    upcoming: Iterator | None = None  # the next epoch's batches, loading during validation
-    try:
-        crops_seen: set[int | None] = set()  # a crop size's first epoch compiles its graphs
-        for epoch in range(run.step.epoch, run.cfg.epochs):
-            run.step.epoch = epoch
-            graphs = graphs_compiled() if run.cfg.compile else 0
-            cached = cache_counts(run)
-            crop = transforms.announce(run.plan.crops, epoch, run.cfg.val_crop_size)
-            new_crop = crop.get("train_crop_px") not in crops_seen
-            if run.cfg.compile and new_crop and crops_seen and stop.settle(compiles=True):
-                raise stopped(run, stop, "before")  # no time to compile the new size's graphs
-            crops_seen.add(crop.get("train_crop_px"))
-            # Train the rest of the epoch (all of it, unless resumed mid-epoch).
-            steps_before = run.step.global_step
-            trained = train_rest_of_epoch(run, hooks, upcoming)
-            upcoming = None
-            record = {"epoch": epoch, "lr": run.engine.parts.optimizer.param_groups[0]["lr"],
-                      **prefixed("train_", trained), **crop}
-            # A signal stopped training: every rank saved this step's state; exit 143.
-            if stop.stopping:
-                raise stopped(run, stop)
-            if epoch + 1 < run.cfg.epochs:  # no empty pipeline at the next epoch's start
-                upcoming = next_epoch_batches(run, epoch + 1)
-            # The trained epoch is saved before it is validated: a signal or an error during
-            # validation loses none of it (a resume then only validates).
-            if run.step.global_step > steps_before:
-                stop.saved(save(run, is_best=False))
-            # Validate the model (and its EMA) on every image once; track the best of each.
-            try:
+    with Stop(run) as stop, Checkpointer(run, stop.flag) as saves, NextEpoch(run) as upcoming:
+        hooks = Hooks(on_progress=logger.progress_hook(),
+                      after_step=first_step_timed(run, logger, saves.after_step))
+        try:
+            for epoch in range(run.step.epoch, run.cfg.epochs):
+                run.step.epoch, steps_before = epoch, run.step.global_step
+                record = train_epoch(run, stop, hooks, upcoming)
+                upcoming.load(epoch + 1)  # no empty pipeline at the next epoch's start
+                saves.trained(steps_before)  # before its validation: a stop there loses none
                 # After the last epoch: predictions, per-class accuracy, confusion matrix.
                 report = report_of(run, logger) if epoch == run.cfg.epochs - 1 else None
-                validated = validate_epoch(run, stop, report)
-            except StopRequested:  # validation is not saved state; the trained epoch is
-                raise stopped(run, stop, "during the validation of") from None
-            if run.cfg.compile:  # in the first epoch only (compiling); a warning otherwise
-                record["compiled_graphs"] = new_graphs(graphs, epoch, expected=new_crop)
-                record.update(compile_cache_counts(cached, cache_counts(run)))
-                keep_compiled(run)
-            is_best, is_best_ema = track_best(run, validated, record)
-            # Save (best files first, the record with it), then log the epoch.
-            run.last_record, run.train_totals = record, None
-            stop.saved(save(run, is_best, epoch_done=True, is_best_ema=is_best_ema,
-                            score=record["val_acc1"]))
-            run.step.step_in_epoch = 0
-            log_epoch(logger, run.step, record)
-            run.outputs.logged(run.dist.is_main)
-            if stop.settle():  # signalled during the save: the epoch is saved, stop now
-                raise stopped(run, stop, "after")
-        stop.drain()
-        finish_saves(run)  # the last checkpoint is on disk before the run says it is done
-    except NonFiniteLossError as exc:
-        run.writer.wait_quietly()  # the last good checkpoint may still be on its way to disk
-        from imagenet.checkpoint.states import last_good
-
-        raise on_every_rank(NonFiniteLossError(f"{exc}; {last_good(run.output_dir)}")) from None
-    finally:
-        close(upcoming)  # stopped before the next epoch: its batches are not needed
-        run.writer.wait_quietly()  # an error on its way: the write under way still finishes
-        stop.uninstall()
+                validated = validate_epoch(run, stop.flag, report)
+                stop.after_validation(record)  # --compile: the epoch's graphs counted, kept
+                saves.epoch_done(validated, record)  # the best files first, the record with it
+                run.step.step_in_epoch = 0
+                log_epoch(logger, run.step, record)
+                run.outputs.logged(run.dist.is_main)
+                stop.after_save()  # signalled during the save: the epoch is saved, stop now
+            saves.finish()  # the last checkpoint is on disk before the run says it is done
+        except StopRequested as exc:  # the one exit of a stopped run: every rank, saved
+            raise stop.exit(*exc.args) from None
+        except NonFiniteLossError as exc:
+            raise saves.non_finite(exc) from None
     if record:
         logger.hparams({k: v for k, v in run.cfg.to_dict().items() if v is not None},
                        {"hparam/best_acc1": run.best.acc1, "hparam/val_acc1": record["val_acc1"],
@@ -278,6 +232,39 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
     log.info("=> done in %.1f s; best Acc@1 %.3f", time.perf_counter() - start, run.best.acc1)
     finished(run)
     return {"best_acc1": run.best.acc1, **record}
+
+
+def train_epoch(run: Run, stop: Stop, hooks: Hooks, upcoming: NextEpoch) -> dict[str, Any]:
+    """Train the rest of epoch ``run.step.epoch`` (all of it, unless resumed mid-epoch) on the
+    batches ``upcoming`` holds for it, if any; its record. StopRequested: a stop before the
+    epoch (no time to compile a new crop size's graphs) or during its training."""
+    crop = transforms.announce(run.plan.crops, run.step.epoch, run.cfg.val_crop_size)
+    stop.before_epoch(crop.get("train_crop_px"))
+    trained = train_rest_of_epoch(run, hooks, upcoming.batches)
+    upcoming.batches = None  # used up
+    record = {"epoch": run.step.epoch, "lr": run.engine.parts.optimizer.param_groups[0]["lr"],
+              **prefixed("train_", trained), **crop}
+    stop.after_training()  # a signal stopped training: every rank saved this step's state
+    return record
+
+
+class NextEpoch:
+    """The next epoch's batches, loading while this epoch validates and saves; closed on leaving
+    when a stop or an error leaves them unused."""
+
+    def __init__(self, run: Run) -> None:
+        self.run, self.batches = run, None
+
+    def __enter__(self) -> NextEpoch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        close(self.batches)  # stopped before the next epoch: its batches are not needed
+
+    def load(self, epoch: int) -> None:
+        """Start loading epoch ``epoch``'s batches (``next_epoch_batches``), if there is one."""
+        if epoch < self.run.cfg.epochs:
+            self.batches = next_epoch_batches(self.run, epoch)
 
 
 def train_rest_of_epoch(run: Run, hooks: Hooks, batches: Iterator | None = None
@@ -341,60 +328,6 @@ def first_step_timed(run: Run, logger: RunLogger, after_step: AfterStep) -> Afte
     return timed
 
 
-def keep_compiled(run: Run) -> None:
-    """--compile: keep what was compiled since the last time for the restarts (rank 0; between
-    steps, where nothing is being compiled)."""
-    if run.compile_cache is not None:
-        run.compile_cache.save_if_compiled(run.plan.crops.size(run.step.epoch))
-
-
-def cache_counts(run: Run) -> dict[str, int]:
-    """--compile: inductor's cache hits and misses so far ({} without --compile)."""
-    if not run.cfg.compile:
-        return {}
-    from imagenet.training.compile_cache import graph_cache_counts
-
-    return graph_cache_counts()
-
-
-def compile_cache_counts(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    """An epoch's graphs loaded from the compile cache and compiled (inductor's counts)."""
-    return {"compile_cache_hits": after["hits"] - before["hits"],
-            "compile_cache_misses": after["misses"] - before["misses"]}
-
-
-def saver(run: Run, stop: StopFlag) -> AfterStep:
-    """The ``after_step`` hook: mid-epoch saving (--save-every) and preemption."""
-
-    def after_step(step: Step, check_finite: Callable[[], None]) -> bool:
-        stopping = stop.should_stop()
-        every = run.cfg.save_every
-        if stopping or (every and step.step_in_epoch % every == 0
-                        and step.step_in_epoch < run.engine.opts.steps_per_epoch):
-            check_finite()
-            stop.saved(save(run, is_best=False))
-        return stopping
-
-    return after_step
-
-
-def stopped(run: Run, stop: StopFlag, when: str = "") -> Preempted:
-    """The error that ends a run stopped by a signal, once its state is on disk (every rank
-    stops together: the last agreement is finished, ``finish_saves`` waits for the write under
-    way) and, with --compile, the graphs compiled so far are kept for the restart."""
-    stop.drain()
-    keep_compiled(run)
-    finish_saves(run)
-    where = f"{when} epoch {run.step.epoch}" if when else \
-        f"at epoch {run.step.epoch} step {run.step.step_in_epoch}"
-    if stop.by_time_limit:
-        from imagenet.launching.timelimit import reached
-
-        return reached(where, run.output_dir, stop.deadline)
-    return Preempted(f"stopped by {stop.reason} {where}; "
-                     f"checkpoint saved in {run.output_dir}; resume with --resume auto")
-
-
 def validate(run: Run, model: nn.Module, name: str = "", stop: StopFlag | None = None,
              report: Report | None = None) -> dict[str, float]:
     """Evaluate ``model`` on the whole validation set and print the classic summary line.
@@ -402,6 +335,8 @@ def validate(run: Run, model: nn.Module, name: str = "", stop: StopFlag | None =
     With ``stop``, a signal ends it within a batch (StopRequested) on every rank. With
     ``report``, the per-image and per-class results are written too.
     """
+    from imagenet.evaluation.validate import evaluate, for_validation
+
     loader = device_batches(FirstBatch(run.data.val_loader, run.layout.workers, "validation"),
                             run.dist.device, run.data.val_finish, threaded=run.layout.workers > 0)
     if stop is not None:
@@ -423,6 +358,8 @@ def validate(run: Run, model: nn.Module, name: str = "", stop: StopFlag | None =
 
 def report_of(run: Run, logger: RunLogger | None = None, tag: str = "val") -> Report:
     """The per-image and per-class report of a validation of ``run``."""
+    from imagenet.evaluation.validate import Report
+
     return Report(run.data, run.dist, run.output_dir, run.cfg.predictions, run.cfg.tta_flip,
                   logger, tag)
 
@@ -430,26 +367,14 @@ def report_of(run: Run, logger: RunLogger | None = None, tag: str = "val") -> Re
 def validate_epoch(run: Run, stop: StopFlag, report: Report | None = None
                    ) -> dict[str, dict[str, float]]:
     """The model's validation metrics (key ""), and its EMA's ("ema_") with --model-ema;
-    ``report``: the model's per-image and per-class results."""
-    validated = {"": validate(run, run.engine.parts.model, "", stop, report)}
-    if run.engine.parts.ema is not None:
-        validated["ema_"] = validate(run, run.engine.parts.ema, "EMA ", stop)
+    ``report``: the model's per-image and per-class results. StopRequested: a stop during it."""
+    try:
+        validated = {"": validate(run, run.engine.parts.model, "", stop, report)}
+        if run.engine.parts.ema is not None:
+            validated["ema_"] = validate(run, run.engine.parts.ema, "EMA ", stop)
+    except StopRequested:  # validation is not saved state; the trained epoch is
+        raise StopRequested("during the validation of") from None
     return validated
-
-
-def track_best(run: Run, validated: dict[str, dict[str, float]],
-               record: dict[str, Any]) -> tuple[bool, bool]:
-    """Add ``{prefix}val_*`` and ``best_{prefix}acc1`` to ``record``; whether the model and the
-    EMA are the best so far. Only once every validation is done: a best recorded before a stop
-    would be saved without its file."""
-    improved = {}
-    for prefix, best in (("", run.best), ("ema_", run.best_ema)):
-        if best is None or prefix not in validated:
-            continue
-        record.update(prefixed(f"{prefix}val_", validated[prefix]))
-        improved[prefix] = best.update(validated[prefix]["acc1"])
-        record[f"best_{prefix}acc1"] = best.acc1
-    return improved.get("", False), improved.get("ema_", False)
 
 
 def prefixed(prefix: str, metrics: dict[str, float]) -> dict[str, float]:

@@ -25,6 +25,7 @@ import imagenet.launching.watchdog as watchdog
 from imagenet.data.transforms import normalize
 from imagenet.errors import NonFiniteLossError, on_every_rank
 from imagenet.settings import devices
+from imagenet.training.meters import SUMS, DeviceSums, mean_loss, topk_correct
 from imagenet.training.models import compiles, no_sync
 
 
@@ -84,11 +85,6 @@ class Hooks:
     # After every optimizer step, with a function that raises if a loss so far was not finite
     # (call it before saving); returns True to end the epoch now (preemption).
     after_step: Callable[[Step, Callable[[], None]], bool] | None = None
-
-
-# loss x weight, top-1 / top-5 hits, images, weight: the images' total weight in the loss's mean
-# (their count, but with --class-balanced-loss the sum of their classes' weights)
-SUMS = ("loss", "correct1", "correct5", "count", "weight")
 
 
 @dataclass
@@ -157,11 +153,6 @@ class _Clock:
     def restart(self, step_in_epoch: int) -> None:
         self.window_start, self.data_time = time.perf_counter(), 0.0
         self.window_first_step = step_in_epoch
-
-
-def mean_loss(sums: dict[str, float]) -> float:
-    """The loss of every image summed so far, as the criterion's own mean: by weight."""
-    return sums["loss"] / sums["weight"] if sums["weight"] > 0 else 0.0
 
 
 def weighted(criterion: nn.Module, loss: torch.Tensor, target: torch.Tensor,
@@ -386,49 +377,3 @@ def _progress(engine: Engine, step: Step, sums: _Sums, loss: torch.Tensor,
     if devices.has_memory_stats(opts.device):
         record["max_mem_gb"] = devices.peak_memory_gb(opts.device)
     return record
-
-
-# -------------------------------------------- top-k counts and sums, kept on the device until read
-
-def topk_correct(output: torch.Tensor, target: torch.Tensor, ks: tuple[int, ...] = (1, 5)
-                 ) -> torch.Tensor:
-    """Number of samples whose target is in the top-k, for each k (a device tensor)."""
-    if target.ndim == 2:  # soft targets from MixUp/CutMix: score against the dominant class
-        target = target.argmax(dim=1)
-    maxk = min(max(ks), output.shape[1])
-    pred = output.topk(maxk, dim=1).indices
-    hit = pred.eq(target.unsqueeze(1))
-    return torch.stack([hit[:, :min(k, maxk)].any(dim=1).sum() for k in ks])
-
-
-class DeviceSums:
-    """Running sums of named quantities kept on the device; read back only on request."""
-
-    def __init__(self, names: tuple[str, ...], device: torch.device) -> None:
-        self.names = names
-        self.values = torch.zeros(len(names), dtype=torch.float64, device=device)
-
-    def add(self, *values: torch.Tensor | float) -> None:
-        """Add one value per name without a host-device sync.
-
-        Device tensors stay where they are; Python numbers go to the kernel as scalar
-        arguments (``torch.as_tensor(n, device=cuda)`` would be a blocking host-to-device copy).
-        """
-        for slot, value in zip(self.values, values):
-            slot.add_(value)
-
-    def summed(self) -> dict[str, float]:
-        """Every rank's sums added up, as a dict; this rank's stay as they are (collective)."""
-        values = self.values.clone()
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(values)
-        return dict(zip(self.names, values.tolist()))
-
-    def all_reduce(self) -> None:
-        """Sum across ranks, once."""
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(self.values)
-
-    def read(self) -> dict[str, float]:
-        """Copy to the host (one sync) as a dict."""
-        return dict(zip(self.names, self.values.tolist()))
