@@ -56,9 +56,11 @@ def get_parser(selected: str | None = None) -> argparse.ArgumentParser:
         prog="bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="case", metavar="SUBCOMMAND", required=True,
                                 help="the measurement (SUBCOMMAND --help says more)")
+    parser.cases = {}  # subcommand: its parser
     for name, summary in CASES.items():
-        case = sub.add_parser(name, help=summary, description=summary,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        case = parser.cases[name] = sub.add_parser(
+            name, help=summary, description=summary,
+            formatter_class=argparse.RawDescriptionHelpFormatter)
         if name == selected:
             module = case_module(name)
             case.description = module.__doc__
@@ -72,6 +74,7 @@ def selected_case(argv: Sequence[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the subcommand on the command line (or a case's helper process); its exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == [harness.CHILD]:  # a case's helper process (harness.child_command)
         return case_module(argv[1]).child(argv[2:]) or 0
@@ -80,11 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     args, rest = parser.parse_known_args(argv)
-    module = case_module(args.case)
+    module, case_parser = case_module(args.case), parser.cases[args.case]
     if hasattr(module, "check_args"):
-        module.check_args(args, parser)
+        module.check_args(args, case_parser)
     if rest and not getattr(module, "PASSES_FLAGS_TO_MAIN", False):
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        case_parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.main_args = [a for a in rest if a != "--"]
     args.argv = argv  # the command line, for a case that starts itself again
     return module.run(args) or 0
