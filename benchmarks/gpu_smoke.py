@@ -47,7 +47,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_data import write_photo_like_jpegs  # noqa: E402
+from harness import write_photo_like_jpegs  # noqa: E402
 
 TARGET_DUMMY = 3000  # img/s per A100, ResNet-50 bf16 + channels_last + compile
 TARGET_STEADY = 0.97  # of the steady step rate, for a whole --dummy epoch

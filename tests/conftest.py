@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, write_image_folder
 
+# The suite's own tooling, run by hand (tools/cpu_per_test.py is a plugin whose name ends in
+# _test.py): not test modules.
+collect_ignore = ["tools"]
+
 
 def untracked(root: Path) -> set[str]:
     """The files in the checkout that git does not track, ignored ones too (caches aside)."""
@@ -84,7 +88,7 @@ def image_folder(tmp_path: Path) -> Path:
 
 
 # The files that take longest, run first (measured per file, all processes counted:
-# benchmarks/cpu_per_test.py, docs/testing.md): with the suite on three workers (pytest-xdist, a
+# tests/tools/cpu_per_test.py, docs/testing.md): with the suite on three workers (pytest-xdist, a
 # file's tests on one worker, --no-loadscope-reorder) no worker is left with a long file at the
 # end while the others idle, and test_hang's waits (stopped ranks, hang timeouts) start beside the
 # compile cache's busy compiles. A serial run's time does not depend on the order.

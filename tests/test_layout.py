@@ -109,7 +109,7 @@ def test_a_folder_run_imports_no_feature_it_does_not_use():
     """Each process that trains imports the trainer (each mp.spawn rank, each torchrun worker):
     tar shards and Parquet, torch.distributed.checkpoint (--sharded-checkpoint, --fsdp's state),
     the device decode path and every feature below are imported only when a run uses them
-    (issue 42: ``benchmarks/start_path.py`` counts the modules a run enters)."""
+    (issue 42: ``benchmarks/bench.py start-path`` counts the modules a run enters)."""
     import subprocess
     import sys
 

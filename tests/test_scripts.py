@@ -138,19 +138,38 @@ def test_every_tool_command_in_the_docs_parses():
                 pytest.fail(f"{name} shows python -m {module} {' '.join(args)}: it does not parse")
 
 
-BENCHMARKS = sorted((ROOT / "benchmarks").glob("bench_*.py"))
+sys.path.insert(0, str(ROOT))
+from benchmarks import bench  # noqa: E402
+
+# The benchmark tool's subcommands, each as a user asks for its help, and the two scripts that
+# stay apart (network namespaces as root; a GPU node).
+BENCHMARKS = [("bench.py", []), *[("bench.py", [name]) for name in bench.CASES],
+              ("bench_comm.py", []), ("gpu_smoke.py", [])]
 
 
 def parsers_of(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
-    """``parser`` and its subcommands' parsers."""
+    """``parser`` and its subcommands' parsers, theirs included."""
     subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return [parser, *[p for sub in subs for p in sub.choices.values()]]
+    return [parser, *[q for sub in subs for p in sub.choices.values() for q in parsers_of(p)]]
 
 
-@pytest.mark.parametrize("script", BENCHMARKS, ids=lambda p: p.name)
-def test_benchmark_help_speaks_to_a_user(script, monkeypatch, capsys):
-    """``python benchmarks/X.py --help`` (run in this process: the modules are imported already)
-    exits 0, says what it measures without internal references, and explains every flag."""
+def test_benchmarks_holds_few_entry_points():
+    """benchmarks/: the tool, the two scripts that need a setup of their own, and the tool's
+    library (the harness, the cases): nothing else a user runs."""
+    scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")}
+    assert scripts == {"bench.py", "harness.py", "bench_comm.py", "gpu_smoke.py"}, scripts
+    cases = {p.stem.replace("_", "-") for p in (ROOT / "benchmarks" / "cases").glob("*.py")}
+    assert cases == set(bench.CASES)
+    for path in (ROOT / "benchmarks" / "cases").glob("*.py"):
+        assert 'if __name__ == "__main__"' not in path.read_text(), f"{path.name}: a script"
+
+
+@pytest.mark.parametrize("script, argv", BENCHMARKS,
+                         ids=lambda x: " ".join(x) if isinstance(x, list) else x)
+def test_benchmark_help_speaks_to_a_user(script, argv, monkeypatch, capsys):
+    """``python benchmarks/SCRIPT [SUBCOMMAND] --help`` (run in this process: the modules are
+    imported already) exits 0, says what it measures without internal references, and explains
+    every flag."""
     seen: list[argparse.ArgumentParser] = []
     parse = argparse.ArgumentParser.parse_known_args
 
@@ -158,10 +177,11 @@ def test_benchmark_help_speaks_to_a_user(script, monkeypatch, capsys):
         seen.append(self)
         return parse(self, *args, **kwargs)
 
+    path = ROOT / "benchmarks" / script
     monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", recording)
-    monkeypatch.setattr(sys, "argv", [str(script), "--help"])
+    monkeypatch.setattr(sys, "argv", [str(path), *argv, "--help"])
     with pytest.raises(SystemExit) as exit_:
-        runpy.run_path(str(script), run_name="__main__")
+        runpy.run_path(str(path), run_name="__main__")
     assert exit_.value.code == 0
     text = capsys.readouterr().out
     assert text.startswith("usage:") and len(text.split("\n\n", 2)[1]) > 40, text
@@ -169,4 +189,43 @@ def test_benchmark_help_speaks_to_a_user(script, monkeypatch, capsys):
     for parser in parsers_of(seen[0]):
         for action in parser._actions:
             name = action.option_strings or action.dest
-            assert action.help, f"{script.name} {parser.prog}: {name} has no help text"
+            assert action.help, f"{script} {parser.prog}: {name} has no help text"
+
+
+def benchmark_commands() -> list[tuple[str, list[str]]]:
+    """(file, arguments) of every ``benchmarks/bench.py`` command in README.md and docs/."""
+    found = []
+    for path in DOC_FILES:
+        for line in command_lines(path):
+            try:
+                tokens = [t.strip("[]") for t in shlex.split(line)]
+            except ValueError:
+                continue
+            found += [(path.name, tokens[i + 1:]) for i, token in enumerate(tokens)
+                      if token.endswith("benchmarks/bench.py")][:1]
+    return found
+
+
+def test_every_benchmark_command_in_the_docs_parses():
+    """A number in the docs keeps the command that reproduces it: each ``bench.py`` line names a
+    subcommand and flags it has, and no page or comment names a benchmark file that is gone."""
+    commands = benchmark_commands()
+    assert {"benchmarks.md", "hardware.md", "fsdp.md"} <= {name for name, _ in commands}
+    wrong = []
+    for name, args in commands:
+        if args[:1] in ([], ["SUBCOMMAND"]):  # the tool itself, not a measurement
+            continue
+        parser = bench.get_parser(bench.selected_case(args))
+        try:
+            parsed, rest = parser.parse_known_args(args)
+        except SystemExit:
+            wrong.append(f"{name} shows bench.py {' '.join(args)}: it does not parse")
+            continue
+        if rest and not getattr(bench.case_module(parsed.case), "PASSES_FLAGS_TO_MAIN", False):
+            wrong.append(f"{name} shows bench.py {' '.join(args)}: no flag {rest}")
+    assert not wrong, "\n".join(wrong)
+    sources = [*DOC_FILES, *sorted((ROOT / "imagenet").rglob("*.py")),
+               *sorted((ROOT / "tests").glob("*.py")), *sorted((ROOT / "benchmarks").rglob("*.py"))]
+    for path in sources:
+        for named in re.findall(r"benchmarks/[\w/]+\.py", path.read_text()):
+            assert (ROOT / named).is_file(), f"{path.relative_to(ROOT)} names {named}: no such file"

@@ -168,7 +168,7 @@ def test_each_epoch_trains_its_crop_in_loader_workers_and_from_tar_shards(folder
 @pytest.mark.slow
 def test_compile_makes_one_static_graph_per_size_not_one_per_batch(monkeypatch):
     # torch's own counters, on the CPU; the "eager" backend captures the same graphs as
-    # inductor (benchmarks/bench_progressive.py measures inductor's compile times).
+    # inductor (benchmarks/bench.py progressive measures inductor's compile times).
     from torch._dynamo.utils import counters
 
     from imagenet.training.engine import Step, train_one_epoch

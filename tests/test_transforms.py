@@ -228,7 +228,7 @@ def test_val_backends_agree_within_one_level(jpeg: Path) -> None:
     classic = T.val_transform(80, 64, backend="pil")(T.load_image(jpeg, "pil"))
     diff = (fast.int() - classic.int()).abs()
     # torch's uint8 antialiased resize reproduces PIL's to rounding: measured mean 0.002 on
-    # photo-like JPEGs (benchmarks/bench_data.py); allow some slack.
+    # photo-like JPEGs (benchmarks/bench.py data); allow some slack.
     assert diff.float().mean() < 0.1 and diff.max() <= 2
 
 

@@ -15,7 +15,7 @@ the index of a device of whatever accelerator is present.
 Whether this CPU computes bf16 natively: --amp bf16 on one that does not is much slower.
 
 Without AVX512-BF16 / AMX (x86) or the BF16 extension (ARM), bf16 is emulated: every operand
-is converted to fp32 and back. Measured with benchmarks/bench_train_step.py (resnet18, 112 px,
+is converted to fp32 and back. Measured with benchmarks/bench.py train-step (resnet18, 112 px,
 batch 16, 1 thread; bf16 vs fp32 steps per second, same run), on an AVX512-BF16 CPU with oneDNN
 capped by ONEDNN_MAX_CPU_ISA: natively bf16 is 1.34x faster; with AVX-512 but no BF16 it is
 about 2x slower (0.47x-0.63x), with AVX2 only about 10x slower (0.09x-0.13x). Detected from the

@@ -6,8 +6,8 @@ TorchCodec's (an optional extra), for the loader workers and the device path ali
 
 torchvision deprecated its image decoders in 0.29 ("will be removed in a future release") in
 favour of TorchCodec. ``auto`` takes the faster of the two where both are present (measured side
-by side: ``benchmarks/decoders.py``), and TorchCodec when torchvision's are gone, without a code
-change; PIL (always installed with torchvision) when neither is there. Every choice gives the
+by side: ``benchmarks/bench.py decoders``), and TorchCodec when torchvision's are gone, without a
+code change; PIL (always installed with torchvision) when neither is there. Every choice gives the
 same pixels as the classic script's PIL loader: EXIF orientation is not applied (TorchCodec
 applies it; ``data.transforms`` undoes it).
 
@@ -47,9 +47,9 @@ from imagenet.settings.flags import Config
 
 DECODERS = ("auto", "torchvision", "torchcodec")
 # What --decoder auto prefers where both are installed: torchvision's decode_jpeg. Measured side
-# by side (benchmarks/decoders.py, 500x375 px JPEGs, one core, torch 2.14.1 / torchvision 0.29.1
-# / TorchCodec 0.17.0): TorchCodec at 0.97-1.05x torchvision's rate, within the noise; torchvision
-# needs no extra package and no EXIF undo.
+# by side (benchmarks/bench.py decoders, 500x375 px JPEGs, one core, torch 2.14.1 / torchvision
+# 0.29.1 / TorchCodec 0.17.0): TorchCodec at 0.97-1.05x torchvision's rate, within the noise;
+# torchvision needs no extra package and no EXIF undo.
 FASTER = "torchvision"
 TORCHCODEC_PIN = "torchcodec==0.17.0"  # the release that pairs with torch 2.14.1
 INSTALL = f"pip install '{TORCHCODEC_PIN}' (or bash install.sh --dev)"
@@ -104,7 +104,7 @@ def choose_decoding(cfg: Config) -> Decoding:
         return Decoding("tensor", "--decoder torchvision")
     if torchvision_decodes() and (FASTER == "torchvision" or not torchcodec_installed()):
         return Decoding("tensor", "auto: torchvision's is as fast as TorchCodec's "
-                                  "(benchmarks/decoders.py) and needs no extra package")
+                                  "(benchmarks/bench.py decoders) and needs no extra package")
     if torchcodec_installed():
         return Decoding("torchcodec", "auto: torchvision has no image decoders" if
                         not torchvision_decodes() else "auto: measured faster")

@@ -427,7 +427,7 @@ def auto_workers(cores: int) -> int:
     """Default loader workers of a process that owns ``cores`` cores: one core is left to the
     training process itself (it launches the device's work and pins memory), at most 16.
 
-    Measured per core (benchmarks/bench_data.py, 465x375 px JPEGs, CPU seconds; a loader
+    Measured per core (benchmarks/bench.py data, 465x375 px JPEGs, CPU seconds; a loader
     worker reaches ~75% of it): decode + crop + flip ~1,100 img/s, + TrivialAugment + random
     erasing ~720, + RandAugment ~570. The classic's cap of 8 then gives ~3,400 img/s with
     RandAugment, short of an H100 (and of an A100 at ~3,000 with anything heavier); 16 give

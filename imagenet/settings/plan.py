@@ -192,7 +192,7 @@ def device_conflict(cfg: Config, fmt: str) -> str | None:
 
 
 # --decode-on-device auto: the loader workers decode when there are enough of them to feed the
-# GPU. Measured per worker (benchmarks/bench_data.py, 465x375 px JPEGs, 224 px crops): ~840
+# GPU. Measured per worker (benchmarks/bench.py data, 465x375 px JPEGs, 224 px crops): ~840
 # img/s (1,118 img/s on one core, a worker reaching ~75% of it), so 8 workers give ~6,700 img/s,
 # the rate of ResNet-50 with bf16 + channels_last + compile on an H200 (issue #27: 15 workers
 # trained 4,013 img/s there, the device path 3,384 img/s). With fewer, the GPU decodes.

@@ -3,7 +3,7 @@ of one gradient all-reduce over gloo on loopback.
 
 Run by hand (not a test):
 
-    python benchmarks/bench_distributed.py [--arch resnet18] [--image-size 64]
+    python benchmarks/bench.py distributed [--arch resnet18] [--image-size 64]
         [--global-batch 32] [--steps 6] [--rounds 2] [--reduce-archs resnet18 resnet50]
 
 Training throughput drives imagenet.training.engine.train_one_epoch on synthetic uint8 images at one
@@ -18,9 +18,7 @@ import argparse
 import datetime
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -29,15 +27,13 @@ import torchvision
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from imagenet.data.folder import DummyDataset  # noqa: E402
-from imagenet.data.samplers import ResumableDistributedSampler, SeededDataset  # noqa: E402
-from imagenet.settings.flags import parse_config  # noqa: E402
-from imagenet.settings.launch import Layout  # noqa: E402
-from imagenet.settings.plan import free_port  # noqa: E402
-from imagenet.training.engine import Step, train_one_epoch  # noqa: E402
-from imagenet.training.optim import build_engine  # noqa: E402
+from imagenet.data.folder import DummyDataset
+from imagenet.data.samplers import ResumableDistributedSampler, SeededDataset
+from imagenet.settings.flags import parse_config
+from imagenet.settings.launch import Layout
+from imagenet.settings.plan import free_port
+from imagenet.training.engine import Step, train_one_epoch
+from imagenet.training.optim import build_engine
 
 
 def join(rank: int, world: int, port: int) -> None:
@@ -99,9 +95,8 @@ def allreduce_time(rank: int, world: int, port: int, archs: list[str], repeats: 
     dist.destroy_process_group()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's flags."""
     parser.add_argument("--arch", default="resnet18",
                         help="architecture trained (default: resnet18)")
     parser.add_argument("--image-size", type=int, default=64, help="pixels")
@@ -112,7 +107,9 @@ def main() -> None:
                         help="models whose gradient all-reduce is timed "
                              "(default: resnet18 resnet50)")
     parser.add_argument("--repeats", type=int, default=5, help="timed all-reduces per model")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     cores = os.cpu_count() or 1
     manager = mp.Manager()
@@ -146,7 +143,3 @@ def main() -> None:
         mb = numel * 4 / 2**20
         print(f"{arch:>10} {numel:>11,} {mb:>7.1f} {how:>13} {seconds * 1e3:>8.1f} "
               f"{numel * 4 / seconds / 1e9:>9.2f}")
-
-
-if __name__ == "__main__":
-    main()

@@ -4,7 +4,7 @@ Uses the trainer's own pieces (build_run on --dummy data, the real after_step ho
 with ``run.checkpointing.save``: RNG gather, torch.save to a temp file, fsync, os.replace), on the
 CPU, with 1000 classes and SGD momentum buffers as in an ImageNet run. Run by hand (not a test):
 
-    python benchmarks/bench_checkpoint.py -a resnet18 resnet50 -b 8 --size 64 --steps 12 \\
+    python benchmarks/bench.py checkpoint -a resnet18 resnet50 -b 8 --size 64 --steps 12 \\
         --save-every 3 --threads 2
 """
 
@@ -12,25 +12,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from imagenet.checkpoint import files  # noqa: E402
-from imagenet.checkpoint.resume_from import Decided  # noqa: E402
-from imagenet.launching.preemption import StopFlag  # noqa: E402
-from imagenet.launching.process_group import DistInfo  # noqa: E402
-from imagenet.run import checkpointing  # noqa: E402
-from imagenet.run.build import Run, build_run  # noqa: E402
-from imagenet.settings.flags import parse_config  # noqa: E402
-from imagenet.settings.launch import Layout  # noqa: E402
+from benchmarks import harness
+from imagenet.checkpoint import files
+from imagenet.checkpoint.resume_from import Decided
+from imagenet.launching.preemption import StopFlag
+from imagenet.launching.process_group import DistInfo
+from imagenet.run import checkpointing
+from imagenet.run.build import Run, build_run
+from imagenet.settings.flags import parse_config
+from imagenet.settings.launch import Layout
 from imagenet.settings.plan import fixed_plan
-from imagenet.training.engine import Hooks, Step, train_one_epoch  # noqa: E402
+from imagenet.training.engine import Hooks, Step, train_one_epoch
+
+TABLE = harness.Table(("arch", "<10", ""), ("size MB", ">8", ".1f"), ("write s", ">8", ".3f"),
+                      ("step s", ">8", ".3f"), ("step s saving", ">14", ".3f"),
+                      ("overhead", ">9", ""), sep=" ")
 
 
 def build(arch: str, batch: int, size: int, steps: int, output_dir: Path) -> Run:
@@ -50,28 +51,26 @@ def epoch_time(run: Run, save_every: int) -> float:
     hooks = Hooks(after_step=checkpointing.saver(run, StopFlag()))
     run.step = Step()
     run.data.train.set_position(0, 0)
-    start = time.perf_counter()
-    train_one_epoch(run.engine, run.data.train_loader, run.step, hooks)
-    return (time.perf_counter() - start) / run.engine.opts.steps_per_epoch
+    seconds = harness.seconds(lambda: train_one_epoch(run.engine, run.data.train_loader,
+                                                      run.step, hooks))
+    return seconds / run.engine.opts.steps_per_epoch
 
 
 def write_time(run: Run, reps: int) -> tuple[float, int]:
     """Median seconds of one checkpointing.save (model, optimizer, scheduler, RNG) until the file
-    is on disk (saves are written in the background: ``bench_async_save`` times what a step
+    is on disk (saves are written in the background: ``async-save`` times what a step
     waits), and its bytes."""
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
+    def save() -> None:
         checkpointing.save(run, is_best=False)
         run.writer.wait()
-        times.append(time.perf_counter() - start)
+
+    times = [harness.seconds(save) for _ in range(reps)]
     path = run.output_dir / files.CHECKPOINT
     return sorted(times)[len(times) // 2], path.stat().st_size
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's flags."""
     parser.add_argument("-a", "--arch", nargs="+", default=["resnet18", "resnet50"],
                         help="architectures to measure, one after the other "
                              "(default: resnet18 resnet50)")
@@ -85,13 +84,14 @@ def main() -> None:
                         help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp folder; "
                         "use the checkpoint file system of your cluster to measure it)")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, -b {args.batch_size}, "
           f"{args.size} px, {args.steps} steps per epoch, --save-every {args.save_every}")
-    print(f"{'arch':10s} {'size MB':>8s} {'write s':>8s} {'step s':>8s} "
-          f"{'step s saving':>14s} {'overhead':>9s}")
+    TABLE.header()
     for arch in args.arch:
         with tempfile.TemporaryDirectory(dir=args.dir) as folder:
             run = build(arch, args.batch_size, args.size, args.steps, Path(folder))
@@ -100,10 +100,5 @@ def main() -> None:
             saving = epoch_time(run, args.save_every)
             seconds, size = write_time(run, args.reps)
         overhead = (saving - base) / base
-        print(f"{arch:10s} {size / 2**20:8.1f} {seconds:8.3f} {base:8.3f} {saving:14.3f} "
-              f"{100 * overhead:8.1f}%")
+        TABLE.row(arch, size / 2**20, seconds, base, saving, f"{100 * overhead:.1f}%")
     print("overhead = extra time per step with --save-every; about write s / (N x step s)")
-
-
-if __name__ == "__main__":
-    main()

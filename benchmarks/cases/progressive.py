@@ -7,29 +7,26 @@ Variants: "static" is main.py --compile (models.compile_model: static shapes, a 
 per size and batch shape), "dynamic" plain torch.compile (a dynamic-shape graph after the first
 change of size), "eager" no compile. torch's own counters count the graphs. Run by hand:
 
-    python benchmarks/bench_progressive.py -a resnet18 -b 16 --sizes 96 112 128 --val-size 160
+    python benchmarks/bench.py progressive -a resnet18 -b 16 --sizes 96 112 128 --val-size 160
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torchvision
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from imagenet.evaluation.validate import evaluate  # noqa: E402
-from imagenet.settings.flags import parse_config  # noqa: E402
-from imagenet.settings.launch import Layout  # noqa: E402
-from imagenet.settings.plan import fixed_plan  # noqa: E402
-from imagenet.training.engine import Step, train_one_epoch  # noqa: E402
-from imagenet.training.models import compile_model  # noqa: E402
-from imagenet.training.optim import build_engine  # noqa: E402
+from benchmarks import harness
+from imagenet.evaluation.validate import evaluate
+from imagenet.settings.flags import parse_config
+from imagenet.settings.launch import Layout
+from imagenet.settings.plan import fixed_plan
+from imagenet.training.engine import Step, train_one_epoch
+from imagenet.training.models import compile_model
+from imagenet.training.optim import build_engine
 
 
 def batches(n: int, batch: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -78,9 +75,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's flags."""
     p.add_argument("-a", "--arch", default="resnet18",
                    help="torchvision architecture (default: %(default)s)")
     p.add_argument("-b", "--batch", type=int, default=16,
@@ -96,15 +92,14 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=["static", "dynamic", "eager"],
                    help="what to compare: static (main.py --compile), dynamic (plain "
                         "torch.compile), eager (default: all three)")
-    args = p.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     print(f"{args.arch}, batch {args.batch} (+ a short batch per epoch), {args.threads} threads")
-    print(f"{'variant':8} {'size':>8} {'graphs':>6} {'first step s':>12} {'step ms':>8}")
+    table = harness.Table(("variant", "8", ""), ("size", ">8", ""), ("graphs", ">6", ""),
+                          ("first step s", ">12", ".2f"), ("step ms", ">8", ".1f"), sep=" ")
+    table.header()
     for variant in args.variants:
         for row in run_variant(variant, args):
-            print(f"{variant:8} {row['size']!s:>8} {row['graphs']:>6} {row['first_s']:>12.2f} "
-                  f"{row['step_ms']:>8.1f}", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+            table.row(variant, str(row["size"]), row["graphs"], row["first_s"], row["step_ms"])

@@ -1,8 +1,8 @@
 """The CPU each test costs, counting every process it starts: where the suite's time goes.
 Run by hand, as root (not a test)::
 
-    PYTHONPATH=benchmarks .venv/bin/python -m pytest -q -p cpu_per_test --durations=0
-    .venv/bin/python benchmarks/cpu_per_test.py --report /tmp/cpu-per-test
+    PYTHONPATH=tests/tools .venv/bin/python -m pytest -q -p cpu_per_test --durations=0
+    .venv/bin/python tests/tools/cpu_per_test.py --report /tmp/cpu-per-test
 
 As a pytest plugin (``-p cpu_per_test``), each xdist worker moves itself into a cgroup of its
 own (cgroup v1's cpuacct, else cgroup v2), and every process a test starts is born into it: the
@@ -11,7 +11,7 @@ workers, g++ under inductor, Ray's daemons, ``ip netns exec``. After each test i
 cgroup's CPU (user + system) and wall seconds of that test to ``$CPU_PER_TEST_OUT/<worker>.jsonl``
 (default /tmp/cpu-per-test). A worker runs one test at a time, so the difference is the test's.
 A module fixture is counted in the test that first uses it; a process a test leaves running is
-counted in the tests after it. ``benchmarks/process_census.py`` says which interpreters start;
+counted in the tests after it. ``tests/tools/process_census.py`` says which interpreters start;
 this says what all of a test's processes cost, forked ones included.
 """
 

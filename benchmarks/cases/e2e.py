@@ -9,11 +9,11 @@ epoch with each configuration as a subprocess and reads the throughput back from
 
 Run by hand (not a test)::
 
-    python benchmarks/bench_e2e.py                       # generated data, resnet18, 224 px
-    python benchmarks/bench_e2e.py --data /data/imagenet-subset -a resnet50
-    python benchmarks/bench_e2e.py -a mobilenet_v3_small --train-crop-size 128 --lr 0.05
+    python benchmarks/bench.py e2e                       # generated data, resnet18, 224 px
+    python benchmarks/bench.py e2e --data /data/imagenet-subset -a resnet50
+    python benchmarks/bench.py e2e -a mobilenet_v3_small --train-crop-size 128 --lr 0.05
 
-Any flag this script does not know is passed to main.py for every configuration (no ``--``
+Any flag this subcommand does not know is passed to main.py for every configuration (no ``--``
 needed). On a CPU-only machine the model step dominates; use a small --arch (e.g.
 mobilenet_v3_small) or a smaller crop to see the data path's share.
 """
@@ -21,17 +21,14 @@ mobilenet_v3_small) or a smaller crop to see the data path's share.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_data import write_photo_like_jpegs  # noqa: E402
+from benchmarks import harness
 
-ROOT = Path(__file__).resolve().parents[1]
+PASSES_FLAGS_TO_MAIN = True  # bench.py: the flags it does not know go to main.py
 CLASSIC = "classic (PIL, fp32)"
 CONFIGS = {
     CLASSIC: ["--image-backend", "pil"],
@@ -45,21 +42,21 @@ def make_folder(root: Path, classes: int, per_class: int) -> Path:
     """train/ and val/ of photo-like JPEGs (val: a quarter as many)."""
     for split, n in (("train", per_class), ("val", max(1, per_class // 4))):
         for c in range(classes):
-            write_photo_like_jpegs(root / split / f"c{c}", n, seed=1000 * c + (split == "val"))
+            harness.write_photo_like_jpegs(root / split / f"c{c}", n,
+                                           seed=1000 * c + (split == "val"))
     return root
 
 
-def run(data: Path, out: Path, flags: Sequence[str], args: argparse.Namespace) -> dict | None:
+def one_epoch(data: Path, out: Path, flags: Sequence[str], args: argparse.Namespace
+              ) -> dict | None:
     """One epoch of main.py: its metrics.jsonl record, or None (stderr shown) if it failed."""
-    cmd = [sys.executable, str(ROOT / "main.py"), str(data), "-a", args.arch, "-b",
-           str(args.batch_size), "-j", str(args.workers), "--epochs", "1", "-p", "1000",
-           "--output-dir", str(out), *flags, *args.main_args]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = harness.run_main([str(data), "-a", args.arch, "-b", str(args.batch_size), "-j",
+                             str(args.workers), "--epochs", "1", "-p", "1000", "--output-dir",
+                             str(out), *flags, *args.main_args])
     if proc.returncode != 0:
-        print(f"\n!! failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-4000:]}",
-              file=sys.stderr, flush=True)
+        print(f"\n!! {harness.failure(proc)}", file=sys.stderr, flush=True)
         return None
-    return json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    return harness.last_metrics(out)
 
 
 def compare(data: Path, workdir: Path, args: argparse.Namespace,
@@ -71,7 +68,7 @@ def compare(data: Path, workdir: Path, args: argparse.Namespace,
           flush=True)
     records: dict[str, dict | None] = {}
     for i, (name, flags) in enumerate(configs.items()):
-        records[name] = record = run(data, workdir / f"run{i}", flags, args)
+        records[name] = record = one_epoch(data, workdir / f"run{i}", flags, args)
         if record is None:
             print(f"{name:<40}{'failed':>12}", flush=True)
             continue
@@ -82,35 +79,27 @@ def compare(data: Path, workdir: Path, args: argparse.Namespace,
     return records
 
 
-def get_parser() -> argparse.ArgumentParser:
-    """This script's flags; the rest of the command line goes to main.py."""
-    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="Unknown flags are passed to main.py.")
-    parser.add_argument("--data", type=Path, help="ImageFolder root (default: generate one)")
-    parser.add_argument("-a", "--arch", default="resnet18", help="main.py -a (default: resnet18)")
-    parser.add_argument("-b", "--batch-size", type=int, default=32, help="main.py -b (default: 32)")
-    parser.add_argument("-j", "--workers", type=int, default=2, help="main.py -j (default: 2)")
-    parser.add_argument("--classes", type=int, default=4, help="generated classes")
-    parser.add_argument("--per-class", type=int, default=48, help="generated train images/class")
-    return parser
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's flags; the rest of the command line goes to main.py."""
+    parser.allow_abbrev = False  # a main.py flag must not pass for an abbreviation of ours
+    parser.epilog = "Unknown flags are passed to main.py."
+    add_run_arguments(parser, per_class=48)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Our flags, with everything else collected in ``main_args``."""
-    args, rest = get_parser().parse_known_args(argv)
-    args.main_args = [a for a in rest if a != "--"]
-    return args
+def add_run_arguments(group, per_class: int) -> None:
+    """The flags of the main.py runs and of the data generated for them (speed's too)."""
+    group.add_argument("--data", type=Path, help="ImageFolder root (default: generate one)")
+    group.add_argument("-a", "--arch", default="resnet18", help="main.py -a (default: resnet18)")
+    group.add_argument("-b", "--batch-size", type=int, default=32, help="main.py -b (default: 32)")
+    group.add_argument("-j", "--workers", type=int, default=2, help="main.py -j (default: 2)")
+    group.add_argument("--classes", type=int, default=4, help="generated classes")
+    group.add_argument("--per-class", type=int, default=per_class,
+                       help=f"generated train images/class (default: {per_class})")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def run(args: argparse.Namespace) -> int:
     """Generate or take the data, run every configuration; exit 1 if any failed."""
-    args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         data = args.data or make_folder(Path(tmp) / "data", args.classes, args.per_class)
         records = compare(data, Path(tmp), args)
     return 0 if all(records.values()) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

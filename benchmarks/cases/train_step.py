@@ -5,25 +5,22 @@ so it measures what main.py does per step, next to the textbook torch loop on th
 variant (the reference it must keep up with), and reports the machine's fp32/bf16 matmul peak and
 the share of it the step reaches. Run by hand (not a test):
 
-    python benchmarks/bench_train_step.py -a resnet18 -b 32 --size 224 --threads 2 --steps 6
+    python benchmarks/bench.py train-step -a resnet18 -b 32 --size 224 --threads 2 --steps 6
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torchvision
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from imagenet.settings.flags import parse_config  # noqa: E402
-from imagenet.settings.launch import Layout  # noqa: E402
-from imagenet.training.engine import Step, train_one_epoch  # noqa: E402
-from imagenet.training.optim import build_engine  # noqa: E402
+from benchmarks import harness
+from imagenet.settings.flags import parse_config
+from imagenet.settings.launch import Layout
+from imagenet.training.engine import Step, train_one_epoch
+from imagenet.training.optim import build_engine
 
 VARIANTS = {"fp32": ([], None), "channels_last": (["--channels-last"], None),
             "bf16": (["--amp", "bf16"], torch.bfloat16),
@@ -84,9 +81,7 @@ def timed(run_steps, batch: int, steps: int) -> float:
     """Images per second of ``run_steps(steps)`` after ``run_steps(2)`` as warm-up (allocator,
     oneDNN kernel selection)."""
     run_steps(2)
-    start = time.perf_counter()
-    run_steps(steps)
-    return batch * steps / (time.perf_counter() - start)
+    return batch * steps / harness.seconds(lambda: run_steps(steps))
 
 
 def plain_rate(arch: str, batch: int, size: int, steps: int, variant: str) -> float:
@@ -143,10 +138,8 @@ def measure(arch: str, batch: int, size: int, steps: int,
             "of_fp32_peak": of_fp32}
 
 
-def get_parser() -> argparse.ArgumentParser:
-    """This script's flags."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's flags."""
     parser.add_argument("-a", "--arch", default="resnet18", help="architecture (default: resnet18)")
     parser.add_argument("-b", "--batch-size", type=int, default=32,
                         help="images per step (default: 32)")
@@ -155,14 +148,8 @@ def get_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                         help="which variants to time (bf16 without native bf16 is slow)")
-    return parser
 
 
-def main() -> None:
-    args = get_parser().parse_args()
+def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     measure(args.arch, args.batch_size, args.size, args.steps, args.variants)
-
-
-if __name__ == "__main__":
-    main()

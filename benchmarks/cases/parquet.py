@@ -1,10 +1,10 @@
 """Hugging Face Parquet vs tar shards of the same images: loader speed per CPU core. Run by hand
 (not a test):
 
-    python benchmarks/bench_parquet.py speed           # 2000 images, 3 passes each
-    python benchmarks/bench_parquet.py speed --images 5000 --passes 5
-    python benchmarks/bench_parquet.py accuracy        # the demo recipe on both: top-1
-    python benchmarks/bench_parquet.py check           # the row check before the first step
+    python benchmarks/bench.py parquet speed           # 2000 images, 3 passes each
+    python benchmarks/bench.py parquet speed --images 5000 --passes 5
+    python benchmarks/bench.py parquet accuracy        # the demo recipe on both: top-1
+    python benchmarks/bench.py parquet check           # the row check before the first step
 
 The data: ``--images`` photo-like JPEGs of ImageNet sizes (~470x360, quality 90; 10 classes) in
 WORKDIR/folder, the tar shards and the Hub-layout Parquet that ``python -m imagenet.tools.prepare
@@ -32,26 +32,23 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import harness
+
+ROOT = harness.ROOT
 BATCH = 64
 
 
 def make_data(workdir: Path, images: int, shard_mb: float) -> tuple[Path, Path]:
-    """WORKDIR/shards-<MB>mb (``bench_shards``'s) and WORKDIR/parquet-<MB>mb of WORKDIR/folder."""
-    from bench_shards import make_data as folder_and_shards
+    """WORKDIR/shards-<MB>mb (``shards``'s) and WORKDIR/parquet-<MB>mb of WORKDIR/folder."""
+    from benchmarks.cases.shards import make_data as folder_and_shards
 
     folder, shards = folder_and_shards(workdir, images, shard_mb)
     parquet = workdir / f"parquet-{shard_mb:g}mb"
     if not (parquet / "done").is_file():
-        subprocess.run([sys.executable, "-m", "imagenet.tools.prepare", "--from-folder",
-                        str(folder), "--format", "parquet", "--out", str(parquet),
-                        "--shard-size", str(shard_mb)], check=True, cwd=ROOT)
+        harness.prepare(folder, parquet, "--format", "parquet", "--shard-size", str(shard_mb))
         (parquet / "done").touch()
     return shards, parquet
 
@@ -83,25 +80,21 @@ def one_pass(reader, epoch: int) -> tuple[int, float]:
 
 
 def accuracy(args: argparse.Namespace) -> None:
-    import json
-
     from imagenet.tools.demo import make_demo_dataset
 
     folder, parquet = args.workdir / "demo", args.workdir / "demo-parquet"
     make_demo_dataset(folder, train_per_class=100, val_per_class=50)
     if not (parquet / "done").is_file():
-        subprocess.run([sys.executable, "-m", "imagenet.tools.prepare", "--from-folder",
-                        str(folder), "--format", "parquet", "--out", str(parquet)],
-                       check=True, cwd=ROOT)
+        harness.prepare(folder, parquet, "--format", "parquet")
         (parquet / "done").touch()
     top1 = {}
     for name, data in (("folder", folder), ("parquet", parquet)):
         out = args.workdir / f"run-{name}"
         start = time.perf_counter()
-        subprocess.run([sys.executable, "main.py", str(data), "--config", "recipes/demo.toml",
-                        "--no-demo", "--output-dir", str(out), "--log-to", "none"], check=True,
-                       cwd=ROOT, stdout=subprocess.DEVNULL)
-        last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+        harness.run_main([str(data), "--config", "recipes/demo.toml", "--no-demo",
+                          "--output-dir", str(out), "--log-to", "none"], check=True, cwd=ROOT,
+                         stdout=subprocess.DEVNULL)
+        last = harness.last_metrics(out)
         top1[name] = last["val_acc1"]
         print(f"{name:>7}: top-1 {last['val_acc1']:.2f} % of {last['val_count']} validation "
               f"images after {last['epoch'] + 1} epochs ({time.perf_counter() - start:.0f} s)",
@@ -170,18 +163,16 @@ def check(args: argparse.Namespace) -> None:
              ("no statistics, local (labels + image bytes read)", str(paths[False])),
              ("no statistics, local:// URL (labels read)", f"local://{paths[False]}"))
     for name, url in cases:
-        best = float("inf")
-        for _ in range(args.passes):
-            start = time.perf_counter()
+        def check_file(url: str = url) -> None:
             file = open_parquet(url)
             check_rows(file, url, "train", features(file, url))
-            best = min(best, time.perf_counter() - start)
+
+        best = harness.best_of(args.passes, check_file)
         print(f"{name:>50}: {best:.3f} s, {args.rows / best:,.0f} rows/s", flush=True)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's flags."""
     p.add_argument("what", choices=("speed", "accuracy", "check"),
                    help="speed: loader img/s per core, Parquet vs tar shards; accuracy: the demo "
                         "recipe's top-1 on class folders vs their Parquet")
@@ -195,9 +186,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=50000, help="check: rows (default: 50000)")
     p.add_argument("--row-bytes", type=int, default=20000,
                    help="check: bytes of each row's image (default: 20000)")
-    args = p.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
     {"speed": speed, "accuracy": accuracy, "check": check}[args.what](args)
-
-
-if __name__ == "__main__":
-    main()

@@ -2,8 +2,8 @@
 enters, how often it opens the resume checkpoint, builds the argument parser and sets up logging.
 Run by hand (not a test)::
 
-    python benchmarks/start_path.py            # a fresh run, then its resume
-    python benchmarks/start_path.py --list     # and the modules, one per line
+    python benchmarks/bench.py start-path            # a fresh run, then its resume
+    python benchmarks/bench.py start-path --list     # and the modules, one per line
 
 Each leg runs ``main.py DIR -a resnet18 -j 1 --epochs N`` (one loader worker: the loader starts
 early) in a fresh interpreter (``runpy``), on a small JPEG folder it writes, under
@@ -30,7 +30,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks import harness
+
+ROOT = harness.ROOT
 PACKAGE = str(ROOT / "imagenet") + os.sep
 
 
@@ -141,23 +143,27 @@ def in_own_process(argv: list[str], out: Path) -> dict:
     """One leg in a fresh interpreter: every module's import is counted."""
     import subprocess
 
-    got = subprocess.run([sys.executable, __file__, "--leg", json.dumps([argv, str(out)])],
+    got = subprocess.run(harness.child_command("start-path", json.dumps([argv, str(out)])),
                          check=True, capture_output=True, text=True)
     return json.loads(got.stdout.splitlines()[-1])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The subcommand's flags."""
     ap.add_argument("--list", action="store_true", help="print the modules each leg entered")
-    ap.add_argument("-a", "--arch", default="resnet18")
-    ap.add_argument("--leg", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.leg:
-        argv, out = json.loads(args.leg)
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        got = leg(argv, Path(out))
-        print(json.dumps(got))
-        return
+    ap.add_argument("-a", "--arch", default="resnet18",
+                    help="the architecture of both legs (default: resnet18)")
+
+
+def child(args: list[str]) -> None:
+    """One leg in this process (``in_own_process``): args is ``[json.dumps([argv, out])]``."""
+    argv, out = json.loads(args[0])
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    got = leg(argv, Path(out))
+    print(json.dumps(got))
+
+
+def run(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="start_path_"))
     data = write_folder(work / "data")
     out = (work / "run").resolve()
@@ -165,8 +171,8 @@ def main() -> None:
     import subprocess
 
     # The checkpoint the resume leg reads: one whole epoch, in its own process.
-    subprocess.run([sys.executable, str(ROOT / "main.py"), *common, "--epochs", "1"],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    harness.run_main([*common, "--epochs", "1"], check=True, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL)
     fresh = in_own_process([*common, "--epochs", "1", "--output-dir", str(work / "fresh")],
                 (work / "fresh").resolve())
     resumed = in_own_process([*common, "--epochs", "2", "--resume",
@@ -180,7 +186,3 @@ def main() -> None:
         if args.list:
             print("  " + "\n  ".join(m + ("" if m in got["called"] else "  (import only)")
                                       for m in got["modules"]))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,8 @@
 """Which Python processes a command starts, and the CPU each kind costs: where a test run's time
 goes. Run by hand (not a test)::
 
-    .venv/bin/python benchmarks/process_census.py -- .venv/bin/python -m pytest -q tests/test_x.py
-    .venv/bin/python benchmarks/process_census.py --report census.jsonl   # an earlier census
+    .venv/bin/python tests/tools/process_census.py -- .venv/bin/python -m pytest -q tests/test_x.py
+    .venv/bin/python tests/tools/process_census.py --report census.jsonl   # an earlier census
 
 Every interpreter that starts from this virtual environment (``python main.py``, an mp.spawn
 child, torchrun's agent, a helper ``python -c``) records at its exit its command line, its own

@@ -1,9 +1,9 @@
 """Tar shards vs the ImageFolder they were written from: speed per loader core, a 100 Mbit/s
 link, time to the first batch and the cost of a mid-epoch resume. Run by hand (not a test):
 
-    python benchmarks/bench_shards.py speed            # local disk, one core
-    python benchmarks/bench_shards.py resume           # first batch; mid-epoch resume
-    python benchmarks/bench_shards.py http             # as root: two namespaces, tbf 100mbit
+    python benchmarks/bench.py shards speed            # local disk, one core
+    python benchmarks/bench.py shards resume           # first batch; mid-epoch resume
+    python benchmarks/bench.py shards http             # as root: two namespaces, tbf 100mbit
 
 The data: ``--images`` photo-like JPEGs of ImageNet sizes (~470x360, quality 90; 10 classes) in
 ``WORKDIR/folder`` and the shards ``prepare --from-folder`` writes of them (``--shard-size``
@@ -29,33 +29,28 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import harness
+
+ROOT = harness.ROOT
 SERVER, CLIENT, PORT = "10.202.0.1", "10.202.0.2", 8000
 BATCH = 64
 
 
 def make_data(workdir: Path, images: int, shard_mb: float) -> tuple[Path, Path]:
     """WORKDIR/folder (train: ``images`` JPEGs in 10 classes; val: 100) and WORKDIR/shards."""
-    from bench_data import write_photo_like_jpegs
-
     folder, shards = workdir / "folder", workdir / f"shards-{shard_mb:g}mb"
     if not (folder / "done").is_file():
         for split, count in (("train", images), ("val", 100)):
             for c in range(10):
-                write_photo_like_jpegs(folder / split / f"class{c}", count // 10,
-                                       seed=1000 * c + (split == "val"))
+                harness.write_photo_like_jpegs(folder / split / f"class{c}", count // 10,
+                                               seed=1000 * c + (split == "val"))
         (folder / "done").touch()
     if not (shards / "_info.json").is_file():
-        subprocess.run([sys.executable, "-m", "imagenet.tools.prepare", "--from-folder",
-                        str(folder), "--out", str(shards), "--shard-size", str(shard_mb)],
-                       check=True, cwd=ROOT)
+        harness.prepare(folder, shards, "--shard-size", str(shard_mb))
     return folder, shards
 
 
@@ -239,16 +234,16 @@ def http(args: argparse.Namespace) -> None:
     rows = []
     with two_hosts(args.rate) as (server_ns, client_ns, end):
         for delay in args.delay_ms:
-            srv = subprocess.Popen(["ip", "netns", "exec", server_ns, sys.executable, __file__,
-                                    "_serve", str(args.workdir), str(delay)], env=env,
+            srv = subprocess.Popen(["ip", "netns", "exec", server_ns, *harness.child_command(
+                                    "shards", "_serve", str(args.workdir), str(delay))], env=env,
                                    stderr=subprocess.DEVNULL)  # resets when a read ends early
             time.sleep(2)
             try:
                 for mode in ("shards", "files"):
                     sent = sent_bytes(server_ns, end)
-                    out = subprocess.run(["ip", "netns", "exec", client_ns, sys.executable,
-                                          __file__, "_client", mode, str(folder),
-                                          shards.name],
+                    out = subprocess.run(["ip", "netns", "exec", client_ns,
+                                          *harness.child_command("shards", "_client", mode,
+                                                                 str(folder), shards.name)],
                                          env=env, capture_output=True, text=True, check=True)
                     result = json.loads(out.stdout.strip().splitlines()[-1])
                     result.update(mode=mode, delay=delay, wire=sent_bytes(server_ns, end) - sent)
@@ -335,13 +330,17 @@ def client(mode: str, folder: Path, shards: str) -> None:
     print(json.dumps({"images": n, "seconds": time.perf_counter() - start, "first": first}))
 
 
-def main() -> None:
-    if sys.argv[1:2] == ["_serve"]:
-        return serve(sys.argv[2], float(sys.argv[3]))
-    if sys.argv[1:2] == ["_client"]:
-        return client(sys.argv[2], Path(sys.argv[3]), sys.argv[4])
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def child(argv: list[str]) -> None:
+    """The http legs' processes (``harness.child_command("shards", ...)``): the server, a client."""
+    if argv[:1] == ["_serve"]:
+        return serve(argv[1], float(argv[2]))
+    if argv[:1] == ["_client"]:
+        return client(argv[1], Path(argv[2]), argv[3])
+    raise SystemExit(f"bench.py shards: no helper process {argv[:1]}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's flags."""
     p.add_argument("what", choices=("speed", "resume", "http"),
                    help="speed: per loader core; resume: first batch and mid-epoch resume; "
                         "http: over a shaped link (root)")
@@ -357,9 +356,7 @@ def main() -> None:
     p.add_argument("--rate", default="100mbit", help="http: tbf rate (default: 100mbit)")
     p.add_argument("--delay-ms", type=float, nargs="+", default=[0.0, 20.0],
                    help="http: server answer delays to try, ms (default: 0 20)")
-    args = p.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
     {"speed": speed, "resume": resume, "http": http}[args.what](args)
-
-
-if __name__ == "__main__":
-    main()

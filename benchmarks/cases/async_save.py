@@ -15,7 +15,7 @@ The throttle is injected in-process (every write of the checkpoint's file object
 bytes at R MB/s, as a slow network file system's write() blocks): this machine has no
 device-mapper or cgroup-v2 I/O throttling. Run by hand (not a test):
 
-    python benchmarks/bench_async_save.py -a mobilenet_v3_small --size 128 --steps 200 \\
+    python benchmarks/bench.py async-save -a mobilenet_v3_small --size 128 --steps 200 \\
         --save-every 50 --mb-per-s 4
 """
 
@@ -24,23 +24,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_checkpoint import build  # noqa: E402
-
-from imagenet.checkpoint import files  # noqa: E402
-from imagenet.launching.preemption import StopFlag  # noqa: E402
-from imagenet.run.build import Run  # noqa: E402
-from imagenet.run.checkpointing import finish_saves, saver  # noqa: E402
-from imagenet.training.engine import Hooks, Step, train_one_epoch  # noqa: E402
+from benchmarks.cases.checkpoint import build
+from imagenet.checkpoint import files
+from imagenet.launching.preemption import StopFlag
+from imagenet.run.build import Run
+from imagenet.run.checkpointing import finish_saves, saver
+from imagenet.training.engine import Hooks, Step, train_one_epoch
 
 
 def throttle(mb_per_s: float) -> None:
@@ -94,9 +89,8 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's flags."""
     parser.add_argument("-a", "--arch", default="resnet18", help="(default: resnet18)")
     parser.add_argument("-b", "--batch-size", type=int, default=8, help="(default: 8)")
     parser.add_argument("--size", type=int, default=64, help="image side (default: 64)")
@@ -106,7 +100,9 @@ def main() -> None:
                         help="the slow folder's write rate (default: 4 MB/s)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's choice)")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     throttle(args.mb_per_s)
@@ -135,7 +131,3 @@ def main() -> None:
     print(f"step that took the save     {took:7.3f} s  (the copy off the model; a synchronous "
           f"save would add the whole write)")
     print(f"epoch: {sum(saving.seconds):.1f} s saving vs {sum(base.seconds):.1f} s without")
-
-
-if __name__ == "__main__":
-    main()

@@ -3,11 +3,11 @@ start of the same job, side by side. Run by hand (not a test)::
 
     # A 200,000-file ImageFolder (1,000 classes x 190 train + 10 val tiny JPEGs, made once under
     # --root), local disk and a simulated network file system (--latency-us, see below):
-    python benchmarks/bench_restart.py folder --latency-us 0 100 200
+    python benchmarks/bench.py restart folder --latency-us 0 100 200
 
     # --compile on the CPU (resnet18, 32 px crops, a 24-image folder): a cold start compiles;
     # the requeued start loads the graphs the first one kept in OUTPUT_DIR/cache:
-    python benchmarks/bench_restart.py compile
+    python benchmarks/bench.py restart compile
 
 Each leg is a real ``main.py`` process stopped by SIGTERM once its first step is printed (it
 saves, as on preemption, and exits 143); the requeued leg is the same command with ``--resume
@@ -40,7 +40,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import harness
+
+ROOT = harness.ROOT
 SMALL = ["-a", "resnet18", "--train-crop-size", "32", "--val-resize-size", "36",
          "--val-crop-size", "32", "-b", "8", "-p", "1", "--seed", "0", "--lr", "0.01"]
 
@@ -121,8 +123,9 @@ def slow_file_system(root: str, entry_s: float, report: str) -> None:
     atexit.register(write_report)
 
 
-def as_main(argv: list[str]) -> None:
-    """Run main.py with ``argv``, under the simulated file system when its variables say so."""
+def child(argv: list[str]) -> None:
+    """Run main.py with ``argv``, under the simulated file system when its variables say so (a
+    leg's process: ``harness.child_command("restart", ...)``)."""
     root, entry_us = os.environ.get("SLOWFS_ROOT"), float(os.environ.get("SLOWFS_US", "0"))
     if root and entry_us > 0:
         slow_file_system(root, entry_us * 1e-6, os.environ["SLOWFS_REPORT"])
@@ -157,9 +160,9 @@ def make_folder(root: Path, classes: int, train: int, val: int, size: int = 48) 
 
 def leg(args: list[str], out: Path, stop_at: str, env: dict[str, str], log: Path,
         timeout: float = 1800) -> int:
-    """Run main.py (through ``as_main``) until a line starting ``stop_at`` prints, then
+    """Run main.py (through ``child``) until a line starting ``stop_at`` prints, then
     SIGTERM it (it saves and exits 143); its exit code. Output goes to ``log``."""
-    cmd = [sys.executable, __file__, "as-main", *args, "--output-dir", str(out)]
+    cmd = harness.child_command("restart", *args, "--output-dir", str(out))
     with open(log, "w") as sink:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=env, cwd=ROOT)
@@ -241,14 +244,14 @@ def compile_bench(opts: argparse.Namespace) -> None:
         code = leg(args, out, "Epoch: [1]", child_env(), work / "cold.log")
         if code != 143:
             sys.exit(f"cold leg exited {code}: see {work / 'cold.log'}")
-        done = subprocess.run([sys.executable, __file__, "as-main", *args, "--resume", "auto",
-                               "--output-dir", str(out)], capture_output=True, text=True,
-                              env=child_env(), cwd=ROOT)
+        done = subprocess.run(harness.child_command("restart", *args, "--resume", "auto",
+                                                    "--output-dir", str(out)),
+                              capture_output=True, text=True, env=child_env(), cwd=ROOT)
         (work / "requeued.log").write_text(done.stdout + done.stderr)
         if done.returncode != 0:
             sys.exit(f"requeued leg exited {done.returncode}: see {work / 'requeued.log'}")
         cold, requeued = starts(out)[-2:]
-        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        records = harness.metrics(out)
         print("--compile, resnet18 at 32 px on the CPU, -b 8:")
         show("cold", cold)
         show("requeued", requeued)
@@ -263,12 +266,8 @@ def compile_bench(opts: argparse.Namespace) -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "as-main":
-        as_main(sys.argv[2:])
-        return
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's flags."""
     parser.add_argument("what", choices=("folder", "compile"),
                         help="folder: a large ImageFolder's start; compile: --compile's")
     parser.add_argument("--root", default=str(Path(tempfile.gettempdir()) / "bench-restart-200k"),
@@ -288,9 +287,7 @@ def main() -> None:
     parser.add_argument("-j", "--workers", type=int, default=2,
                         help="loader workers of the runs (default: %(default)s)")
     parser.add_argument("--keep", action="store_true", help="keep the run folders and logs")
-    opts = parser.parse_args()
+
+
+def run(opts: argparse.Namespace) -> None:
     folder_bench(opts) if opts.what == "folder" else compile_bench(opts)
-
-
-if __name__ == "__main__":
-    main()

@@ -11,14 +11,14 @@ agreement, and how far the input crops themselves differ. Run by hand (not a tes
     # 112 -> 64 -> crop 56), trains ResNet-18 on it with main.py (--epochs 4), then compares.
     # About 5 minutes on 2 idle CPU cores (10 when busy); a second run reuses the trained
     # model in --work-dir.
-    python benchmarks/bench_val_parity.py
+    python benchmarks/bench.py val-parity
 
     # A trained checkpoint on its data (sizes and interpolation from its stored config):
-    python benchmarks/bench_val_parity.py --checkpoint runs/r50/model_best.pth.tar \\
+    python benchmarks/bench.py val-parity --checkpoint runs/r50/model_best.pth.tar \\
         --data /data/imagenet --limit 5000
 
     # torchvision weights (cached under TORCH_HOME, or downloaded) on ImageNet val:
-    python benchmarks/bench_val_parity.py -a resnet50 --weights IMAGENET1K_V2 \\
+    python benchmarks/bench.py val-parity -a resnet50 --weights IMAGENET1K_V2 \\
         --data /data/imagenet --limit 5000
 """
 
@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,14 +36,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks import harness
+from imagenet.checkpoint.files import load_checkpoint, load_model_state
+from imagenet.data import transforms as T
+from imagenet.data.folder import image_folder
+from imagenet.training.meters import topk_correct
+from imagenet.training.models import build_model, resolve_weights
 
-from imagenet.checkpoint.files import load_checkpoint, load_model_state  # noqa: E402
-from imagenet.data import transforms as T  # noqa: E402
-from imagenet.data.folder import image_folder  # noqa: E402
-from imagenet.training.meters import topk_correct  # noqa: E402
-from imagenet.training.models import build_model, resolve_weights  # noqa: E402
+ROOT = harness.ROOT
 
 
 @dataclass(frozen=True)
@@ -76,18 +74,17 @@ def train_demo_model(work: Path, args: argparse.Namespace) -> tuple[Path, Path]:
     stamp.unlink(missing_ok=True)
     # AdamW + cosine learns the demo shapes steadily (about 50% top-1 after 4-6 epochs, 10
     # classes); seeded, so every run of this script trains the same model.
-    cmd = [sys.executable, str(ROOT / "main.py"), str(data), "-a", "resnet18", "--seed", "0",
-           "--output-dir", str(out), "--epochs", str(args.epochs), "-b", "64", "--opt", "adamw",
-           "--lr", "0.002", "--wd", "0.01", "--lr-scheduler", "cosine", "--train-crop-size",
-           "56", "--val-resize-size", "64", "--val-crop-size", "56", "-j", str(args.workers),
-           "-p", "5"]
-    print(f"=> training: {' '.join(cmd)}", flush=True)
+    argv = [str(data), "-a", "resnet18", "--seed", "0", "--output-dir", str(out), "--epochs",
+            str(args.epochs), "-b", "64", "--opt", "adamw", "--lr", "0.002", "--wd", "0.01",
+            "--lr-scheduler", "cosine", "--train-crop-size", "56", "--val-resize-size", "64",
+            "--val-crop-size", "56", "-j", str(args.workers), "-p", "5"]
+    print(f"=> training: {sys.executable} {ROOT / 'main.py'} {' '.join(argv)}", flush=True)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = harness.run_main(argv)
     if proc.returncode != 0:
-        sys.exit(f"training failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        sys.exit(f"training {harness.failure(proc)}")
     stamp.write_text(json.dumps(params) + "\n")
-    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    last = harness.last_metrics(out)
     print(f"=> trained in {time.perf_counter() - start:.0f} s; main.py's own validation "
           f"(tensor backend): top-1 {last['val_acc1']:.2f}")
     return data, best
@@ -204,10 +201,8 @@ def report(c: dict[str, float]) -> None:
 
 # --- command line --------------------------------------------------------------------------------
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Command-line flags."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's flags."""
     model = parser.add_argument_group("model (default: train one on the demo shapes)")
     model.add_argument("--checkpoint", type=Path, help="a checkpoint written by main.py, or a "
                                                        "bare state_dict")
@@ -238,17 +233,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       help="drawn training images per class (default: 100)")
     demo.add_argument("--val-per-class", type=int, default=100,
                       help="drawn validation images per class (default: 100)")
-    args = parser.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """What the flags cannot say alone (bench.py calls it after parsing)."""
     if args.checkpoint and args.weights:
         parser.error("give --checkpoint or --weights, not both")
     if args.weights and not (args.arch and args.data):
         parser.error("--weights needs -a ARCH and --data DIR")
-    return args
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def run(args: argparse.Namespace) -> None:
     """Pick or train the model, evaluate it with both backends, print the comparison."""
-    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     weights, classes = None, None
     if args.weights:
@@ -275,7 +271,3 @@ def main(argv: Sequence[str] | None = None) -> None:
     counts = compare(model, loaders)
     report(counts)
     print(f"({time.perf_counter() - start:.0f} s for both backends)")
-
-
-if __name__ == "__main__":
-    main()

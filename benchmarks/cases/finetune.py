@@ -15,9 +15,9 @@ every run with the same flags and seed:
 Each run is main.py as a subprocess; the accuracies come from its metrics.jsonl (the last
 epoch's top-1 and the best). Run by hand (not a test)::
 
-    python benchmarks/bench_finetune.py                        # 6 classes -> 4 others, 10 shots
-    python benchmarks/bench_finetune.py --shots 5 --seeds 0 1 2
-    python benchmarks/bench_finetune.py --new stripes_h stripes_v checker diagonal dots
+    python benchmarks/bench.py finetune                        # 6 classes -> 4 others, 10 shots
+    python benchmarks/bench.py finetune --shots 5 --seeds 0 1 2
+    python benchmarks/bench.py finetune --new stripes_h stripes_v checker diagonal dots
 
 Measured: shapes alone -> textures alone hardly transfers (a linear probe on shape features
 stays near chance): the classes have to share something, as photos of objects do.
@@ -26,18 +26,15 @@ stays near chance): the classes have to share something, as photos of objects do
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from imagenet.tools.demo import SHAPES, TEXTURES, make_demo_dataset  # noqa: E402
+from benchmarks import harness
+from imagenet.tools.demo import SHAPES, TEXTURES, make_demo_dataset
 
 # The demo recipe (config.DEMO_DEFAULTS) at 40 px; epochs and batch are set per stage.
 RECIPE = ["-a", "resnet18", "--opt", "adamw", "--lr", "0.002", "--wd", "0.01",
@@ -69,19 +66,17 @@ def subset(demo: Path, out: Path, classes: Sequence[str], train_per_class: int |
 
 def train(data: Path, out: Path, flags: Sequence[str]) -> dict:
     """main.py on ``data``; the last and best top-1 of its metrics.jsonl, and its time."""
-    cmd = [sys.executable, str(ROOT / "main.py"), str(data), *RECIPE, *flags,
-           "--output-dir", str(out)]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = harness.run_main([str(data), *RECIPE, *flags, "--output-dir", str(out)])
     if proc.returncode != 0:
-        sys.exit(f"failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
-    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+        sys.exit(harness.failure(proc, tail=3000))
+    last = harness.last_metrics(out)
     return {"last": last["val_acc1"], "best": last["best_acc1"],
             "seconds": time.perf_counter() - start}
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's flags."""
     parser.add_argument("--new", nargs="+", choices=SHAPES + TEXTURES,
                         default=["cross", "ring", "diagonal", "dots"],
                         help="the classes of the small data set; the others pretrain")
@@ -97,7 +92,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="which small-set runs to compare (default: all)")
     parser.add_argument("--workdir", type=Path,
                         help="keep the data and runs here; a pretrained model there is reused")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> None:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-finetune-"))
     new_classes = args.new
     pre_classes = [c for c in SHAPES + TEXTURES if c not in new_classes]
@@ -130,7 +127,3 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{name:<30}{last:>11.1f}%{best:>11.1f}%"
               f"{statistics.mean(r['seconds'] for r in results):>9.0f}{spread}", flush=True)
     print(f"runs in {work}")
-
-
-if __name__ == "__main__":
-    main()

@@ -7,7 +7,7 @@ Then one profiled step per FSDP variant splits rank 0's time into FSDP's all-gat
 reduce-scatters and the rest, and the collectives alone are timed on a tensor the size of the model.
 Run by hand (not a test):
 
-    python benchmarks/bench_fsdp_step.py [-a resnet50] [--image-size 64] [-b 8] [--steps 3]
+    python benchmarks/bench.py fsdp-step [-a resnet50] [--image-size 64] [-b 8] [--steps 3]
         [--rounds 4]
 
 Variants marked "experiment" are not flags: they try what could make FSDP faster on CPU/gloo.
@@ -19,10 +19,8 @@ import argparse
 import datetime
 import os
 import statistics
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -30,16 +28,14 @@ import torch.multiprocessing as mp
 import torchvision
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from imagenet.launching.process_group import DistInfo  # noqa: E402
-from imagenet.settings.flags import parse_config  # noqa: E402
-from imagenet.settings.launch import Layout  # noqa: E402
-from imagenet.settings.plan import free_port  # noqa: E402
-from imagenet.training import fsdp  # noqa: E402
-from imagenet.training.engine import Step, train_one_epoch  # noqa: E402
-from imagenet.training.models import wrap  # noqa: E402
-from imagenet.training.optim import build_engine  # noqa: E402
+from imagenet.launching.process_group import DistInfo
+from imagenet.settings.flags import parse_config
+from imagenet.settings.launch import Layout
+from imagenet.settings.plan import free_port
+from imagenet.training import fsdp
+from imagenet.training.engine import Step, train_one_epoch
+from imagenet.training.models import wrap
+from imagenet.training.optim import build_engine
 
 
 def async_prefetch(model: torch.nn.Module) -> None:
@@ -231,9 +227,8 @@ def report(args: argparse.Namespace, results, alone: float) -> None:
         print(f"  {name:<24}{ms:>8.1f} ms")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's flags."""
     parser.add_argument("-a", "--arch", default="resnet50",
                         help="architecture (default: resnet50)")
     parser.add_argument("--image-size", type=int, default=64, help="pixels")
@@ -243,14 +238,12 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                         metavar="VARIANT", help="variants to time, by name as printed "
                                                 "(default: all)")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
     if "DDP" not in args.variants:
         args.variants.insert(0, "DDP")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = mp.Manager().dict()
     mp.spawn(worker, args=(2, free_port(), args, results), nprocs=2)
     report(args, results, compute_only(args))
-
-
-if __name__ == "__main__":
-    main()

@@ -3,8 +3,8 @@ tensor pipeline with each decoder (torchvision's decode_jpeg, TorchCodec's when 
 
 Run by hand (not a test), e.g.::
 
-    python benchmarks/bench_data.py                # 200 generated photo-like JPEGs
-    python benchmarks/bench_data.py --images DIR   # your own JPEGs (searched recursively)
+    python benchmarks/bench.py data                # 200 generated photo-like JPEGs
+    python benchmarks/bench.py data --images DIR   # your own JPEGs (searched recursively)
 
 One process, one thread (DataLoader workers also run with one thread each), timed in CPU seconds:
 img/s here x the number of workers is roughly what a loader can deliver on idle cores. Also
@@ -15,7 +15,6 @@ pixel difference), the prerequisite for both backends reaching the same accuracy
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -28,43 +27,10 @@ from torchvision import transforms as v1
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from imagenet.data import transforms as T  # noqa: E402
+from benchmarks.harness import write_photo_like_jpegs
+from imagenet.data import transforms as T
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg"}
-
-
-def photo_like(rng: np.random.Generator, width: int, height: int) -> np.ndarray:
-    """HWC uint8 image with photo statistics: smooth shapes, lighting gradient, texture, noise."""
-    out = np.zeros((height, width, 3), np.float32)
-    # Coarse-to-fine random fields (bicubic-upsampled noise): large regions down to fine texture.
-    for cells, amplitude in ((4, 90), (16, 40), (64, 25), (160, 15)):
-        grid = rng.integers(0, 256, (cells * height // width + 2, cells + 2, 3), dtype=np.uint8)
-        field = Image.fromarray(grid).resize((width, height), Image.BICUBIC)
-        out += (np.asarray(field, np.float32) / 127.5 - 1) * amplitude
-    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
-    out += (xx / width * rng.uniform(-60, 60) + yy / height * rng.uniform(-60, 60))[..., None]
-    out += rng.normal(0, 9, (height, width, 1)) + rng.normal(0, 3, (height, width, 3))  # sensor
-    out += rng.uniform(60, 190, 3)
-    return np.clip(out, 0, 255).astype(np.uint8)
-
-
-def write_photo_like_jpegs(folder: Path, count: int = 200, seed: int = 0,
-                           first: int = 0) -> list[Path]:
-    """``count`` JPEGs (quality 90) of ImageNet-like sizes (~470x360 on average), deterministic;
-    named from ``first`` on (several writers can share a folder)."""
-    rng = np.random.default_rng(seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i in range(first, first + count):
-        width = int(np.clip(rng.normal(470, 80), 200, 800))
-        # Mostly landscape 4:3, some 3:2, square, portrait and 16:9, like ImageNet's photos.
-        aspect = rng.choice([0.75] * 5 + [0.667] * 3 + [0.5625, 1.0, 1.333])
-        height = int(np.clip(width * aspect, 150, 800))
-        path = folder / f"{i:05d}.jpg"
-        Image.fromarray(photo_like(rng, width, height)).save(path, quality=90)
-        paths.append(path)
-    return paths
 
 
 def images_per_second(paths: Sequence[Path], steps: dict[str, Callable[[Path], object]],
@@ -175,10 +141,8 @@ def print_table(title: str, rates: dict[str, float]) -> None:
         print(f"{name:36s} {rate:8.0f} {1000 / rate:7.2f} {rate / classic:9.2f}x")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Command-line flags."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's flags."""
     parser.add_argument("--images", type=Path, help="folder of JPEGs (default: generate them)")
     parser.add_argument("--num-images", type=int, default=200,
                         help="images to generate, or the most to take from --images")
@@ -189,7 +153,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--interpolation", default="bilinear", choices=tuple(T.INTERPOLATIONS),
                         help="resize interpolation (default: bilinear, as main.py)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    return parser.parse_args(argv)
 
 
 def describe(paths: Sequence[Path]) -> str:
@@ -218,9 +181,8 @@ def print_agreement(agreement: dict[str, float]) -> None:
           f"decode alone: mean |diff| {agreement['decode_mean_abs']:.3f}")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def run(args: argparse.Namespace) -> None:
     """Generate or find the images, time every pipeline, print tables and the agreement."""
-    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -232,7 +194,3 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(describe(paths))
         measure(paths, args.crop, args.resize, args.interpolation, args.passes)
         print_agreement(val_agreement(paths, args.resize, args.crop, args.interpolation))
-
-
-if __name__ == "__main__":
-    main()

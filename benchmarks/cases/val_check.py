@@ -7,10 +7,10 @@ before resizing) on the same files, and extrapolates to ImageNet's 50,000 valida
 Run by hand (not a test)::
 
     # Draws 3,000 ImageNet-sized JPEGs (500x375, quality 90) under --work-dir, then times.
-    python benchmarks/bench_val_check.py
+    python benchmarks/bench.py val-check
 
     # Real data (the first --limit images of val/):
-    python benchmarks/bench_val_check.py --data /data/imagenet --limit 5000
+    python benchmarks/bench.py val-check --data /data/imagenet --limit 5000
 
 The page cache is left as it is: the first pass over freshly drawn files is warm. To see a cold
 network filesystem, point --data at it before anything else has read it.
@@ -19,16 +19,13 @@ network filesystem, point --data at it before anything else has read it.
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from imagenet.data.transforms import check_image_file, load_image  # noqa: E402
+from benchmarks import harness
+from imagenet.data.transforms import check_image_file, load_image
 
 IMAGENET_VAL = 50_000
 
@@ -49,20 +46,22 @@ def draw_images(folder: Path, count: int) -> list[Path]:
 
 def seconds(fn, paths: list[Path]) -> float:
     """Wall time of ``fn(path, "tensor")`` over ``paths``."""
-    start = time.perf_counter()
-    for path in paths:
-        fn(path, "tensor")
-    return time.perf_counter() - start
+    def every_path() -> None:
+        for path in paths:
+            fn(path, "tensor")
+
+    return harness.seconds(every_path)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's flags."""
     parser.add_argument("--data", type=Path, help="dataset root with val/ (default: draw JPEGs)")
     parser.add_argument("--limit", type=int, default=3000, help="images (default: 3000)")
     parser.add_argument("--work-dir", type=Path, default=Path("runs/bench_val_check"),
                         help="where the drawn JPEGs are kept (default: runs/bench_val_check)")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
     if args.data:
         paths = sorted((args.data / "val").glob("*/*"))[:args.limit]
     else:
@@ -77,7 +76,3 @@ def main() -> None:
               f"({IMAGENET_VAL:,}) {per * IMAGENET_VAL:7.1f} s on one rank, "
               f"{per * IMAGENET_VAL / 8:6.1f} s on each of 8")
     print(f"the check costs {check / decode:.1%} of decoding the same images")
-
-
-if __name__ == "__main__":
-    main()

@@ -2,9 +2,9 @@
 
 Run by hand (not a test), e.g.::
 
-    python benchmarks/decoders.py                 # 200 generated photo-like 500x375 JPEGs
-    python benchmarks/decoders.py --images DIR    # your own JPEGs (searched recursively)
-    python benchmarks/decoders.py --device cuda   # nvJPEG, batches of --batch
+    python benchmarks/bench.py decoders                 # 200 generated photo-like 500x375 JPEGs
+    python benchmarks/bench.py decoders --images DIR    # your own JPEGs (searched recursively)
+    python benchmarks/bench.py decoders --device cuda   # nvJPEG, batches of --batch
 
 One thread, CPU seconds (``time.process_time``) on the CPU, wall time with a synchronize on CUDA.
 The two decoders alternate round by round (``--rounds``), so a load that comes and goes on the
@@ -16,17 +16,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.bench_data import write_photo_like_jpegs  # noqa: E402
-from imagenet.data import transforms  # noqa: E402
+from benchmarks import harness
+from imagenet.data import transforms
 
 DECODERS = {"torchvision": "tensor", "torchcodec": "torchcodec"}
 
@@ -34,27 +30,34 @@ DECODERS = {"torchvision": "tensor", "torchcodec": "torchcodec"}
 def one_round(files: list[torch.Tensor], backend: str, device: torch.device, batch: int
               ) -> float:
     """Seconds to decode every file once with ``backend``."""
-    if device.type == "cpu":
-        start = time.process_time()
+    def on_the_cpu() -> None:
         for data in files:
             transforms.decode(data, backend)
-        return time.process_time() - start
+
+    if device.type == "cpu":
+        return harness.cpu_seconds(on_the_cpu)
+
+    def on_the_device() -> None:
+        for i in range(0, len(files), batch):
+            transforms.decode_batch(files[i:i + batch], device, backend)
+        torch.cuda.synchronize(device)
+
     torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for i in range(0, len(files), batch):
-        transforms.decode_batch(files[i:i + batch], device, backend)
-    torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+    return harness.seconds(on_the_device)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's flags."""
     parser.add_argument("--images", type=Path, help="a folder of JPEGs (default: generated)")
     parser.add_argument("--count", type=int, default=200, help="generated JPEGs")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="timed rounds of each decoder, taking turns (default: 7)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, or cuda to decode with nvJPEG (default: cpu)")
     parser.add_argument("--batch", type=int, default=64, help="images per call on CUDA")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:
@@ -62,7 +65,7 @@ def main() -> None:
             paths = sorted(p for p in args.images.rglob("*")
                            if p.suffix.lower() in (".jpg", ".jpeg"))
         else:
-            paths = write_photo_like_jpegs(Path(tmp), args.count)
+            paths = harness.write_photo_like_jpegs(Path(tmp), args.count)
         files = [torch.frombuffer(bytearray(p.read_bytes()), dtype=torch.uint8) for p in paths]
     same = sum(torch.equal(transforms.decode(f, "tensor"), transforms.decode(f, "torchcodec"))
                for f in files)
@@ -81,7 +84,3 @@ def main() -> None:
     ratios = [tc / tv for tv, tc in zip(times["torchvision"], times["torchcodec"])]
     print(f"torchcodec / torchvision speed: {1 / statistics.median(ratios):.2f}x "
           f"(per-round ratios {min(1 / r for r in ratios):.2f}-{max(1 / r for r in ratios):.2f})")
-
-
-if __name__ == "__main__":
-    main()

@@ -6,38 +6,36 @@
 3. end-to-end main.py img/s on a JPEG folder: the classic settings vs ours with the fast settings.
 
 Sections 1 and 3 use the same photo-like ImageNet-size JPEGs (generated, or --data DIR's train
-images). It only drives bench_data.py, bench_train_step.py and bench_e2e.py; see those for what
-each measures. Run by hand (not a test), on a quiet machine::
+images). It only drives the subcommands data, train-step and e2e; see their --help for what each
+measures. Run by hand (not a test), on a quiet machine::
 
-    python benchmarks/bench_speed.py                          # everything, ~15-30 min on 2 cores
-    python benchmarks/bench_speed.py --skip e2e --steps 4     # sections 1 and 2 only
+    python benchmarks/bench.py speed                          # everything, ~15-30 min on 2 cores
+    python benchmarks/bench.py speed --skip e2e --steps 4     # sections 1 and 2 only
 
-Flags it does not know go to main.py in section 3 (as with bench_e2e.py).
+Flags it does not know go to main.py in section 3 (as with e2e).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_data  # noqa: E402
-import bench_e2e  # noqa: E402
-import bench_train_step  # noqa: E402
+from benchmarks.cases import data as bench_data
+from benchmarks.cases import e2e as bench_e2e
+from benchmarks.cases import train_step as bench_train_step
 
+PASSES_FLAGS_TO_MAIN = True  # bench.py: the flags it does not know go to main.py (section 3)
 SECTIONS = ("data", "step", "e2e")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the three sections; unknown ones are main.py flags for section 3."""
-    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="Unknown flags are passed to main.py (section 3).")
+    parser.allow_abbrev = False  # a main.py flag must not pass for an abbreviation of ours
+    parser.epilog = "Unknown flags are passed to main.py (section 3)."
     parser.add_argument("--skip", nargs="+", choices=SECTIONS, default=[],
                         help="sections to leave out")
     data = parser.add_argument_group("1. data pipeline")
@@ -51,16 +49,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       help="images per timed step (default: 32)")
     step.add_argument("--steps", type=int, default=6, help="timed steps per variant")
     step.add_argument("--threads", type=int, default=2, help="torch threads for the step")
-    e2e = parser.add_argument_group("3. end to end")
-    e2e.add_argument("--data", type=Path, help="ImageFolder root (default: generate one)")
-    e2e.add_argument("-a", "--arch", default="resnet18", help="main.py -a")
-    e2e.add_argument("-b", "--batch-size", type=int, default=32, help="main.py -b")
-    e2e.add_argument("-j", "--workers", type=int, default=2, help="main.py -j")
-    e2e.add_argument("--classes", type=int, default=4, help="generated classes")
-    e2e.add_argument("--per-class", type=int, default=50, help="generated train images/class")
-    args, rest = parser.parse_known_args(argv)
-    args.main_args = [a for a in rest if a != "--"]
-    return args
+    bench_e2e.add_run_arguments(parser.add_argument_group("3. end to end"), per_class=50)
 
 
 def data_section(paths: Sequence[Path], args: argparse.Namespace) -> dict[str, float]:
@@ -101,9 +90,8 @@ def e2e_section(data: Path, workdir: Path, args: argparse.Namespace) -> dict[str
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def run(args: argparse.Namespace) -> None:
     """Run the sections that are not skipped and print the ratios together at the end."""
-    args = parse_args(argv)
     torch.manual_seed(0)
     ratios: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -122,7 +110,3 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("\n=== ratios")
     for name, value in ratios.items():
         print(f"{name:<58}" + (f"{value:8.0%}" if "fraction" in name else f"{value:8.2f}x"))
-
-
-if __name__ == "__main__":
-    main()

@@ -7,9 +7,9 @@ its peak RSS (CPU) or torch.cuda.max_memory_allocated (GPU). With --cap-gb every
 RLIMIT_DATA (set before Python starts), so a configuration that needs more fails with torch's "can't
 allocate memory". Run by hand (not a test); ViT-L/16 at 64 px needs ~13 GB for DDP x 2:
 
-    python benchmarks/bench_fsdp_memory.py [-a vit_l_16] [--image-size 64]
+    python benchmarks/bench.py fsdp-memory [-a vit_l_16] [--image-size 64]
         [--configs ddp:1 ddp:2 fsdp:2 fsdp2:2 fsdp:4]
-    python benchmarks/bench_fsdp_memory.py --cap-gb 3.5 --configs ddp:1 fsdp:4
+    python benchmarks/bench.py fsdp-memory --cap-gb 3.5 --configs ddp:1 fsdp:4
 """
 
 from __future__ import annotations
@@ -19,15 +19,17 @@ import json
 import os
 import resource
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks import harness
+
+ROOT = harness.ROOT
 GB = 2**30
 MODES = {"ddp": [], "fsdp": ["--fsdp"], "fsdp2": ["--fsdp", "--fsdp-zero", "2"],
          "offload": ["--fsdp", "--fsdp-cpu-offload"]}
+TABLE = harness.Table(("config", "<10", ""), ("params", ">8", ".2f"), ("grads", ">8", ".2f"),
+                      ("optim", ">8", ".2f"), ("state", ">8", ".2f"), ("of DDP", ">9", ""),
+                      ("peak RSS", ">10", ".2f"), ("s/step", ">8", ".1f"))
 
 
 def local_bytes(tensors) -> int:
@@ -106,7 +108,7 @@ def launch(args: argparse.Namespace, mode: str, world: int) -> list[dict]:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", "BENCH_WORKER": "1",
            "PYTHONPATH": str(ROOT)}
-    argv = [sys.executable, __file__, "--mode", mode, *sys.argv[1:]]
+    argv = harness.bench_command(*args.argv, "--mode", mode)
     procs = [subprocess.Popen(argv, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, preexec_fn=cap)
              for r in range(world)]
@@ -135,15 +137,13 @@ def report(mode: str, world: int, results: list[dict], ddp_state: float | None) 
     state = worst["params"] + worst["grads"] + worst["optim"]
     share = f"{state / ddp_state:6.1%}" if ddp_state else "     -"
     cuda = f"  cuda peak {worst['cuda_peak'] / GB:5.2f} GB" if "cuda_peak" in worst else ""
-    print(f"{name:<10}{worst['params'] / GB:8.2f}{worst['grads'] / GB:8.2f}"
-          f"{worst['optim'] / GB:8.2f}{state / GB:8.2f}{share:>9}{worst['peak_rss'] / GB:10.2f}"
-          f"{worst['step_s']:8.1f}{cuda}", flush=True)
+    TABLE.row(name, worst["params"] / GB, worst["grads"] / GB, worst["optim"] / GB, state / GB,
+              share, worst["peak_rss"] / GB, worst["step_s"], end=cuda)
     return state
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's flags."""
     parser.add_argument("-a", "--arch", default="vit_l_16",
                         help="architecture (default: vit_l_16)")
     parser.add_argument("--image-size", type=int, default=64, help="pixels")
@@ -157,21 +157,18 @@ def main() -> None:
                         help="RLIMIT_DATA per process, GiB (0: no cap)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
     parser.add_argument("--mode", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
     if os.environ.get("BENCH_WORKER"):
         return worker(args)
     cap = f", every process capped at RLIMIT_DATA {args.cap_gb:g} GiB" if args.cap_gb else ""
     print(f"{args.arch} at {args.image_size}px, AdamW, batch {args.batch_size} per process, "
           f"{args.steps} steps{cap}; per process (the largest), GiB:")
-    print(f"{'config':<10}{'params':>8}{'grads':>8}{'optim':>8}{'state':>8}{'of DDP':>9}"
-          f"{'peak RSS':>10}{'s/step':>8}")
+    TABLE.header()
     ddp_state = None
     for config in args.configs:
         mode, world = config.split(":")
         state = report(mode, int(world), launch(args, mode, int(world)), ddp_state)
         if mode == "ddp" and ddp_state is None:
             ddp_state = state
-
-
-if __name__ == "__main__":
-    main()
