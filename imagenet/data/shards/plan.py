@@ -17,8 +17,8 @@ folder's shuffled epoch's only if those places hold different classes. With 2 st
 split stored in class order (a ``datasets`` set written with pyarrow after ``shuffle()``,
 which only records an index mapping; sets sorted by label) gave batches of 2-3 classes and
 trained near chance (issue 60: 10.6 % top-1, its folders 19.4 %); 16 streams of 16 give a
-10-class set stored so batches of 9-10 classes, as a folder's, and read the same 256 samples
-ahead (15.5 %: shuffled rows still train better, docs/your-own-data.md). The price:
+10-class set stored so batches of 9-10 classes, as a folder's (18.0 % over 5 seeds, the
+folders 18.7 %: docs/your-own-data.md), and read the same 256 samples ahead. The price:
 a rank's parts start inside a shard 16 times an epoch, not twice; on downloaded tar shards
 (http(s), ``pipe:``, object storage) the samples before each start are downloaded and dropped.
 The same layout wherever the shards are: a copy on local disk gives the same epochs.
