@@ -11,6 +11,17 @@ in batches of B, the last one short: every image exactly once over the ranks.
 A rank reads its stretch as ``STREAMS`` contiguous parts at once (each a sequential read of
 whole shards, but the first); every batch takes its share of samples from each part, so a batch
 mixes several shards. Where a part starts inside a shard, the samples before are passed over.
+
+A batch therefore draws from ``STREAMS`` places of the split, a block each: its class mix is a
+folder's shuffled epoch's only if those places hold different classes. With 2 streams of 128, a
+split stored in class order (a ``datasets`` set written with pyarrow after ``shuffle()``,
+which only records an index mapping; sets sorted by label) gave batches of 2-3 classes and
+trained near chance (issue 60: 10.6 % top-1, its folders 19.4 %); 16 streams of 16 give a
+10-class set stored so batches of 9-10 classes, as a folder's (18.0 % over 5 seeds, the
+folders 18.7 %: docs/your-own-data.md), and read the same 256 samples ahead. The price:
+a rank's parts start inside a shard 16 times an epoch, not twice; on downloaded tar shards
+(http(s), ``pipe:``, object storage) the samples before each start are downloaded and dropped.
+The same layout wherever the shards are: a copy on local disk gives the same epochs.
 """
 
 from __future__ import annotations
@@ -21,8 +32,10 @@ from itertools import accumulate
 
 import numpy as np
 
-STREAMS = 2  # parts of a rank's stretch read at once (http: one connection each)
-BLOCK = 128  # samples shuffled together inside a shard; a stream holds one block in memory
+# parts of a rank's stretch read at once, each a thread (http: one connection each): the places
+# of the split a batch draws from, 64 // 16 = 4 samples each at -b 64
+STREAMS = 16
+BLOCK = 16  # samples shuffled together inside a shard; a stream holds one block in memory
 _MASK = (1 << 63) - 1
 
 

@@ -190,14 +190,19 @@ class ShardBatchSampler(Sampler):
                 reader.stop()
 
     def first_items(self, epoch: int, count: int) -> list[Item]:
-        """Up to ``count`` samples of this rank's first batch of ``epoch`` (read here)."""
-        plan = self.plan(epoch)
-        stream = _Stream(self.shards, plan, plan.position(0, 0), self.stats)
-        try:
-            share = plan.share(plan.sizes[0])[0] if plan.sizes else 0
-            return [(self.aug_seed, epoch, i, raw) for i, raw in stream.take(min(count, share))]
-        finally:
-            stream.close()
+        """Up to ``count`` samples of this rank's first batch of ``epoch`` (read here), in the
+        batch's order: each stream's share in turn."""
+        plan, items = self.plan(epoch), []
+        for s, share in enumerate(plan.share(plan.sizes[0]) if plan.sizes else []):
+            if len(items) >= count:
+                break
+            stream = _Stream(self.shards, plan, plan.position(s, 0), self.stats)
+            try:
+                items += [(self.aug_seed, epoch, i, raw)
+                          for i, raw in stream.take(min(count - len(items), share))]
+            finally:
+                stream.close()
+        return items
 
 
 class ShardSamples(Dataset):
