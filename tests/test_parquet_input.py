@@ -280,3 +280,18 @@ def test_a_resume_download_from_a_url_leaves_no_staging_folder(tmp_path, monkeyp
     remote.release()
     assert list(staging_root().iterdir()) == []
     assert (tmp_path / "other" / "checkpoint.pth.tar").read_bytes() == b"weights"
+
+
+def test_rows_stored_in_class_order_are_named_from_the_footer(tmp_path, jpegs):
+    """The reader mixes a batch from 16 places of the split: rows sorted by class still give
+    batches of few classes where a set has many. The footer's label statistics tell it (a row
+    group of one class), and rank 0 says so before training; shuffled rows say nothing."""
+    shuffled = resolve_parquet(str(hub(tmp_path / "s", jpegs)), None)
+    assert shuffled.notes == ()
+    data = hub(tmp_path / "o", jpegs)
+    for i in range(2):
+        rows = sorted(rows_of(jpegs, 12), key=lambda r: r[1])
+        write_split(data / "data" / f"train-0000{i}-of-00002.parquet", rows)
+    (note,) = resolve_parquet(str(data), None).notes
+    assert note.startswith(f"100% of the training row groups in {data} hold one class alone")
+    assert "shuffle the rows once before writing them" in note

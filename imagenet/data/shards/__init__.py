@@ -73,6 +73,8 @@ def build_shard_data(plan: Plan, data: str, rank: int, aug_seed: int, pin_memory
                               # first batch waits until all of them are queued
                               **loader_options(workers, prefetch=2), **extra)
                for split, tf, train in splits]
+    for note in shards.notes if rank == 0 and not cfg.evaluate else ():
+        log.warning("=> %s", note)
     left_out = shards.train.total - steps * batch * world_size
     kind = "Parquet files" if plan.data_format == "parquet" else "shards"
     log.info("=> %s: %d training images in %d %s, %d batches of %d per process and epoch (%d "

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from imagenet.data.objectstore import filesystem, first_line
+from imagenet.data.shards.plan import STREAMS
 from imagenet.data.shards.sources import ShardList, ShardSet
 from imagenet.data.shards.streams import open_shard
 from imagenet.data.shards.tarreader import IMAGE_EXTENSIONS, SampleReader, ShardError
@@ -35,6 +36,7 @@ TRAIN_SPLIT = "train"
 VAL_SPLITS = ("validation", "val", "valid", "test")  # the first one present is validated on
 _SPLIT_IN_NAME = re.compile(r"^([A-Za-z]+)(?=[-_.])")
 READ_ROWS = 64  # rows per record batch read from a row group
+SORTED_SHARE = 0.5  # of the training row groups holding one class: the rows are in class order
 
 
 def is_parquet(url: str) -> bool:
@@ -126,11 +128,11 @@ def features(file: Any, url: str) -> tuple[str, str, list[str]]:
 
 
 def counted(urls: list[str], what: str, split: str, unlabeled: bool = False
-            ) -> tuple[ShardList, tuple[str, str, list[str]]]:
-    """The files with their row counts (from their footers), and the features they share; every
-    row checked for image bytes and a label of the classes (``check_rows``: -1 passes where
-    ``unlabeled``)."""
-    counts, shared, first = [], None, ""
+            ) -> tuple[ShardList, tuple[str, str, list[str]], float]:
+    """The files with their row counts (from their footers), the features they share, and the
+    share of their row groups that hold one class alone; every row checked for image bytes and
+    a label of the classes (``check_rows``: -1 passes where ``unlabeled``)."""
+    counts, shared, first, single, groups = [], None, "", 0, 0
     for url in urls:
         file = open_parquet(url)
         counts.append(file.metadata.num_rows)
@@ -140,29 +142,35 @@ def counted(urls: list[str], what: str, split: str, unlabeled: bool = False
         elif found != shared:
             raise DataError(f"Parquet file {url} disagrees with {first} on its columns or class "
                             f"names ({what}): the files of one data set must share them")
-        check_rows(file, url, split, found, unlabeled)
+        single += check_rows(file, url, split, found, unlabeled)
+        groups += file.metadata.num_row_groups
     if shared is None:
         raise UsageError(f"no Parquet files for {what}")
-    return ShardList(tuple(urls), tuple(counts)), shared
+    return ShardList(tuple(urls), tuple(counts)), shared, single / max(groups, 1)
 
 
 def check_rows(file: Any, url: str, split: str, found: tuple[str, str, list[str]],
-               unlabeled: bool = False) -> None:
+               unlabeled: bool = False) -> int:
     """DataError naming the file, its split and the first row without image bytes or without a
     label of the data set's classes (-1, the Hub's "unlabeled", passes where ``unlabeled``).
 
     Each row group's statistics in the footer (null counts, the label's min and max; pyarrow
     and ``datasets`` write them) settle it without reading a row; a group without them, or whose
     statistics show a bad row, has its label column read (8 bytes a row), and its image bytes
-    too where the file is local (a URL's are checked as they are read)."""
+    too where the file is local (a URL's are checked as they are read).
+
+    Returns how many row groups hold one class alone (by their statistics): rows stored in
+    class order, which the shard reader's streams mix only so far."""
     image, label, classes = found
     meta = file.metadata
     column = {meta.schema.column(i).path: i for i in range(meta.num_columns)}
     low = -1 if unlabeled else 0
-    row = 0
+    row = single = 0
     for group in range(meta.num_row_groups):
         chunk = meta.row_group(group)
         labels = chunk.column(column[label]).statistics
+        single += chunk.num_rows > 1 and labels is not None and labels.has_min_max \
+            and labels.min == labels.max
         if labels is None or not labels.has_null_count or labels.null_count or \
                 not labels.has_min_max or labels.min < low or labels.max >= len(classes):
             values = file.read_row_group(group, columns=[label]).column(0).to_pylist()
@@ -185,6 +193,7 @@ def check_rows(file: Any, url: str, split: str, found: tuple[str, str, list[str]
                             "into the rows (datasets: embed_table_storage, as push_to_hub "
                             "does) or use python -m imagenet.tools.prepare --format parquet")
         row += chunk.num_rows
+    return single
 
 
 def bad_label(value: int | None, classes: list[str], split: str) -> str:
@@ -235,22 +244,29 @@ def resolve_parquet(data: str, val_data: str | None, unlabeled: bool = False) ->
         raise UsageError(f"'{data}' holds no training split in the Hub's layout (found "
                          f"{sum(map(len, by_split.values()))} .parquet files; expected "
                          "data/train-*.parquet or train/*.parquet)")
-    train, train_features = counted(by_split[TRAIN_SPLIT], f"{data} train", TRAIN_SPLIT,
-                                    unlabeled)
+    train, train_features, sorted_share = counted(by_split[TRAIN_SPLIT], f"{data} train",
+                                                  TRAIN_SPLIT, unlabeled)
     if val_data:
         urls, split = val_files(val_data)
-        val, val_features = counted(urls, f"--val-data {val_data}", split, unlabeled)
+        val, val_features, _ = counted(urls, f"--val-data {val_data}", split, unlabeled)
     else:
         split = next((s for s in VAL_SPLITS if s in by_split), None)
         if split is None:
             raise UsageError(f"'{data}' holds no validation split ({', '.join(VAL_SPLITS)}): "
                              "give the validation Parquet files with --val-data")
-        val, val_features = counted(by_split[split], f"{data} {split}", split, unlabeled)
+        val, val_features, _ = counted(by_split[split], f"{data} {split}", split, unlabeled)
     if val_features[2] != train_features[2]:
         raise DataError(f"Parquet file {val.urls[0]} lists other class names than "
                         f"{train.urls[0]}: the splits disagree ({len(val_features[2])} vs "
                         f"{len(train_features[2])} classes)")
-    return ShardSet(train, val, train_features[2])
+    notes = ()
+    if sorted_share >= SORTED_SHARE and len(train_features[2]) > 1:
+        notes = (f"{sorted_share:.0%} of the training row groups in {data} hold one class "
+                 "alone: its rows are stored in class order, and each batch then mixes only "
+                 f"the classes of {STREAMS} places of the split; shuffle the rows once before "
+                 "writing them (prepare --format parquet does; docs/your-own-data.md, 'The "
+                 "shuffle')",)
+    return ShardSet(train, val, train_features[2], notes)
 
 
 # ---- reading

@@ -60,6 +60,7 @@ class ShardSet:
     train: ShardList
     val: ShardList
     classes: list[str]
+    notes: tuple[str, ...] = ()  # what rank 0 warns about (Parquet rows in class order)
 
 
 def expand_braces(pattern: str) -> list[str]:
