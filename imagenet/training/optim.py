@@ -269,11 +269,11 @@ class BinaryCrossEntropy(nn.Module):
         classes = logits.shape[-1]
         if target.ndim == 1:
             target = nn.functional.one_hot(target, classes)
-        target = target.to(logits.dtype)
+        target = target.float()  # in fp32 under --amp too: autocast runs the loss in fp32
         if self.smoothing:
             target = target * (1 - self.smoothing) + self.smoothing / classes
         if self.threshold is not None:
-            target = target.gt(self.threshold).to(logits.dtype)
+            target = target.gt(self.threshold).float()
         return nn.functional.binary_cross_entropy_with_logits(logits, target,
                                                               weight=self.class_weight)
 
