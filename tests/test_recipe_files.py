@@ -9,7 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, TINY, load_checkpoint, write_image_folder
+import torch
+import torchvision
+from helpers import ROOT, SMALL_ARCH, TINY, load_checkpoint, write_image_folder
 
 from imagenet.cli import main
 from imagenet.settings.flags import parse_config
@@ -32,7 +34,9 @@ def sixteen_images(tmp_path_factory) -> Path:
 
 def test_the_promised_recipes_are_there():
     assert {r.name for r in RECIPES} == {"resnet50-classic.toml", "resnet50-torchvision-v2.toml",
-                                        "resnet50-ffcv.toml", "resnet18-ffcv.toml", "demo.toml"}
+                                        "resnet50-ffcv.toml", "resnet18-ffcv.toml", "demo.toml",
+                                        "resnet50-rsb-a3.toml", "resnet50-lars-mlperf.toml",
+                                        "resnet18-distill.toml"}
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.stem)
@@ -54,6 +58,10 @@ def test_each_recipe_states_its_targets_source_hardware_and_command(recipe):
 def test_each_recipe_parses_and_trains_two_steps(recipe, sixteen_images, tmp_path):
     keys = read_toml(recipe)
     shrunk = [a for key, values in SHRUNK.items() if key in keys for a in (f"--{key}", *values)]
+    if "distill-teacher" in keys:  # a small teacher of the test data's 2 classes, as a file
+        teacher = tmp_path / "teacher.pth"
+        torch.save(torchvision.models.get_model(SMALL_ARCH, num_classes=2).state_dict(), teacher)
+        shrunk += ["--distill-teacher", str(teacher), "--distill-teacher-arch", SMALL_ARCH]
     out = tmp_path / "out"
     assert main([str(sixteen_images), "--config", str(recipe), *TWO_STEPS, *shrunk,
                  "--output-dir", str(out)]) == 0

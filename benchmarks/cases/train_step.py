@@ -6,6 +6,11 @@ variant (the reference it must keep up with), and reports the machine's fp32/bf1
 the share of it the step reaches. Run by hand (not a test):
 
     python benchmarks/bench.py train-step -a resnet18 -b 32 --size 224 --threads 2 --steps 6
+
+``--distill TEACHER_ARCH`` times the step instead without and with a --distill-teacher of that
+architecture (its forward on every batch, no gradients): the teacher's extra cost per step.
+
+    python benchmarks/bench.py train-step -a resnet18 --distill resnet50 -b 32 --size 224
 """
 
 from __future__ import annotations
@@ -138,6 +143,39 @@ def measure(arch: str, batch: int, size: int, steps: int,
             "of_fp32_peak": of_fp32}
 
 
+def distill_cost(arch: str, teacher_arch: str, batch: int, size: int, steps: int) -> dict:
+    """Our fp32 step's time without and with a --distill-teacher of ``teacher_arch`` (randomly
+    initialised: the weights do not change the cost), and the teacher's forward alone."""
+    from imagenet.training.distill import Teacher
+
+    cfg = parse_config(["-a", arch, "-b", str(batch)])
+    images = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8)
+    target = torch.randint(0, 1000, (batch,))
+    torch.manual_seed(0)
+    teacher_model = torchvision.models.get_model(teacher_arch).eval().requires_grad_(False)
+    teacher = Teacher(teacher_model, teacher_arch, teacher_arch, "", 0.5, 1.0, "soft")
+    seconds = {}
+    for name, chosen in (("student", None), ("student + teacher", teacher)):
+        torch.manual_seed(0)
+        model = torchvision.models.get_model(arch)
+        engine = build_engine(cfg, model, model, torch.device("cpu"), Layout(1, batch, 1, 0),
+                              steps, 1000, teacher=chosen)
+        rate = timed(lambda n, e=engine: train_one_epoch(e, [(images, target)] * n, Step()), batch,
+                     steps)
+        seconds[name] = batch / rate
+    floats = torch.randn(batch, 3, size, size)
+    seconds["teacher forward"] = batch / timed(
+        lambda n: [teacher.outputs(floats) for _ in range(n)], batch, steps)
+    extra = seconds["student + teacher"] - seconds["student"]
+    print(f"{arch} student, {teacher_arch} teacher, {size}px batch {batch}, "
+          f"{torch.get_num_threads()} threads (fp32)")
+    for name, value in seconds.items():
+        print(f"{name:<20}{1000 * value:9.1f} ms/step")
+    print(f"the teacher's extra cost: {1000 * extra:.1f} ms/step, "
+          f"+{extra / seconds['student']:.0%} of the student's step", flush=True)
+    return {"seconds": seconds, "extra": extra}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The subcommand's flags."""
     parser.add_argument("-a", "--arch", default="resnet18", help="architecture (default: resnet18)")
@@ -148,8 +186,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                         help="which variants to time (bf16 without native bf16 is slow)")
+    parser.add_argument("--distill", metavar="TEACHER_ARCH", default=None,
+                        help="time the step without and with a --distill-teacher of this "
+                             "architecture instead of the variants")
 
 
 def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
+    if args.distill:
+        distill_cost(args.arch, args.distill, args.batch_size, args.size, args.steps)
+        return
     measure(args.arch, args.batch_size, args.size, args.steps, args.variants)

@@ -217,8 +217,13 @@ def build_run(plan: Plan, dist: DistInfo, continues: Decided, inputs: Inputs | N
     if cfg.seed is not None:  # per-rank stream for dropout / MixUp in the training step
         torch.manual_seed(cfg.seed + dist.rank)
     steps = layout.optimizer_steps(data.train.batches)
+    teacher = None
+    if cfg.distill_teacher and not cfg.evaluate:  # built like the student, never wrapped
+        from imagenet.training.distill import build_teacher
+
+        teacher = build_teacher(cfg, data.classes, dist.device)
     engine = build_engine(cfg, raw, model, dist.device, layout, steps, data.num_classes, ema,
-                          data.train_counts)
+                          data.train_counts, teacher)
     name = files.dcp_name if cfg.sharded_checkpoint else str  # best: a file or a directory
     best_ema = Best(output_dir / name(files.BEST_EMA)) if cfg.model_ema else None
     return Run(plan, dist, output_dir, data, raw, engine, Step(epoch=cfg.start_epoch),

@@ -185,6 +185,8 @@ def checkpoint_state(run: Run, epoch_done: bool, weights: bool = True) -> dict[s
         "rng": states,  # python, numpy, torch CPU and CUDA states of every rank, by rank
         "comm_hook": comm_hook_state(run),
         "config": run.cfg.to_dict(),
+        # --distill-teacher: where it came from and its weights' digest, never the weights
+        "distill_teacher": parts.teacher.record() if parts.teacher is not None else None,
         "run_id": run.run_id,  # a damaged checkpoint falls back to this run's files only
         # What the epoch's metrics.jsonl record needs: the training so far (every rank's sums
         # and seconds) and, once the epoch is done, the record itself (a kill before its line
@@ -380,6 +382,12 @@ def resume(run: Run) -> Path | None:
         raise on_every_rank(exc) from None
     steps_per_epoch = run.engine.opts.steps_per_epoch
     if not run.cfg.evaluate:  # -e only evaluates the weights: training flags do not matter
+        from imagenet.training.distill import check_resumed
+
+        try:  # the same teacher, or none on both sides
+            check_resumed(ckpt, parts.teacher)
+        except TrainerError as exc:
+            raise on_every_rank(exc) from None
         log_changes(ckpt, run.cfg, run.layout, steps_per_epoch)
     if parts.scaler is not None and ckpt.get("scaler"):
         parts.scaler.load_state_dict(ckpt["scaler"])

@@ -324,8 +324,49 @@ class Config:
              "(the 'effective number' of Cui et al. 2019), normalised to a mean of 1 over the "
              "classes; 1 = inverse frequency, 0.999-0.9999 usual (default: off)")
     opt: str = _flag("--opt", group="optimisation", default="sgd",
-                     choices=("sgd", "sgd_nesterov", "adamw", "rmsprop"),
-                     help="optimizer (default: %(default)s)")
+                     choices=("sgd", "sgd_nesterov", "adamw", "rmsprop", "lamb", "lars"),
+                     help="optimizer; lamb and lars scale each layer's step by a trust ratio "
+                          "and leave biases and normalisation layers unadapted and undecayed "
+                          "(docs/recipes.md) (default: %(default)s)")
+    lars_trust_coef: float = _flag("--lars-trust-coef", group="optimisation", default=0.001,
+                                   type=float, metavar="ETA",
+                                   help="--opt lars: each layer's step is ETA x ||w|| / (||g|| + "
+                                        "wd x ||w||) of --lr (MLPerf's ResNet-50 uses 0.001) "
+                                        "(default: %(default)s)")
+    bce_loss: bool = _flag("--bce-loss", group="optimisation", default=False, action=Switch,
+                           help="binary cross-entropy on the one-hot (MixUp/CutMix: mixed) "
+                                "targets, one sigmoid per class, instead of softmax "
+                                "cross-entropy (ResNet Strikes Back; timm's --bce-loss); "
+                                "--label-smoothing and --class-balanced-loss apply to it")
+    bce_target_thresh: float | None = _flag(
+        "--bce-target-thresh", group="optimisation", default=None, type=float_or_none,
+        metavar="T", help="with --bce-loss: targets above T become 1, the rest 0, after "
+                          "mixing and smoothing (RSB uses 0.2) (default: none = soft targets)")
+    distill_teacher: str | None = _flag(
+        "--distill-teacher", group="optimisation", default=None, metavar="PATH_OR_ARCH",
+        help="knowledge distillation from a teacher: a checkpoint of this trainer, a state dict "
+             "or torchvision .pth (its architecture: --distill-teacher-arch), or an "
+             "architecture name, with its default pretrained weights. It sees the student's "
+             "augmented and mixed batch, in eval mode, without gradients; it is not saved in "
+             "checkpoints (its path and digest are) (default: none)")
+    distill_teacher_arch: str | None = _flag(
+        "--distill-teacher-arch", group="optimisation", default=None, metavar="ARCH",
+        help="the architecture of a --distill-teacher file (default: the one its checkpoint "
+             "records, else -a)")
+    distill_alpha: float = _flag("--distill-alpha", group="optimisation", default=0.5,
+                                 type=float, metavar="A",
+                                 help="the loss is (1 - A) x the label loss + A x the "
+                                      "distillation loss (default: %(default)s)")
+    distill_temperature: float = _flag("--distill-temperature", group="optimisation",
+                                       default=1.0, type=float, metavar="T",
+                                       help="--distill-type soft: the softmax temperature of "
+                                            "both models; the KL term is scaled by T^2 "
+                                            "(default: %(default)s)")
+    distill_type: str = _flag("--distill-type", group="optimisation", default="soft",
+                              choices=("soft", "hard"),
+                              help="soft: KL divergence to the teacher's softened "
+                                   "probabilities (Hinton et al.); hard: cross-entropy to the "
+                                   "teacher's top class (DeiT) (default: %(default)s)")
     lr_scheduler: str = _flag("--lr-scheduler", group="optimisation", default="step",
                               choices=("step", "multistep", "cosine", "linear"),
                               help="schedule after warm-up, stepped per iteration; linear "
@@ -709,6 +750,7 @@ def validate(cfg: Config) -> None:
                          "where a requeued job finds it), or 'none'; object storage is not "
                          "supported for it")
     check_training_controls(cfg)
+    check_losses(cfg)
     check_numbers_and_ranks(cfg)
     check_dist_url(cfg.dist_url)
     check_fsdp(cfg)
@@ -755,6 +797,26 @@ def check_finetune(cfg: Config) -> None:
     beta = cfg.class_balanced_loss
     if beta is not None and not 0.0 <= beta <= 1.0:
         raise UsageError(f"--class-balanced-loss BETA must be in [0, 1], got {beta}")
+
+
+def check_losses(cfg: Config) -> None:
+    """--opt lamb/lars, --bce-loss and the distillation flags."""
+    if not cfg.lars_trust_coef > 0:
+        raise UsageError(f"--lars-trust-coef must be positive, got {cfg.lars_trust_coef}")
+    thresh = cfg.bce_target_thresh
+    if thresh is not None and not cfg.bce_loss:
+        raise UsageError(f"--bce-target-thresh {thresh:g} applies to --bce-loss: add --bce-loss "
+                         "(or drop it)")
+    if thresh is not None and not 0.0 <= thresh < 1.0:
+        raise UsageError(f"--bce-target-thresh must be in [0, 1), got {thresh}")
+    if not 0.0 <= cfg.distill_alpha <= 1.0:
+        raise UsageError(f"--distill-alpha must be in [0, 1], got {cfg.distill_alpha}")
+    if not cfg.distill_temperature > 0:
+        raise UsageError(f"--distill-temperature must be positive, got "
+                         f"{cfg.distill_temperature}")
+    if cfg.distill_teacher_arch and not cfg.distill_teacher:
+        raise UsageError("--distill-teacher-arch names the architecture of a --distill-teacher "
+                         "file: add --distill-teacher PATH (or drop it)")
 
 
 def check_numbers_and_ranks(cfg: Config) -> None:

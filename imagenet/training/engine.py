@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,9 @@ from imagenet.errors import NonFiniteLossError, on_every_rank
 from imagenet.settings import devices
 from imagenet.training.meters import SUMS, DeviceSums, mean_loss, topk_correct
 from imagenet.training.models import compiles, no_sync
+
+if TYPE_CHECKING:
+    from imagenet.training.distill import Teacher
 
 
 @dataclass
@@ -66,6 +70,8 @@ class Parts:
     scaler: torch.amp.GradScaler | None = None  # --amp fp16
     ema: torch.optim.swa_utils.AveragedModel | None = None
     batch_transform: Callable | None = None  # MixUp / CutMix on the device batch
+    # --distill-teacher: sees each training batch after batch_transform; not in checkpoints
+    teacher: Teacher | None = None
 
 
 @dataclass
@@ -223,6 +229,8 @@ def _forward_backward(engine: Engine, group: list, sums: _Sums, bad_step: torch.
             with autocast(opts.device, opts.amp_dtype):
                 output = parts.model(images)
                 loss = parts.criterion(output, target)
+                if parts.teacher is not None:  # the same augmented, mixed images
+                    loss = parts.teacher.loss(loss, output, parts.teacher.outputs(images))
             scaled = loss / len(group)
             (parts.scaler.scale(scaled) if parts.scaler is not None else scaled).backward()
         loss = loss.detach().float()

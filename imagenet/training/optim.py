@@ -41,6 +41,7 @@ from imagenet.settings.launch import Layout
 from imagenet.training.engine import Engine, Options, Parts, Step
 
 if TYPE_CHECKING:
+    from imagenet.training.distill import Teacher
     from imagenet.training.finetune import Head
 
 
@@ -71,6 +72,29 @@ def param_groups(model: nn.Module, weight_decay: float, norm_weight_decay: float
     return [{"params": ps, "weight_decay": decay[k]} for k, ps in groups.items() if ps]
 
 
+TRUST_OPTIMIZERS = ("lamb", "lars")  # --opt values that scale each layer's step by a trust ratio
+
+
+def trust_groups(model: nn.Module, cfg: Config) -> list[dict]:
+    """--opt lamb / lars: the weights adapt layer-wise with --wd; every one-dimensional
+    parameter (biases, normalisation layers' scales and shifts) neither adapts nor decays, as
+    in MLPerf's LARS and the ResNet Strikes Back LAMB recipe (timm's filter_bias_and_bn).
+    --norm-weight-decay / --bias-weight-decay, where given, still decay those."""
+    groups: dict[str, list[nn.Parameter]] = {"other": [], "norm": [], "bias": []}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            if p.ndim > 1:
+                groups["other"].append(p)
+            else:
+                groups["bias" if name == "bias" else "norm"].append(p)
+    decay = {"other": cfg.weight_decay, "norm": cfg.norm_weight_decay or 0.0,
+             "bias": cfg.bias_weight_decay or 0.0}
+    return [{"params": ps, "weight_decay": decay[k], "trust": k == "other"}
+            for k, ps in groups.items() if ps]
+
+
 def scale_backbone_lr(model: nn.Module, groups: list[dict], head: Head, lr: float,
                       scale: float) -> list[dict]:
     """--backbone-lr-scale: each group split into the classifier ``head``'s parameters (first,
@@ -94,7 +118,8 @@ def build_optimizer(model: nn.Module, cfg: Config, head: Head | None = None,
     """The optimizer named by --opt (classic default: SGD with momentum); ``head``: the
     classifier's name, for --backbone-lr-scale; ``fused``: torch's fused step (one kernel for
     all parameters) where --opt has one (``use_fused``)."""
-    groups = param_groups(model, cfg.weight_decay, cfg.norm_weight_decay, cfg.bias_weight_decay)
+    groups = trust_groups(model, cfg) if cfg.opt in TRUST_OPTIMIZERS else \
+        param_groups(model, cfg.weight_decay, cfg.norm_weight_decay, cfg.bias_weight_decay)
     if head is not None and cfg.backbone_lr_scale != 1.0:
         groups = scale_backbone_lr(model, groups, head, cfg.lr, cfg.backbone_lr_scale)
     extra = {"fused": True} if fused and cfg.opt in FUSED else {}
@@ -103,6 +128,12 @@ def build_optimizer(model: nn.Module, cfg: Config, head: Head | None = None,
                                nesterov=cfg.opt == "sgd_nesterov", **extra)
     if cfg.opt == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, **extra)
+    if cfg.opt in TRUST_OPTIMIZERS:
+        from imagenet.training.trust import Lamb, Lars
+
+        if cfg.opt == "lamb":
+            return Lamb(groups, lr=cfg.lr)
+        return Lars(groups, lr=cfg.lr, momentum=cfg.momentum, trust_coef=cfg.lars_trust_coef)
     # RMSprop settings of torchvision's recipes (TF-style epsilon and decay).
     return torch.optim.RMSprop(groups, lr=cfg.lr, momentum=cfg.momentum, eps=0.0316, alpha=0.9)
 
@@ -210,7 +241,41 @@ def build_criterion(cfg: Config, class_counts: Sequence[int] | None = None) -> n
                  "(%d images)", cfg.class_balanced_loss, weight.min(),
                  class_counts[int(weight.argmin())], weight.max(),
                  class_counts[int(weight.argmax())])
+    if cfg.bce_loss:
+        return BinaryCrossEntropy(cfg.label_smoothing, cfg.bce_target_thresh, weight)
     return nn.CrossEntropyLoss(weight=weight, label_smoothing=cfg.label_smoothing)
+
+
+class BinaryCrossEntropy(nn.Module):
+    """--bce-loss: one sigmoid per class against the one-hot targets (timm's
+    BinaryCrossEntropy, as ResNet Strikes Back trains).
+
+    Class-index targets become one-hot, MixUp/CutMix's mixed targets are taken as they are;
+    both are smoothed to ``(1 - smoothing) x target + smoothing / classes`` (for one-hot
+    targets timm's on and off values; mixing then smoothing equals smoothing then mixing),
+    then, with ``threshold``, set to 1 above it and 0 elsewhere. ``class_weight``
+    (--class-balanced-loss) scales each class's column; the mean is over every image and class,
+    so a batch's loss x its images adds up over batches and ranks (``engine.weighted``).
+    """
+
+    def __init__(self, smoothing: float = 0.0, threshold: float | None = None,
+                 class_weight: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.smoothing, self.threshold = smoothing, threshold
+        # not ``weight``: engine.weighted reads that as cross-entropy's per-target weight
+        self.register_buffer("class_weight", class_weight)
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        classes = logits.shape[-1]
+        if target.ndim == 1:
+            target = nn.functional.one_hot(target, classes)
+        target = target.float()  # in fp32 under --amp too: autocast runs the loss in fp32
+        if self.smoothing:
+            target = target * (1 - self.smoothing) + self.smoothing / classes
+        if self.threshold is not None:
+            target = target.gt(self.threshold).float()
+        return nn.functional.binary_cross_entropy_with_logits(logits, target,
+                                                              weight=self.class_weight)
 
 
 def class_weights(counts: Sequence[int], beta: float) -> torch.Tensor:
@@ -231,12 +296,14 @@ def amp_dtype(amp: str | None) -> torch.dtype | None:
 def build_engine(cfg: Config, raw: nn.Module, model: nn.Module, device: torch.device,
                  layout: Layout, steps_per_epoch: int, num_classes: int,
                  ema: AveragedModel | None = None,
-                 class_counts: list[int] | None = None) -> Engine:
+                 class_counts: list[int] | None = None,
+                 teacher: Teacher | None = None) -> Engine:
     """The objects and options of a training step, from the flags.
 
     ``raw`` is the plain (or sharded) model (optimizer, EMA), ``model`` what the step calls
     (DDP, compiled). ``ema``: built before --fsdp sharded ``raw``; None builds it from ``raw``.
-    ``class_counts``: training images per class (--class-balanced-loss).
+    ``class_counts``: training images per class (--class-balanced-loss). ``teacher``:
+    --distill-teacher's (``distill.build_teacher``).
     """
     head = None
     if cfg.backbone_lr_scale != 1.0:  # the classifier keeps --lr
@@ -250,7 +317,8 @@ def build_engine(cfg: Config, raw: nn.Module, model: nn.Module, device: torch.de
         scheduler=build_scheduler(optimizer, cfg, steps_per_epoch),
         scaler=torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None,
         ema=ema if ema is not None else build_ema(raw, cfg, layout),
-        batch_transform=T.batch_transform(cfg.mixup_alpha, cfg.cutmix_alpha, num_classes))
+        batch_transform=T.batch_transform(cfg.mixup_alpha, cfg.cutmix_alpha, num_classes),
+        teacher=teacher)
     opts = Options(
         device=device, steps_per_epoch=steps_per_epoch, epochs=cfg.epochs,
         world_size=layout.world_size, grad_accum_steps=layout.grad_accum_steps,
