@@ -14,10 +14,11 @@ import torch
 import torchvision
 from helpers import SMALL_ARCH, tiny_engine, tiny_net, uint8_batches
 
+from imagenet.checkpoint.teacher import build_teacher
 from imagenet.data.transforms import normalize
 from imagenet.errors import UsageError
 from imagenet.settings.flags import parse_config
-from imagenet.training.distill import Teacher, build_teacher, check_resumed
+from imagenet.training.distill import Teacher, check_resumed
 from imagenet.training.engine import Step, train_one_epoch
 
 CLASSES = ["a", "b", "c"]

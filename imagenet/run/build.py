@@ -219,7 +219,7 @@ def build_run(plan: Plan, dist: DistInfo, continues: Decided, inputs: Inputs | N
     steps = layout.optimizer_steps(data.train.batches)
     teacher = None
     if cfg.distill_teacher and not cfg.evaluate:  # built like the student, never wrapped
-        from imagenet.training.distill import build_teacher
+        from imagenet.checkpoint.teacher import build_teacher
 
         teacher = build_teacher(cfg, data.classes, dist.device)
     engine = build_engine(cfg, raw, model, dist.device, layout, steps, data.num_classes, ema,

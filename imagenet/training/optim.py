@@ -303,7 +303,7 @@ def build_engine(cfg: Config, raw: nn.Module, model: nn.Module, device: torch.de
     ``raw`` is the plain (or sharded) model (optimizer, EMA), ``model`` what the step calls
     (DDP, compiled). ``ema``: built before --fsdp sharded ``raw``; None builds it from ``raw``.
     ``class_counts``: training images per class (--class-balanced-loss). ``teacher``:
-    --distill-teacher's (``distill.build_teacher``).
+    --distill-teacher's (``checkpoint.teacher.build_teacher``).
     """
     head = None
     if cfg.backbone_lr_scale != 1.0:  # the classifier keeps --lr
