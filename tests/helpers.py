@@ -368,6 +368,13 @@ def hold_once_saved(pgid: int, path: Path, positions: Sequence[tuple[int, int]],
     return hold_until_saved(pgid, path, exactly, timeout, go_on)
 
 
+def fault_at(point: str, hit: int, action: str) -> str:
+    """An ``IMAGENET_FAILPOINTS`` entry (imagenet/settings/failpoints.py): ``action`` once, at
+    the ``hit``-th time this process passes ``point`` (1: the first), nothing before or after.
+    ``fault_at("train.step", 3, "sigterm")``: SIGTERM to itself once its third step is trained."""
+    return f"{point}={hit - 1}*off->1*{action}"
+
+
 def save_edited(ckpt: dict, path: Path) -> None:
     """Save a checkpoint edited by hand as a user would: without its (now stale) checksum."""
     torch.save({k: v for k, v in ckpt.items() if k != "checksum"}, path)

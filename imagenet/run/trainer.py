@@ -45,6 +45,7 @@ from imagenet.run.preflight import (
     finished,
     nothing_left,
 )
+from imagenet.settings.failpoints import failpoint
 from imagenet.settings.flags import get_args_parser
 from imagenet.settings.images import image_backend
 from imagenet.settings.plan import Plan
@@ -209,6 +210,7 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
                                       lambda: sum(checkpoint_bytes(run)))
     stop = StopFlag(deadline)
     stop.install()
+    failpoint("train.start")  # a fault placed as training starts (tests)
     hooks = Hooks(on_progress=logger.progress_hook(),
                   after_step=first_step_timed(run, logger, saver(run, stop)))
     start, record = time.perf_counter(), {}
@@ -258,6 +260,7 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
             run.step.step_in_epoch = 0
             log_epoch(logger, run.step, record)
             run.outputs.logged(run.dist.is_main)
+            failpoint("epoch.end")  # a fault placed at an epoch's end, once saved (tests)
             if stop.settle():  # signalled during the save: the epoch is saved, stop now
                 raise stopped(run, stop, "after")
         stop.drain()
