@@ -43,11 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import (  # noqa: E402
     MAIN,
     ROOT,
-    NeverReached,
     TwoHosts,
     Unavailable,
     child_env,
-    hold_group,
+    fault_at,
     prestarted_cmd,
     write_image_folder,
 )
@@ -60,9 +59,10 @@ from imagenet.errors import CheckpointError  # noqa: E402
 
 CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS = 3, 17, 5  # 51 training images: last batches of one
 VAL_IMAGES = CLASSES * VAL_PER_CLASS
-# Training at 32 px is quick; validation at 128 px lasts long enough for a signal to land in it.
-MODEL = ["-a", "squeezenet1_1", "--train-crop-size", "32", "--val-resize-size", "146",
-         "--val-crop-size", "128", "-p", "1", "--wd", "1e-4", "--dist-timeout", "60"]
+# 32 px: quick. A fault in validation is placed there by a failpoint (``placed_fault``), not
+# timed into a validation made slow enough for a signal to land in it.
+MODEL = ["-a", "squeezenet1_1", "--train-crop-size", "32", "--val-resize-size", "36",
+         "--val-crop-size", "32", "-p", "1", "--wd", "1e-4", "--dist-timeout", "60"]
 LEG_TIMEOUT = 300.0  # seconds for one command
 ORPHAN_GRACE = 30.0  # seconds the processes of a killed launcher may take to stop (and save)
 HANG_GRACE = 60.0  # seconds after --hang-timeout by which every process of a hung run is gone
@@ -323,32 +323,6 @@ class Leg:
             seen += 1
         return False
 
-    def hold_at(self, text: str, timeout: float = LEG_TIMEOUT, go_on: float = 0.01) -> bool:
-        """``wait_for``, with the leg's process group held (``helpers.hold_group``: let on
-        ``go_on`` seconds at a time, stopped and continued): True once a line containing
-        ``text`` is read, the group left stopped within about one slice of printing it, however
-        late this process reads the line (a signal sent at a line read late, on busy cores,
-        landed steps after it). The caller signals the group, then sends SIGCONT. False: the
-        output ended first."""
-        looked = [0]
-
-        def printed() -> bool | None:
-            with self.changed:
-                for line in self.lines[looked[0]:]:
-                    if text in line:
-                        return True
-                    if not line:  # the end of the output
-                        raise NeverReached("the output ended")
-                looked[0] = len(self.lines)
-            return None
-
-        try:
-            pipe = (self.proc.stdout.fileno(), self.reader)  # type: ignore[union-attr]
-            return hold_group(self.proc.pid, printed, timeout, go_on, pipe=pipe)
-        except NeverReached:
-            self.send(signal.SIGCONT, group=True)
-            return False
-
     def send(self, sig: int, group: bool) -> None:
         try:
             (os.killpg if group else os.kill)(self.proc.pid, sig)
@@ -481,10 +455,13 @@ def action(sc: Scenario, leg: Leg, view: Path, hosts: TwoHosts | None):
 def interrupt(sc: Scenario, cmd: list[str], out: Path, log: Path,
               env: dict[str, str] | None = None, hosts: TwoHosts | None = None) -> Interrupted:
     """Run the first command line and interrupt it as ``sc`` says."""
+    placed = placed_fault(sc)
+    if placed:
+        env = {**(env or {}), "IMAGENET_FAILPOINTS": placed}
     leg = Leg(cmd, log, env)
     view = faults.seen_by(leg.proc.pid, out) if sc.fault == "full-disk" else out
     trigger = Trigger(action(sc, leg, view, hosts), view / "checkpoint.pth.tar")
-    sent = aim(sc, leg, view, trigger)
+    sent = fire_at_the_point(sc, leg, trigger) if placed else aim(sc, leg, view, trigger)
     timeout = LEG_TIMEOUT
     if sc.interrupt in ("stop", "link-down") and trigger.at is not None:  # a hang ends itself
         timeout = trigger.at + sc.first.hang_timeout + HANG_GRACE + 10 - time.monotonic()
@@ -503,17 +480,69 @@ def interrupt(sc: Scenario, cmd: list[str], out: Path, log: Path,
                        trigger.pin.global_step(), gone)
 
 
-def aim(sc: Scenario, leg: Leg, out: Path, fire) -> str | None:
-    """Follow the output to the aimed-at point (after the first checkpoint) and ``fire``;
-    where that was, or None if the run ended first."""
+def placed_fault(sc: Scenario) -> str | None:
+    """The failpoint (``IMAGENET_FAILPOINTS``) at which rank 0 pauses itself (SIGSTOP) where
+    ``sc`` aims its interruption at a named point: a checkpoint's write (the second or a later
+    one: the first is whole in place; every epoch writes two at least), or the first batch of
+    the aimed epoch's validation (of the model, or of its EMA). The interruption is then done
+    from here while the run is paused there (``fire_at_the_point``), not at a line read late.
+    None: aimed at a step of training (``aim``)."""
+    s = sc.first
+    if sc.in_a_save:
+        return fault_at("save.write@0", 2 + int(sc.when * 2 * (s.epochs - 1)), "sigstop")
+    if sc.interrupt != "term" or sc.where == "train":
+        return None
+    # Rank 0's validation batches (every world-th image, in batches of -b per process), each
+    # validation of the model followed by its EMA's.
+    batches = math.ceil(math.ceil(VAL_IMAGES / s.world) / s.batch)
+    epoch = min(int(sc.when * s.epochs), s.epochs - 1)
+    hit = epoch * batches * (1 + s.ema) + batches * (sc.where == "ema-validation") + 1
+    return fault_at("validate.batch@0", hit, "sigstop")
+
+
+def stopped(token: str) -> list[int]:
+    """The processes of the leg tagged ``token`` that are stopped (SIGSTOP)."""
+    found = []
+    for pid in tagged(token):
+        with contextlib.suppress(OSError, IndexError):
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
+                found.append(pid)
+    return found
+
+
+def fire_at_the_point(sc: Scenario, leg: Leg, fire) -> str | None:
+    """Once the leg has paused itself at its failpoint (``placed_fault``): ``fire``, then let
+    it go on (SIGCONT); where that was, or None if the run ended first. On slow storage the
+    write goes on first, and is interrupted half a second into its bytes (1 or 2 MB/s: a
+    checkpoint takes 3 to 6 s)."""
     deadline = time.monotonic() + LEG_TIMEOUT
-    seen, epoch_val, saving = 0, None, None
-    while True:
-        line = leg.next_line(seen, deadline)
-        if saving is not None and saving.is_set():
-            return "during a save"
-        if line is None:
-            return None
+    while leg.proc.poll() is None and time.monotonic() < deadline:
+        paused = stopped(leg.token)
+        if paused:
+            slow = sc.in_a_save and sc.fault == "slow-storage"
+            if not slow:
+                fire()
+            for pid in paused:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+            if slow:
+                time.sleep(0.5)
+                fire()
+            if sc.in_a_save:
+                return "during a save (rank 0 paused as it writes, a failpoint)"
+            return f"in the {'EMA ' * (sc.where == 'ema-validation')}validation (rank 0 " \
+                "paused after a batch, a failpoint)"
+        time.sleep(0.02)
+    return None
+
+
+def aim(sc: Scenario, leg: Leg, out: Path, fire) -> str | None:
+    """Follow the output to the aimed-at step of training (after the first checkpoint), wait
+    ``sc.delay`` and ``fire``; where that was, or None if the run ended first. (Faults at a
+    named point - a validation, a checkpoint's write - are placed by ``placed_fault``.)"""
+    deadline = time.monotonic() + LEG_TIMEOUT
+    seen = 0
+    while (line := leg.next_line(seen, deadline)) is not None:
         seen += 1
         match = PROGRESS.match(line)
         if match:
@@ -521,40 +550,10 @@ def aim(sc: Scenario, leg: Leg, out: Path, fire) -> str | None:
             if (epoch * steps + step) / (sc.first.epochs * steps) < sc.when or \
                     not checkpoint_exists(out):
                 continue
-            if sc.in_a_save:
-                saving = saving or fire_during_a_save(out, fire, leg)
-            elif sc.where == "train":
-                time.sleep(sc.delay)
-                fire()
-                return f"after epoch {epoch} step {step}"
-            elif epoch_val is None:
-                epoch_val = epoch
-        elif epoch_val is not None and (
-                (sc.where == "validation" and line.startswith("Test: [")) or
-                (sc.where == "ema-validation" and line.startswith(" * Acc@1"))):
-            fire()  # no delay: a validation of 9 images is over in a blink
-            return f"in the {'EMA ' * (sc.where == 'ema-validation')}validation after epoch " \
-                f"{epoch_val}"
-
-
-def fire_during_a_save(out: Path, fire, leg: Leg) -> threading.Event:
-    """Poll ``out`` for a checkpoint's temp file and ``fire`` the moment one appears; the
-    returned event is set once it has."""
-    fired = threading.Event()
-
-    def poll() -> None:
-        while leg.proc.poll() is None:
-            try:
-                if any(TEMP_FILE.match(p.name) for p in out.iterdir()):
-                    fire()
-                    fired.set()
-                    return
-            except OSError:
-                pass
-            time.sleep(0.001)
-
-    threading.Thread(target=poll, daemon=True).start()
-    return fired
+            time.sleep(sc.delay)
+            fire()
+            return f"after epoch {epoch} step {step}"
+    return None
 
 
 # ---------------------------------------------------------------- references and checks

@@ -3,18 +3,14 @@ subprocesses and gloo ranks. Fixtures live in conftest.py."""
 
 from __future__ import annotations
 
-import array
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 from torch import nn
@@ -171,7 +167,6 @@ def run_parallel(commands: list[list[str]], envs: list[dict[str, str]], workdir:
     Output goes to files under ``workdir`` (no pipe can fill up and stall a rank). On timeout
     every command's whole process group (its spawned children too) is killed and the test fails.
     """
-    import signal
     import time
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -232,140 +227,11 @@ def checkpoint_position(path: Path) -> tuple[int, int] | None:
     return ckpt["epoch"], ckpt["step_in_epoch"]
 
 
-T = TypeVar("T")
-
-
-class NeverReached(AssertionError):
-    """``hold_group``: what was waited for did not come within the timeout."""
-
-
-def _signal_group(pgid: int, sig: int) -> bool:
-    """Send ``sig`` to the group ``pgid``; False: no process of it is left."""
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-# The number of read(2), whose callers /proc/PID/task/TID/syscall shows blocked in it.
-_READ_SYSCALL = {"x86_64": 0, "aarch64": 63}.get(os.uname().machine)
-
-
-def pipe_read(fd: int, reader: threading.Thread, within: float = 5.0) -> None:
-    """Wait (up to ``within`` s) until the thread ``reader`` has taken all there is in the pipe
-    ``fd`` and made lines of it: it is blocked reading the pipe, and the pipe is empty. Where
-    /proc does not show a thread's system call, until the pipe is empty, and 2 ms more."""
-    import fcntl
-    import termios
-
-    deadline, unread = time.monotonic() + within, array.array("i", [0])
-    syscall = Path(f"/proc/self/task/{reader.native_id}/syscall")
-    while time.monotonic() < deadline and reader.is_alive():
-        try:
-            fields = syscall.read_text().split() if _READ_SYSCALL is not None else []
-        except OSError:
-            fields = []
-        blocked = fields[:1] == [str(_READ_SYSCALL)] and int(fields[1], 16) == fd
-        fcntl.ioctl(fd, termios.FIONREAD, unread)
-        if unread[0] == 0 and (blocked or not fields):
-            if not fields:
-                time.sleep(0.002)
-            return
-        time.sleep(0.0005)
-
-
-# The thread that holds a group, and the thread reading the run's output, run at a real-time
-# priority while it holds (as root; as before where that is not allowed): on cores busy with
-# other tests the holder woke up to 33 ms late from a slice's 2 ms sleep (the reader, holding
-# the GIL, was off the cores), and the run went on all that time, past the EMA validation of
-# 9 images that the signal was meant to land in. (A nice for the run does nothing across
-# sessions where the kernel groups each session's processes, as here.) Both sleep between
-# looks: the run and the rest of the machine keep the cores.
-HOLDER_PRIORITY = 1
-
-
-def hold_group(pgid: int, reached: Callable[[], T | None], timeout: float = 60.0,
-               go_on: float = 0.01, pipe: tuple[int, threading.Thread] | None = None) -> T:
-    """Let the process group ``pgid`` go on ``go_on`` seconds at a time, stopped (SIGSTOP) in
-    between, until ``reached()`` - asked while it is stopped and, with ``pipe`` (its output's
-    pipe and the thread reading it), once that thread has read all of it (``pipe_read``) -
-    returns something other than None. That is returned, the group left stopped within one
-    slice of getting there, however late this process would have read the line on busy cores.
-    The caller signals or kills the group, then continues it (SIGCONT). A ``reached`` that
-    raises ends the hold, the group stopped; after ``timeout`` seconds the group is continued
-    and NeverReached raised, as it is at once when the group has ended. For a test that signals
-    a run at a line (``Live.hold_at``, ``chaos.Leg.hold_at``) or kills it at a checkpoint
-    (``hold_until_saved``) and asserts where it stopped. The reader is waited for, not a time:
-    a look 5 ms after each stop missed lines a busy reader had not read yet, and the run went
-    on slices past them (an EMA's validation of 9 images ended before the SIGTERM meant for
-    it, 1 run in 10 beside three busy loops)."""
-    deadline = time.monotonic() + timeout
-    # This thread, and the one reading the run's output (it holds the GIL this one needs),
-    # wake on time from each slice: see HOLDER_PRIORITY.
-    threads = [0, *([pipe[1].native_id] if pipe is not None else [])]
-    realtime = []
-    for thread in threads:
-        try:
-            os.sched_setscheduler(thread, os.SCHED_FIFO, os.sched_param(HOLDER_PRIORITY))
-            realtime.append(thread)
-        except (OSError, AttributeError):
-            pass
-    try:
-        while True:
-            alive = _signal_group(pgid, signal.SIGSTOP)
-            if pipe is not None:
-                pipe_read(*pipe)
-            got = reached()
-            if got is not None:
-                return got
-            if not alive:
-                raise NeverReached(f"process group {pgid} ended first")
-            _signal_group(pgid, signal.SIGCONT)
-            if time.monotonic() > deadline:
-                raise NeverReached(f"not reached within {timeout} s")
-            time.sleep(go_on)
-    finally:
-        for thread in realtime:
-            try:
-                os.sched_setscheduler(thread, os.SCHED_OTHER, os.sched_param(0))
-            except OSError:
-                pass  # the reader has ended
-
-
-def hold_until_saved(pgid: int, path: Path, accept: Callable[[tuple[int, int]], bool],
-                     timeout: float = 60.0, go_on: float = 0.01) -> tuple[int, int]:
-    """Stop the process group ``pgid`` (SIGSTOP) once the checkpoint at ``path`` holds a
-    position (epoch, step_in_epoch) that ``accept`` takes, and return it. Checkpoints are
-    written in the background, so the line printed after a save can come before its file: the
-    group is held for each look (``hold_group``) until the write is in place. It is left
-    stopped: the caller kills it at exactly that checkpoint."""
-    seen: list[tuple[int, int] | None] = [None]
-
-    def saved() -> tuple[int, int] | None:
-        seen[0] = checkpoint_position(path)
-        return seen[0] if seen[0] is not None and accept(seen[0]) else None
-
-    try:
-        return hold_group(pgid, saved, timeout, go_on)
-    except NeverReached as why:
-        raise NeverReached(f"{path} never reached what was waited for (saw {seen[0]}): "
-                           f"{why}") from None
-
-
-class WentPast(AssertionError):
-    """``hold_once_saved``: the run saved past every position it was to be held at."""
-
-
-def hold_once_saved(pgid: int, path: Path, positions: Sequence[tuple[int, int]],
-                    timeout: float = 60.0, go_on: float = 0.01) -> tuple[int, int]:
-    """``hold_until_saved`` at exactly one of ``positions``: a later save fails the test."""
-    def exactly(seen: tuple[int, int]) -> bool:
-        if not (seen in positions or seen < max(positions)):
-            raise WentPast(f"{path} went past {positions}: {seen}")
-        return seen in positions
-
-    return hold_until_saved(pgid, path, exactly, timeout, go_on)
+def fault_at(point: str, hit: int, action: str) -> str:
+    """An ``IMAGENET_FAILPOINTS`` entry (imagenet/settings/failpoints.py): ``action`` once, at
+    the ``hit``-th time this process passes ``point`` (1: the first), nothing before or after.
+    ``fault_at("train.step", 3, "sigterm")``: SIGTERM to itself once its third step is trained."""
+    return f"{point}={hit - 1}*off->1*{action}"
 
 
 def save_edited(ckpt: dict, path: Path) -> None:

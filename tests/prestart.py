@@ -55,7 +55,9 @@ RUNTIME_ONLY = {"TMPDIR", "TORCH_HOME", "HF_HOME", "HF_HUB_OFFLINE", "IMAGENET_N
                 # read by Intel's OpenMP runtime as it loads; torch's Linux wheels load GNU's
                 # libgomp. scikit-learn sets it when imported (MLflow, W&B, Ray import it
                 # lazily, in the test process too)
-                "KMP_DUPLICATE_LIB_OK"}
+                "KMP_DUPLICATE_LIB_OK",
+                # read at import, and again by become_main for the run it forks
+                "IMAGENET_FAILPOINTS"}
 # Read by a library only when it is imported: runtime-only while the server has not imported it
 # (the trainer imports each of them when a run asks for it: --log-to, an s3:// path).
 RUNTIME_PREFIXES = {"AWS_": ("botocore", "aiobotocore", "s3fs", "boto3"), "MLFLOW_": ("mlflow",),
@@ -266,6 +268,9 @@ def become_main(request: dict) -> None:
             cache_dir()
         else:
             raise RuntimeError(f"prestart: the imports set {name}: teach become_main about it")
+    from imagenet.settings import failpoints
+
+    failpoints.configure_from_environment()  # the run's, as its own import would read them
     sys.argv = [MAIN, *request["args"]]
     sys.path[0] = str(ROOT)
     __main__.__file__ = MAIN  # mp.spawn's children run main.py, as they would

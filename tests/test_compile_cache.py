@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import (  # noqa: E402
     TINY18,
     child_env,
+    fault_at,
     load_checkpoint,
     main_cmd,
     run_main,
@@ -197,11 +197,11 @@ def test_a_requeued_compiled_run_compiles_nothing_and_ends_bitwise(toolchain, tm
     assert not wrapped, wrapped[:5]  # a plain torchvision state: strict into resnet18
     torchvision.models.resnet18(num_classes=3).load_state_dict(ckpt["state_dict"])
     out = tmp_path / "out"
-    leg = Leg(main_cmd(*flags, "--output-dir", str(out)), tmp_path / "leg1.txt")
-    if leg.hold_at("Epoch: [1][1/3]", timeout=900):  # held there: it lands within a step
-        leg.send(signal.SIGTERM, group=True)
-        leg.send(signal.SIGCONT, group=True)
-    assert leg.wait() == 143, leg.output
+    # SIGTERM to the whole group (as SLURM sends it) after the first step of epoch 1.
+    leg = Leg(main_cmd(*flags, "--output-dir", str(out)), tmp_path / "leg1.txt",
+              {"IMAGENET_FAILPOINTS": fault_at("train.step", 4, "sigterm(group)")})
+    assert leg.wait(timeout=900) == 143, leg.output
+    assert "stopped by SIGTERM at epoch 1 step 1;" in leg.output, leg.output
     proc = run_main(*flags, "--output-dir", str(out), "--resume", "auto", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "reusing the graphs compiled for crop size(s) 32 px" in proc.stdout

@@ -26,6 +26,7 @@ from helpers import (
     ROOT,
     TINY18,
     child_env,
+    fault_at,
     load_checkpoint,
     main_cmd,
     prestarted_cmd,
@@ -34,7 +35,7 @@ from helpers import (
     run_parallel,
     write_image_folder,
 )
-from test_fault_tolerance import Live, kill_at
+from test_fault_tolerance import Live, fault_run
 
 from imagenet.cli import main
 from imagenet.launching.failures import is_stopped
@@ -408,27 +409,27 @@ def test_the_image_check_reads_ends_and_leaves_the_rest_to_the_decoder(tmp_path)
 # ---------------------------------------------------------------- case 10: signals
 
 # The runs are signalled once they train, never while they start: forked from the pre-imported
-# trainer (prestarted_cmd), each in a process group of its own that the signals go to (Live).
-# ``kill_at`` holds the run at its line, so that the signal lands within a step of it.
+# trainer (prestarted_cmd), each in a process group of its own. A run placed a fault by a
+# failpoint (``fault_run``) sends the signal itself, to its whole group as a terminal does.
 
-def ctrl_c_at(args: list[str], text: str) -> tuple[int, str]:
-    """main.py with ``args``, Ctrl-C (SIGINT to its whole group) at the line ``text``."""
-    return kill_at(prestarted_cmd(*args), text, signal.SIGINT)
+def ctrl_c_at(args: list[str], point: str, hit: int) -> tuple[int, str]:
+    """main.py with ``args``, Ctrl-C (SIGINT to its whole group) at the ``hit``-th pass of
+    the failpoint ``point``."""
+    return fault_run(prestarted_cmd(*args), fault_at(point, hit, "sigint(group)"))
 
 
 @pytest.mark.slow
 def test_a_signal_during_validation_stops_within_a_batch_and_keeps_the_trained_epoch(tmp_path):
-    # 60 validation images at 224 px: about a second per batch of 8 on one CPU core.
-    data = write_image_folder(tmp_path / "data", val_per_class=20, size=260)
+    # 60 validation images, 8 batches: Ctrl-C after the first.
+    data = write_image_folder(tmp_path / "data", val_per_class=20)
     out = tmp_path / "out"
-    args = [str(data), *TINY18, "--val-resize-size", "232", "--val-crop-size", "224", "-p", "1",
-            "--epochs", "1", "--output-dir", str(out)]
-    code, output = ctrl_c_at(args, "Test: [1/8]")
+    args = [str(data), *TINY18, "-p", "1", "--epochs", "1", "--output-dir", str(out)]
+    code, output = ctrl_c_at(args, "validate.batch", 1)
     assert code == 143, output
     assert one_error_line(output) == (f"error: stopped by SIGINT during the validation of epoch "
                                       f"0; checkpoint saved in {out}; resume with --resume auto")
     batches = [int(b) for b in re.findall(r"^Test: \[(\d)/8\]", output, flags=re.M)]
-    assert max(batches) < 8, output  # it did not wait for the end of the validation
+    assert batches == [1], output  # it did not wait for the end of the validation
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["steps_per_epoch"]) == (0, 3, 3)
     # The resumed run validates the trained epoch, and that is all that was left.
@@ -442,19 +443,20 @@ def test_a_signal_during_validation_stops_within_a_batch_and_keeps_the_trained_e
 @pytest.mark.slow
 def test_ranks_with_unequal_validation_shards_stop_validation_together(tmp_path):
     # 33 validation images on 2 ranks, 4 per batch: 5 batches on rank 0, 4 on rank 1, which
-    # must still take part in the stop agreement of rank 0's fifth batch.
-    data = write_image_folder(tmp_path / "data", val_per_class=11, size=260)
+    # must still take part in the stop agreement of rank 0's fifth batch: Ctrl-C once rank 1
+    # has validated its third (agreed one ask later, StopFlag.should_stop: before rank 0's
+    # fifth batch, which rank 1 asks for after its last).
+    data = write_image_folder(tmp_path / "data", val_per_class=11)
     out = tmp_path / "out"
-    code, output = ctrl_c_at([str(data), *TINY18, "--val-resize-size", "232",
-                                   "--val-crop-size", "224", "-p", "1", "--epochs", "1",
-                                   "--multiprocessing-distributed", "--nproc-per-node", "2",
-                                   "--output-dir", str(out)], "Test: [1/5]")
+    code, output = ctrl_c_at([str(data), *TINY18, "-p", "1", "--epochs", "1",
+                              "--multiprocessing-distributed", "--nproc-per-node", "2",
+                              "--output-dir", str(out)], "validate.batch@1", 3)
     assert code == 143, output
     # Rank 0 may learn of the stop from rank 1's vote before its own SIGINT handler has run.
     assert re.search(r"\nerror: stopped by (SIGINT|a signal on another rank) during the "
                      rf"validation of epoch 0; checkpoint saved in {re.escape(str(out))}",
                      output), output
-    assert max(int(b) for b in re.findall(r"^Test: \[(\d)/5\]", output, flags=re.M)) < 5
+    assert max(int(b) for b in re.findall(r"^Test: \[(\d)/5\]", output, flags=re.M)) == 4
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["world_size"]) == (0, 3, 2)
 

@@ -1,8 +1,10 @@
 """Killed, signalled and restarted runs end bitwise equal to a run that was never interrupted.
 
 Real processes and real signals: main.py (single process, --multiprocessing-distributed and
-torchrun) is killed with SIGKILL or sent SIGTERM / SIGUSR1 / SIGINT when its progress output
-reaches a chosen step; resumed runs must end with exactly the uninterrupted run's state. The
+torchrun) is killed with SIGKILL or sent SIGTERM / SIGUSR1 / SIGINT at a chosen step or save,
+by the run itself at a failpoint (``IMAGENET_FAILPOINTS``: the signal is real, its handler the
+trainer's own); resumed runs must end with exactly the uninterrupted run's state. The tests of
+signals from outside at outside times (during start-up, to a torchrun worker) send their own. The
 flags use everything that carries state across a resume: MixUp/CutMix (the training step's RNG),
 random erasing (the data pipeline's RNG), EMA, a warm-up + cosine schedule, label smoothing;
 the fp16 GradScaler has a test of its own.
@@ -19,7 +21,6 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,10 +28,8 @@ import torch
 from helpers import (
     MAIN,
     SMALL_ARCH,
-    NeverReached,
     child_env,
-    hold_group,
-    hold_until_saved,
+    fault_at,
     load_checkpoint,
     prestarted_cmd,
     run_group,
@@ -72,7 +71,6 @@ class Live:
                                                    IMAGENET_TEST_RUN_PIDFILE=str(self.pidfile),
                                                    **env))
         self.lines: list[str] = []
-        self._reader: threading.Thread | None = None  # hold_at's
         self._watchdog = threading.Timer(timeout, self.kill_all)
         self._watchdog.start()
 
@@ -83,38 +81,6 @@ class Live:
             if text in line:
                 return
         raise AssertionError(f"'{text}' never printed:\n{self.output}")
-
-    def hold_at(self, text: str, go_on: float = 0.01, timeout: float = 300) -> None:
-        """``wait_for``, with the run held (``helpers.hold_group``: let on ``go_on`` seconds at a
-        time, stopped and continued): when a line contains ``text`` the run is left stopped
-        (SIGSTOP) within about one slice of printing it, however late this process reads it. A
-        signal sent at a line read late - three test workers on two busy cores - landed after
-        the epoch's last step, in its validation. The caller signals the group, then lets it
-        go on (SIGCONT)."""
-        seen, ended = threading.Event(), threading.Event()
-
-        def read() -> None:
-            for line in self.proc.stdout:  # type: ignore[union-attr]
-                self.lines.append(line)
-                if text in line:
-                    seen.set()
-            ended.set()
-
-        def printed() -> bool | None:
-            if seen.is_set():
-                return True
-            if ended.is_set():
-                raise NeverReached("the output ended")
-            return None
-
-        self._reader = threading.Thread(target=read, daemon=True)
-        self._reader.start()
-        try:
-            hold_group(self.group, printed, timeout, go_on,
-                       pipe=(self.proc.stdout.fileno(), self._reader))  # type: ignore[union-attr]
-        except NeverReached as why:
-            self.signal_group(signal.SIGCONT)
-            raise AssertionError(f"'{text}' never printed ({why}):\n{self.output}") from None
 
     @property
     def group(self) -> int:
@@ -150,10 +116,7 @@ class Live:
 
     def finish(self) -> int:
         """Read the rest of the output; the exit code."""
-        if self._reader is not None:
-            self._reader.join()
-        else:
-            self.lines.extend(self.proc.stdout)  # type: ignore[arg-type]
+        self.lines.extend(self.proc.stdout)  # type: ignore[arg-type]
         code = self.proc.wait()
         self._watchdog.cancel()
         self.pidfile.unlink(missing_ok=True)
@@ -178,24 +141,11 @@ def run_to_end(cmd: list[str]) -> str:
     return live.output
 
 
-def kill_at(cmd: list[str], line: str, sig: int = signal.SIGKILL,
-            saved: Callable[[tuple[int, int]], bool] | None = None, out: Path | None = None,
-            go_on: float = 0.01) -> tuple[int, str]:
-    """Start ``cmd``, send ``sig`` to its process group when ``line`` is printed (and, with
-    ``saved``, once ``out``'s checkpoint is at a position (epoch, step_in_epoch) that it takes:
-    saves are written in the background, so a save point printed is not yet a file on disk; a
-    SIGKILL cannot wait for the write). Without ``saved`` the run is held at ``line``
-    (``Live.hold_at``, let on ``go_on`` seconds at a time): the signal lands within a slice of
-    it."""
-    live = Live(cmd)
-    if saved is not None:
-        assert out is not None
-        live.wait_for(line)
-        hold_until_saved(live.group, out / "checkpoint.pth.tar", saved)
-    else:
-        live.hold_at(line, go_on=go_on)
-    live.signal_group(sig)
-    live.signal_group(signal.SIGCONT)  # held: a signal but SIGKILL waits for it
+def fault_run(cmd: list[str], faults: str) -> tuple[int, str]:
+    """Run ``cmd`` to its end with the failpoints ``faults`` armed (``IMAGENET_FAILPOINTS``,
+    see ``helpers.fault_at``): the run signals or kills itself where they say. Its exit code
+    and output."""
+    live = Live(cmd, IMAGENET_FAILPOINTS=faults)
     code = live.finish()
     return code, live.output
 
@@ -258,8 +208,10 @@ def step_line(epoch: int, step: int) -> str:
 def boundary_kill_then_finish(cmd: list[str], out: Path, resumed_step: int) -> None:
     """Resume ``cmd`` (no mid-epoch saves) from step ``resumed_step`` of epoch 0, SIGKILL it in
     epoch 1 so that it resumes from the epoch-end checkpoint, then run it to the end."""
-    code, output = kill_at([*cmd, "--resume", "auto"], step_line(1, 2),
-                           saved=lambda at: at[0] == 1, out=out)
+    # Its saves: the trained epoch 0 before its validation, then epoch 0's end: killed (the
+    # whole job) once that one is on disk, while epoch 1 trains.
+    code, output = fault_run([*cmd, "--resume", "auto"],
+                             fault_at("save.done", 2, "sigkill(group)"))
     assert code in (-signal.SIGKILL, 128 + signal.SIGKILL), output
     assert f"(epoch 0, step {resumed_step}," in output, output
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
@@ -282,13 +234,13 @@ def test_sigkill_mid_epoch_and_at_epoch_boundary_resume_bitwise(data, reference,
     flags, workers, ref, per_process = LAYOUTS[layout]
     out = tmp_path / "out"
     cmd = run_cmd(data, out, *flags, "-j", workers)
-    # Mid-epoch: checkpoints every 2 steps, killed after step 3 -> resumes at step 2 or 4.
-    code, output = kill_at([*cmd, "--save-every", "2"], step_line(0, 3), out=out,
-                           saved=lambda at: at[1] >= 2)
+    # Mid-epoch: checkpoints every 2 steps; the whole job killed once step 2's is on disk.
+    code, output = fault_run([*cmd, "--save-every", "2"],
+                             fault_at("save.done", 1, "sigkill(group)"))
     assert code == -signal.SIGKILL, output
     assert f"; {per_process} loader worker(s) per process;" in output, output
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
-    assert ckpt["epoch"] == 0 and ckpt["step_in_epoch"] in (2, 4), output
+    assert (ckpt["epoch"], ckpt["step_in_epoch"]) == (0, 2), output
     assert len(ckpt["rng"]) == ckpt["world_size"] == (2 if flags is SPAWN else 1)
     boundary_kill_then_finish(cmd, out, ckpt["step_in_epoch"])
     assert_same_run(out, reference[ref])
@@ -299,14 +251,13 @@ def test_sigterm_finishes_the_step_saves_and_exits_143(data, reference, tmp_path
     out = tmp_path / "out"
     # To the whole group, as SLURM does: the two loader workers must ignore it.
     cmd = run_cmd(data, out, *SINGLE, "-j", "2")
-    code, output = kill_at(cmd, step_line(0, 3), signal.SIGTERM)
+    code, output = fault_run(cmd, fault_at("train.step", 3, "sigterm(group)"))
     assert code == 143, output
     assert "SIGTERM received" in output and "Traceback" not in output
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     stopped = re.search(r"stopped by SIGTERM at epoch 0 step (\d+)", output)
     assert stopped, output
-    assert ckpt["epoch"] == 0 and ckpt["step_in_epoch"] == int(stopped.group(1))
-    assert 3 <= ckpt["step_in_epoch"] < STEPS
+    assert (ckpt["epoch"], ckpt["step_in_epoch"]) == (0, int(stopped.group(1))) == (0, 3)
     output = run_to_end([*cmd, "--resume", "auto"])
     first = PROGRESS.search(output)
     assert first and int(first.group(2)) == ckpt["step_in_epoch"] + 1, output
@@ -319,12 +270,15 @@ def test_sigusr1_under_spawn_then_sigkill_at_epoch_boundary_resume_bitwise(data,
     out = tmp_path / "out"
     # SLURM's --signal reaches the parent, both ranks and their loader workers; the parent
     # forwards it as well, so each rank gets it twice: that must still count as one signal.
-    code, output = kill_at(run_cmd(data, out, *SPAWN, "-j", "2"), step_line(0, 2),
-                           signal.SIGUSR1)
+    # Rank 0 sends it to the job's group after its second step; with two ranks the stop is
+    # agreed one step later (StopFlag.should_stop): both finish step 3, save it, exit.
+    code, output = fault_run(run_cmd(data, out, *SPAWN, "-j", "2"),
+                             fault_at("train.step@0", 2, "sigusr1(group)"))
     assert code == 143, output
     assert "stopped by SIGUSR1" in output and "without saving" not in output, output
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
-    assert ckpt["epoch"] == 0 and 2 <= ckpt["step_in_epoch"] < STEPS
+    assert (ckpt["epoch"], ckpt["step_in_epoch"]) == (0, 3), output
+    assert "stopped by SIGUSR1 at epoch 0 step 3;" in output, output
     assert len(ckpt["rng"]) == 2 and ckpt["world_size"] == 2
     # The rest without loader workers: the data, and so the result, do not depend on them.
     boundary_kill_then_finish(run_cmd(data, out, *SPAWN, "-j", "0"), out, ckpt["step_in_epoch"])
@@ -334,12 +288,13 @@ def test_sigusr1_under_spawn_then_sigkill_at_epoch_boundary_resume_bitwise(data,
 @pytest.mark.slow
 def test_ctrl_c_saves_too(data, tmp_path):
     out = tmp_path / "out"
-    code, output = kill_at(run_cmd(data, out, *SINGLE, "-j", "2"), step_line(0, 2),
-                           signal.SIGINT)
+    # Ctrl-C reaches the terminal's whole group: the loader workers must ignore it.
+    code, output = fault_run(run_cmd(data, out, *SINGLE, "-j", "2"),
+                             fault_at("train.step", 2, "sigint(group)"))
     assert code == 143, output
     assert "SIGINT received" in output and "Traceback" not in output
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
-    assert ckpt["epoch"] == 0 and ckpt["step_in_epoch"] >= 2
+    assert (ckpt["epoch"], ckpt["step_in_epoch"]) == (0, 2), output
 
 
 @pytest.mark.slow
@@ -370,11 +325,13 @@ def test_fp16_grad_scaler_state_is_checkpointed_and_restored_bitwise(data, tmp_p
     run_to_end(run_cmd(data, reference, flags=flags))
     out = tmp_path / "out"
     cmd = run_cmd(data, out, flags=flags)
-    code, output = kill_at([*cmd, "--save-every", "2"], step_line(1, 3), out=out,
-                           saved=lambda at: at >= (1, 2))
+    # Saves at steps 2 and 4, before epoch 0's validation, at its end, then at epoch 1's step
+    # 2: killed once that fifth one is on disk.
+    code, output = fault_run([*cmd, "--save-every", "2"],
+                             fault_at("save.done", 5, "sigkill(group)"))
     assert code == -signal.SIGKILL, output
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
-    assert ckpt["epoch"] == 1 and ckpt["step_in_epoch"] in (2, 4), output
+    assert (ckpt["epoch"], ckpt["step_in_epoch"]) == (1, 2), output
     # Every step moves the scaler (a skipped step halves the scale, a good one counts towards
     # growth): a resume that started from a fresh scaler would end elsewhere.
     assert ckpt["scaler"] != torch.amp.GradScaler("cpu").state_dict(), ckpt["scaler"]
@@ -398,10 +355,10 @@ def test_three_processes_resume_bitwise(data, tmp_path):
     run_to_end(run_cmd(data, reference, flags=flags))
     out = tmp_path / "out"
     cmd = run_cmd(data, out, flags=flags)
-    code, output = kill_at([*cmd, "--save-every", "2"], "Epoch: [0][3/4]", out=out,
-                           saved=lambda at: at[1] >= 2)
+    code, output = fault_run([*cmd, "--save-every", "2"],
+                             fault_at("save.done", 1, "sigkill(group)"))
     assert code == -signal.SIGKILL, output
-    assert load_checkpoint(out / "checkpoint.pth.tar")["step_in_epoch"] in (2, 4), output
+    assert load_checkpoint(out / "checkpoint.pth.tar")["step_in_epoch"] == 2, output
     run_to_end([*cmd, "--resume", "auto"])
     assert_same_run(out, reference)
 

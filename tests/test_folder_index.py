@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from helpers import (
     SMALL_ARCH,
     TINY,
     child_env,
+    fault_at,
     load_checkpoint,
     main_cmd,
     run_main,
@@ -375,15 +375,13 @@ def test_a_requeued_run_reads_the_index_starts_loading_early_and_ends_bitwise(tm
     proc = run_main(*flags, "--output-dir", str(whole))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = tmp_path / "out"
-    leg = Leg(main_cmd(*flags, "--output-dir", str(out)), tmp_path / "leg1.txt")
-    if leg.hold_at("Epoch: [1][3/6]"):  # the run held there: the signal lands within a step
-        leg.send(signal.SIGTERM, group=True)
-        leg.send(signal.SIGCONT, group=True)
+    # SIGTERM to the whole group (as SLURM sends it) after step 3 of epoch 1: the run
+    # finishes that step, saves it and exits.
+    leg = Leg(main_cmd(*flags, "--output-dir", str(out)), tmp_path / "leg1.txt",
+              {"IMAGENET_FAILPOINTS": fault_at("train.step", 9, "sigterm(group)")})
     assert leg.wait() == 143, leg.output
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
-    # Mid-epoch, at the line or a step or two after it: the run finishes the step the signal
-    # lands in (held at the line, the run is at most a step past it).
-    assert ckpt["epoch"] == 1 and 3 <= ckpt["step_in_epoch"] < 6, leg.output
+    assert (ckpt["epoch"], ckpt["step_in_epoch"]) == (1, 3), leg.output
     proc = run_main(*flags, "--output-dir", str(out), "--resume", "auto")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     first, requeued = starts(out)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torchvision
-from helpers import SMALL_ARCH, child_env, load_checkpoint, run_main, write_image_folder
+from helpers import SMALL_ARCH, child_env, fault_at, load_checkpoint, run_main, write_image_folder
 from test_fault_tolerance import (
     FLAGS,
     RUN_STATE,
@@ -25,10 +25,9 @@ from test_fault_tolerance import (
     SPAWN,
     assert_equal,
     assert_same_run,
-    kill_at,
+    fault_run,
     run_cmd,
     run_to_end,
-    step_line,
 )
 
 from imagenet.checkpoint import files, rundir
@@ -50,10 +49,10 @@ def runs(data, tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("runs")
     run_to_end(run_cmd(data, base / "ddp1", *SPAWN, "-j", "0", "--epochs", "1"))
     cmd = run_cmd(data, base / "fsdp1", *FSDP, "-j", "0", "--epochs", "1", "--save-every", "2")
-    code, output = kill_at(cmd, step_line(0, 3), out=base / "fsdp1",
-                           saved=lambda at: at[1] >= 2)
+    # The whole job killed once step 2's checkpoint is on disk.
+    code, output = fault_run(cmd, fault_at("save.done", 1, "sigkill(group)"))
     assert code == -signal.SIGKILL, output
-    assert load_checkpoint(base / "fsdp1" / "checkpoint.pth.tar")["step_in_epoch"] in (2, 4)
+    assert load_checkpoint(base / "fsdp1" / "checkpoint.pth.tar")["step_in_epoch"] == 2
     output = run_to_end([*cmd, "--resume", "auto"])
     assert "=> FSDP over 2 processes (ZeRO-3): InvertedResidual x16 + root" in output, output
     for mode, source in (("ddp2", "fsdp1"), ("fsdp2", "ddp1")):
@@ -104,7 +103,9 @@ def test_sharded_checkpoint_directory_resumes_and_converts_to_the_classic_file(r
     out = tmp_path / "sharded"
     cmd = run_cmd(data, out, *FSDP, "-j", "0", "--epochs", "1", "--save-every", "2",
                   "--sharded-checkpoint")
-    code, output = kill_at(cmd, step_line(0, 3))
+    # Rank 0 kills the whole job after step 3: the directory of step 2 is whole (every rank
+    # writes its shards before training on).
+    code, output = fault_run(cmd, fault_at("train.step@0", 3, "sigkill(group)"))
     assert code == -signal.SIGKILL, output
     assert not (out / "checkpoint.pth.tar").exists()
     run_to_end([*cmd, "--resume", "auto"])

@@ -29,11 +29,14 @@ from helpers import (
     TwoHosts,
     Unavailable,
     child_env,
+    fault_at,
     ip,
     load_checkpoint,
     run_parallel,
     write_image_folder,
 )
+
+from imagenet.launching.failures import is_stopped
 
 RUN_MULTINODE = ROOT / "run_multinode.sh"
 
@@ -101,19 +104,20 @@ def _host_cmd(names: list[str], rank: int, data: Path, out: Path, port: int,
             "--output-dir", str(out), *extra]
 
 
-def _both(names: list[str], data: Path, out: Path, port: int, *extra: str):
+def _both(names: list[str], data: Path, out: Path, port: int, *extra: str, **env: str):
     from test_fault_tolerance import Live
 
-    return [Live(_host_cmd(names, r, data, out, port, *extra), timeout=600) for r in range(2)]
+    return [Live(_host_cmd(names, r, data, out, port, *extra), timeout=600, **env)
+            for r in range(2)]
 
 
-def _catch_a_save(out: Path, within: float = 120) -> bool:
-    """Poll until rank 0's writer has a checkpoint half written (its temporary file)."""
+def _stopped(pid: int, within: float = 120) -> bool:
+    """Wait until ``pid`` has stopped itself (SIGSTOP at a failpoint)."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        if any(p.name.startswith(".checkpoint.pth.tar.tmp-") for p in out.iterdir()):
+        if is_stopped(pid):
             return True
-        time.sleep(0.002)
+        time.sleep(0.05)
     return False
 
 
@@ -137,19 +141,22 @@ def lost_link_data(tmp_path_factory) -> tuple[Path, Path]:
 def test_a_lost_link_ends_both_hosts_and_the_resume_matches(lost_link_data, two_hosts,
                                                             tmp_path: Path, when):
     """The veth link taken down in the middle of epoch 1 (mid-step), or while rank 0 writes a
-    checkpoint (mid-save: rank 0 held with SIGSTOP while its writer's file is half written):
+    checkpoint (mid-save: rank 0 stopped, SIGSTOP, while its writer's temp file is open):
     each host's --hang-timeout watch ends its rank with one line and the requeue code within
     the timeout + 60 s, the checkpoint on disk is whole, and --resume auto on the link brought
     back up ends exactly as an uninterrupted run."""
     names, ends = two_hosts
     data, whole = lost_link_data
     out = tmp_path / "out"
-    ranks = _both(names, data, out, 29511)
+    # Mid-save: rank 0 stops itself (SIGSTOP, a failpoint) as it writes epoch 1's first
+    # checkpoint (after steps 2 and 4 of epoch 0, its validation and its end).
+    faults = fault_at("save.write@0", 5, "sigstop") if when == "mid-save" else ""
+    ranks = _both(names, data, out, 29511, IMAGENET_FAILPOINTS=faults)
     ranks[0].wait_for("Epoch: [1][")
     if when == "mid-save":
-        out.mkdir(exist_ok=True)
-        assert _catch_a_save(out), "no checkpoint write was seen"
-        os.kill(ranks[0].proc.pid, signal.SIGSTOP)  # ip, unshare and sh exec python itself
+        # ip, unshare and sh exec python itself: the pid is rank 0's
+        assert _stopped(ranks[0].proc.pid), "rank 0 never stopped in a checkpoint write"
+        assert [p for p in out.iterdir() if p.name.startswith(".checkpoint.pth.tar.tmp-")]
     assert ip("-n", names[1], "link", "set", ends[1], "down").returncode == 0
     lost = time.monotonic()
     if when == "mid-save":

@@ -21,31 +21,22 @@ squeezenet1_1 keeps checkpoints small (5 MB) and steps fast: only the schedule i
 
 from __future__ import annotations
 
-import contextlib
 import math
 import multiprocessing
-import os
 import re
-import shutil
 import signal
 import subprocess
-import tempfile
-import uuid
-from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import (
-    WentPast,
     child_env,
-    hold_once_saved,
+    fault_at,
     load_checkpoint,
     prestarted_cmd,
-    run_group,
 )
 
 IMAGES = 96
@@ -102,56 +93,42 @@ def command(out: Path, layout: Layout, extra: tuple[str, ...] = (), resume: bool
                           *(["--resume", "auto"] if resume else []))
 
 
-def stop_line(stop: tuple[str, int] | None, layout: Layout) -> str | None:
-    """The progress line after which a leg is killed (see STOPS)."""
-    if stop is None:
-        return None
+def start_step(ckpt: dict | None, layout: Layout) -> tuple[int, int]:
+    """(epoch, step) of ``layout`` at which a run resumed from ``ckpt`` goes on (None: a fresh
+    run): mid-epoch, the step from which the rest of the epoch ends on its boundary."""
+    if ckpt is None:
+        return 0, 0
+    images = ckpt["sampler"].get("images", ckpt["sampler"]["start"] * ckpt["world_size"]) \
+        if ckpt["step_in_epoch"] else 0
+    return ckpt["epoch"], layout.steps - math.ceil((IMAGES - images) / layout.global_batch)
+
+
+def saves_until(start: tuple[int, int], layout: Layout, stop: tuple[str, int]) -> int:
+    """How many checkpoints a leg starting at ``start`` writes up to the one it is killed after
+    (STOPS): every ``save_every`` steps, before each validation, at each epoch's end."""
     kind, epoch = stop
-    return rf"Epoch: \[{epoch}\]\[\s*{layout.save_every + 1 if kind == 'mid' else 1}/"
+    target = (epoch, layout.save_every) if kind == "mid" else (epoch, 0)
+    count, (e, first) = 0, start
+    while True:
+        mid = [(e, j) for j in range(first + 1, layout.steps) if j % layout.save_every == 0]
+        for position in [*mid, (e, layout.steps), (e + 1, 0)]:
+            count += 1
+            if position == target:
+                return count
+        e, first = e + 1, 0
 
 
-def run_leg(cmd: list[str], stop: str | None, log: Path,
-            saved: tuple[Path, tuple[int, int]] | None = None) -> str:
-    """Run ``cmd``; SIGKILL its process group when a line matches ``stop`` and (``saved``) the
-    checkpoint file holds that (epoch, step_in_epoch): checkpoints are written in the
-    background, and a kill before the write is in place would leave the previous one. A
-    ``prestarted_cmd`` is signalled in the forked run's process group (``helpers.run_group``)."""
-    pidfile = Path(tempfile.gettempdir()) / f"imagenet-run-{uuid.uuid4().hex}.pid"
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=child_env(PYTHONUNBUFFERED="1",
-                                          IMAGENET_TEST_RUN_PIDFILE=str(pidfile)),
-                            start_new_session=True)
-    lines = []
-    try:
-        # The run at a lower priority than this process: the look at the checkpoint between
-        # two saves (hold_once_saved) is not starved by the four training processes of the two
-        # chains (under load it missed the epoch boundary's file: "went past [(3, 0)]: (3, 2)").
-        group = run_group(proc, pidfile)
-        with contextlib.suppress(ProcessLookupError):
-            os.setpriority(os.PRIO_PGRP, group, 10)
-        for line in proc.stdout:  # type: ignore[union-attr]
-            lines.append(line)
-            if stop and re.search(stop, line):
-                if saved is not None:
-                    # 1 ms at a time: two saves land within one look's gap of 10 ms under
-                    # load (W2 saves every 2 steps: "went past [(2, 2)]: (2, 4)").
-                    try:
-                        hold_once_saved(group, saved[0], [saved[1]], go_on=0.001)
-                    except WentPast:
-                        os.killpg(group, signal.SIGKILL)
-                        proc.wait(timeout=60)  # the run is gone: its folder can be restored
-                        raise
-                os.killpg(group, signal.SIGKILL)
-                stop = None
-        code = proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the client: a forked run follows it
-        pidfile.unlink(missing_ok=True)
-    output = "".join(lines)
-    log.write_text(output)
-    assert code in (0, -signal.SIGKILL) and stop is None, output
-    return output
+def run_leg(cmd: list[str], saves: int | None, log: Path) -> str:
+    """Run ``cmd``; with ``saves``, the run SIGKILLs its whole process group (a failpoint in
+    its checkpoint writer) once its ``saves``-th checkpoint is on disk."""
+    faults = fault_at("save.done", saves, "sigkill(group)") if saves else ""
+    # A session of its own: the kill is to the run's whole group, never to this process's.
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=child_env(IMAGENET_FAILPOINTS=faults), timeout=300,
+                          start_new_session=True)
+    log.write_text(proc.stdout)
+    assert proc.returncode == (-signal.SIGKILL if saves else 0), proc.stdout
+    return proc.stdout
 
 
 @dataclass
@@ -166,38 +143,13 @@ class Leg:
     output: str
 
 
-def leg_once_held(out: Path, leg: Callable[[], str], tries: int = 3) -> str:
-    """``leg()``, run again from the folder ``out`` held before it when the leg saved past
-    the checkpoint it was to be killed at (``WentPast``): two saves can land between two looks
-    on a loaded machine (W2 saves every 2 steps). The retry starts from the same files, so the
-    chain is the one the matrix describes; only the stop's timing is tried again."""
-    before = out.with_name(out.name + ".before")
-    shutil.rmtree(before, ignore_errors=True)
-    if out.exists():
-        shutil.copytree(out, before, symlinks=True)
-    for attempt in range(tries):
-        try:
-            return leg()
-        except WentPast:
-            if attempt == tries - 1:
-                raise
-            shutil.rmtree(out)
-            if before.exists():
-                shutil.copytree(before, out, symlinks=True)
-    raise AssertionError("unreachable")
-
-
 def run_chain(out: Path, legs: list[tuple[Layout, tuple[str, ...]]], stops: list) -> list[Leg]:
     """Run the legs one after the other in ``out``; the resumed ones, described."""
     resumed = []
     for i, ((layout, extra), stop) in enumerate(zip(legs, stops)):
         ckpt = load_checkpoint(out / "checkpoint.pth.tar") if i else None
-        position = None if stop is None else \
-            (stop[1], layout.save_every) if stop[0] == "mid" else (stop[1], 0)
-        output = leg_once_held(out, partial(
-            run_leg, command(out, layout, extra, resume=i > 0), stop_line(stop, layout),
-            out / f"leg{i}.log",
-            None if position is None else (out / "checkpoint.pth.tar", position)))
+        saves = None if stop is None else saves_until(start_step(ckpt, layout), layout, stop)
+        output = run_leg(command(out, layout, extra, resume=i > 0), saves, out / f"leg{i}.log")
         if ckpt is not None:
             sampler = ckpt["sampler"]
             images = sampler.get("images", sampler["start"] * ckpt["world_size"]) \
@@ -229,9 +181,7 @@ def runs(tmp_path_factory) -> dict:
     for name, (layout, extra) in fresh.items():
         jobs[f"fresh {name}"] = (run_leg, command(base / f"fresh {name}", layout, extra), None,
                                  base / f"fresh {name}.log")
-    # Two processes, not two threads: a chain waiting for a checkpoint (hold_once_saved) holds
-    # the GIL as it reads the file, and the other chain's reader, starved, saw its stop line
-    # steps late, past the save it was to stop at ("went past [(2, 5)]: (2, 10)", under load).
+    # Two at a time: the two cores busy.
     with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("fork")) \
             as pool:
         futures = {name: pool.submit(*job) for name, job in jobs.items()}
@@ -329,8 +279,7 @@ def test_shards_start_an_epoch_over_when_another_layout_resumes_it(tmp_path):
              "--val-crop-size", "32", "-j", "0", "-p", "1", "--seed", "0", *SCHEDULE]
     out = tmp_path / "out"
     run_leg(prestarted_cmd(str(tmp_path / "shards"), *flags, "-b", "8", "--save-every", "3",
-                           "--output-dir", str(out)), r"Epoch: \[0\]\[\s*4/",
-            tmp_path / "leg0.log", (out / "checkpoint.pth.tar", (0, 3)))
+                           "--output-dir", str(out)), 1, tmp_path / "leg0.log")
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["sampler"]["images"]) == (0, 3, 24)
     output = run_leg(prestarted_cmd(str(tmp_path / "shards"), *flags, "-b", "12",

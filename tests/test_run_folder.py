@@ -1,7 +1,8 @@
 """One output folder, one run: the lock, the history of earlier runs, and only good state kept.
 
-Real main.py processes on real folders: a run that holds OUTPUT_DIR is paused (SIGSTOP) in the
-middle of a save while other invocations try the same folder; files are compared by sha256.
+Real main.py processes on real folders: a run that holds OUTPUT_DIR pauses itself (SIGSTOP at a
+failpoint) in the middle of a save while other invocations try the same folder; files are
+compared by sha256.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from helpers import (
     TINY,
     TINY18,
     child_env,
+    fault_at,
     load_checkpoint,
     main_cmd,
     run_main,
@@ -32,6 +34,7 @@ from helpers import (
 
 from imagenet.cli import main
 from imagenet.errors import CheckpointError, RunError
+from imagenet.launching.failures import is_stopped
 
 pytestmark = pytest.mark.slow
 
@@ -102,11 +105,14 @@ def test_the_holder_of_a_folder_is_never_disturbed_and_a_second_run_is_refused(f
                                                                               tmp_path):
     data, _ = finished
     out = tmp_path / "out"
-    # Run A: a save every step; paused (SIGSTOP) while a save's temp file exists.
+    # Run A: a save every step; it pauses itself (SIGSTOP, a failpoint) as it writes its second
+    # checkpoint's temp file, the first one in place.
     run_a = subprocess.Popen(main_cmd(str(data), *TINY, "--epochs", "1", "--save-every", "1",
                                       "--seed", "1", "--output-dir", str(out)),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env=child_env(), start_new_session=True)
+                             env=child_env(IMAGENET_FAILPOINTS=fault_at("save.write", 2,
+                                                                        "sigstop")),
+                             start_new_session=True)
     try:
         temp = pause_during_a_save(run_a, out)
         # -e reads without a lock and deletes nothing: A's temp file stays.
@@ -136,17 +142,15 @@ def test_the_holder_of_a_folder_is_never_disturbed_and_a_second_run_is_refused(f
 
 
 def pause_during_a_save(proc: subprocess.Popen, out: Path) -> Path:
-    """SIGSTOP ``proc`` while it writes a checkpoint temp file (after its first save)."""
+    """The temp file of the checkpoint ``proc`` is writing, once it has stopped itself there."""
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        temps = list(out.glob(".checkpoint.pth.tar.tmp-*"))
-        if temps and (out / "checkpoint.pth.tar").exists():
-            os.killpg(proc.pid, signal.SIGSTOP)
-            if temps[0].exists():
-                return temps[0]
-            os.killpg(proc.pid, signal.SIGCONT)  # the save ended in between: next one
-        time.sleep(0.002)
-    raise AssertionError(f"never caught a save in progress: {proc.communicate()[0]}")
+    while not is_stopped(proc.pid):
+        assert proc.poll() is None and time.monotonic() < deadline, \
+            f"never stopped in a save: {proc.communicate()[0] if proc.poll() else ''}"
+        time.sleep(0.05)
+    (temp,) = out.glob(".checkpoint.pth.tar.tmp-*")
+    assert (out / "checkpoint.pth.tar").exists()
+    return temp
 
 
 def test_a_killed_run_leaves_no_stale_lock(tmp_path):

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import hold_once_saved, load_checkpoint, prestarted_cmd, write_image_folder
+from helpers import fault_at, load_checkpoint, prestarted_cmd, write_image_folder
 from test_fault_tolerance import RUN_STATE, Live, assert_equal
 from test_training_controls import fake_squeue
 
@@ -42,14 +42,11 @@ def run(command: list[str], **env: str) -> tuple[int, str]:
     return live.finish(), live.output
 
 
-def kill_after(command: list[str], line: str, saved: tuple[Path, list[tuple[int, int]]],
-               **env: str) -> str:
-    """SIGKILL the run (its whole process group) once ``line`` is printed and the checkpoint
-    ``saved`` names holds one of its positions (it is written in the background)."""
-    live = Live(command, **env)
-    live.wait_for(line)
-    hold_once_saved(live.group, *saved)
-    live.signal_group(signal.SIGKILL)
+def kill_after(command: list[str], saves: int, **env: str) -> str:
+    """SIGKILL the run (its whole process group, from its checkpoint writer: a failpoint) once
+    its ``saves``-th checkpoint is on disk."""
+    live = Live(command, IMAGENET_FAILPOINTS=fault_at("save.done", saves, "sigkill(group)"),
+                **env)
     assert live.finish() == -signal.SIGKILL, live.output
     return live.output
 
@@ -111,12 +108,13 @@ def test_a_chain_of_time_limited_jobs_ends_as_the_uninterrupted_run(data, refere
     # The next job's end time comes from squeue (a real process on PATH), an hour ahead. It is
     # killed mid-epoch (after a --save-every checkpoint) in the middle of the ramp...
     squeue = fake_squeue(tmp_path / "bin", "date -d '+1 hour' +%Y-%m-%dT%H:%M:%S")
-    output = kill_after([*job, "-j", "0", "--save-every", "2"], "Epoch: [1][3/6]",
-                        (out / "checkpoint.pth.tar", [(1, 2), (1, 4)]), **squeue)
+    # From step 1: saves at steps 2 and 4, before epoch 0's validation, at its end, then at
+    # epoch 1's step 2, the fifth.
+    output = kill_after([*job, "-j", "0", "--save-every", "2"], 5, **squeue)
     assert re.search(r"=> time limit: stopping in time to save before the end of SLURM job 4242 "
                      r"at .* \(59 min \d\d s from now\)", output), output
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
-    assert (ckpt["epoch"], ckpt["step_in_epoch"]) in ((1, 2), (1, 4)), output
+    assert (ckpt["epoch"], ckpt["step_in_epoch"]) == (1, 2), output
     # ... and the one after it finishes (with loader workers: each builds the epoch's crop).
     later = {**slurm, "SLURM_JOB_END_TIME": str(int(time.time()) + 3600)}
     code, output = run([*job, "-j", "2"], **later)
@@ -143,8 +141,9 @@ def test_two_ranks_stop_at_the_same_step_and_resume_bitwise(data, reference, tmp
     assert "[rank 1] time limit: stopped at epoch 0 step 2;" in output, output
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
     assert (ckpt["step_in_epoch"], ckpt["world_size"]) == (2, 2)
-    kill_after([*job, "--save-every", "2"], "Epoch: [1][3/6]",
-               (out / "checkpoint.pth.tar", [(1, 2), (1, 4)]))
+    # From step 2: saves at step 4, before epoch 0's validation, at its end, at epoch 1's step 2.
+    kill_after([*job, "--save-every", "2"], 4)
+    assert load_checkpoint(out / "checkpoint.pth.tar")["step_in_epoch"] == 2
     shutil.copytree(out, tmp_path / "killed")  # for the world-size change below
     code, output = run(job)
     assert code == 0 and crops(output) == SIZES[1:], output

@@ -26,13 +26,14 @@ from chaos import Leg
 from helpers import (
     MAIN,
     child_env,
+    fault_at,
     load_checkpoint,
     main_cmd,
     prestarted_cmd,
     run_main,
     write_image_folder,
 )
-from test_fault_tolerance import kill_at
+from test_fault_tolerance import fault_run
 
 from imagenet.data.folder import shutdown_workers
 from imagenet.settings.plan import fixed_plan
@@ -70,10 +71,10 @@ def ema_run(data, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("ema") / "out"
     cmd = main_cmd(str(data), *FLAGS, "--model-ema", "--model-ema-steps", "1", "--epochs", "2",
                    "--output-dir", str(out))
-    # The model's own summary line is printed; the EMA's validation is next. It takes ~10 ms
-    # on a quiet core: the run is held (let on 2 ms at a time) until the line.
-    code, stopped = kill_at(prestarted_cmd(*cmd[2:], "--seed", "0"), " * Acc@1",
-                            signal.SIGTERM, go_on=0.002)
+    # 9 validation images in batches of 8: the model's two, then the EMA's first, where the
+    # run sends itself SIGTERM.
+    code, stopped = fault_run(prestarted_cmd(*cmd[2:], "--seed", "0"),
+                              fault_at("validate.batch", 3, "sigterm"))
     ckpt = load_checkpoint(out / "checkpoint.pth.tar") if code == 143 else None
     resumed = run_main(*cmd[2:], "--seed", "1", "--resume", "auto")
     return {"out": out, "cmd": cmd, "code": code, "stopped": stopped, "ckpt": ckpt,
@@ -84,6 +85,8 @@ def ema_run(data, tmp_path_factory) -> dict:
 def test_a_signal_during_the_ema_validation_records_no_best_without_its_file(ema_run):
     assert ema_run["code"] == 143, ema_run["stopped"]
     assert "stopped by SIGTERM during the validation of epoch 0" in ema_run["stopped"]
+    # In the EMA's validation: the model's ended, the EMA's did not.
+    assert " * Acc@1 " in ema_run["stopped"] and "EMA Acc@1" not in ema_run["stopped"]
     assert "Traceback" not in ema_run["stopped"]
     ckpt, out = ema_run["ckpt"], ema_run["out"]
     # The trained epoch is saved, its validation is not: no best is recorded yet.

@@ -23,6 +23,7 @@ import torch
 
 import imagenet.launching.watchdog as watchdog
 from imagenet.errors import CheckpointError, UsageError, is_write_failure, write_failure
+from imagenet.settings.failpoints import failpoint
 from imagenet.training.models import is_sharded, without_dropped_aux
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,7 @@ def _save_and_sync(obj: Mapping[str, Any], path: Path) -> None:
     """torch.save into ``path`` and fsync; a full disk raises its OSError (ENOSPC, EFBIG)."""
     with open(path, "wb") as f:
         recorder = _WriteErrors(f)
+        failpoint("save.write")  # a fault placed where a checkpoint file is written
         try:
             torch.save(obj, recorder)
         except RuntimeError:

@@ -40,6 +40,7 @@ from imagenet.data.samplers import shard_batches
 from imagenet.errors import RunError, TrainerError, UsageError, on_every_rank
 from imagenet.launching.process_group import DistInfo, raise_agreed
 from imagenet.reporting.logger import RunLogger
+from imagenet.settings.failpoints import failpoint
 from imagenet.settings.flags import Config
 from imagenet.settings.images import image_backend
 from imagenet.settings.plan import Plan
@@ -88,6 +89,7 @@ def evaluate(engine: Engine, model: nn.Module, loader: Iterable, expected_count:
         if on_output is not None:
             on_output(output, target)
         watchdog.beat(f"validation batch {i + 1} of {total_batches} done")
+        failpoint("validate.batch")  # a fault placed after a validation batch (tests)
         watchdog.phase(f"waiting for validation batch {i + 2} of {total_batches}")
         if on_progress is not None and ((i + 1) % opts.print_freq == 0 or i + 1 == total_batches):
             local = sums.read()

@@ -43,6 +43,7 @@ from imagenet.launching.preemption import StopFlag
 from imagenet.launching.process_group import barrier
 from imagenet.run.build import Run
 from imagenet.run.outputs import Saved
+from imagenet.settings.failpoints import failpoint
 from imagenet.training.engine import EpochTotals, Step
 from imagenet.training.models import is_sharded
 from imagenet.training.optim import (
@@ -262,6 +263,7 @@ def write_checkpoint(out: Path, payload: dict[str, Any], is_best: bool,
     files.atomic_save(payload, out / files.CHECKPOINT, copies=best + ([kept] if kept else []))
     if entry is not None:
         rundir.prune(out, sharded=False)
+    failpoint("save.done")  # a fault placed once a checkpoint's files are in place (tests)
 
 
 def finish_saves(run: Run) -> float | None:

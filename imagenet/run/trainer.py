@@ -44,6 +44,7 @@ from imagenet.run.preflight import (
     nothing_left,
 )
 from imagenet.run.stopping import Stop, cache_counts, keep_compiled
+from imagenet.settings.failpoints import failpoint
 from imagenet.settings.flags import get_args_parser
 from imagenet.settings.images import image_backend
 from imagenet.settings.plan import Plan
@@ -203,6 +204,7 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
     """The epoch loop: train, validate, save (the best files with it), log."""
     start, record = time.perf_counter(), {}
     with Stop(run) as stop, Checkpointer(run, stop.flag) as saves, NextEpoch(run) as upcoming:
+        failpoint("train.start")  # a fault placed as training starts (tests)
         hooks = Hooks(on_progress=logger.progress_hook(),
                       after_step=first_step_timed(run, logger, saves.after_step))
         try:
@@ -219,6 +221,7 @@ def train(run: Run, logger: RunLogger) -> dict[str, float]:
                 run.step.step_in_epoch = 0
                 log_epoch(logger, run.step, record)
                 run.outputs.logged(run.dist.is_main)
+                failpoint("epoch.end")  # a fault placed at an epoch's end, once saved (tests)
                 stop.after_save()  # signalled during the save: the epoch is saved, stop now
             saves.finish()  # the last checkpoint is on disk before the run says it is done
         except StopRequested as exc:  # the one exit of a stopped run: every rank, saved

@@ -26,6 +26,7 @@ import imagenet.launching.watchdog as watchdog
 from imagenet.data.transforms import normalize
 from imagenet.errors import NonFiniteLossError, on_every_rank
 from imagenet.settings import devices
+from imagenet.settings.failpoints import failpoint
 from imagenet.training.meters import SUMS, DeviceSums, mean_loss, topk_correct
 from imagenet.training.models import compiles, no_sync
 
@@ -296,6 +297,7 @@ def train_one_epoch(engine: Engine, loader: Iterable, step: Step, hooks: Hooks =
         _optimizer_step(engine, step)
         step.step_in_epoch += 1
         step.global_step += 1
+        failpoint("train.step")  # a fault placed after a trained step (tests)
         where = f"of epoch {step.epoch}, step {step.step_in_epoch + 1} of {opts.steps_per_epoch}"
         watchdog.beat(f"epoch {step.epoch}, step {step.step_in_epoch} trained")
         totals.seconds = seconds_before + time.perf_counter() - start
