@@ -74,8 +74,9 @@ def test_each_recipe_states_its_reference_batch_and_gives_its_lr_there(recipe):
     text = recipe.read_text()
     assert f"reference batch {keys['lr-base-size']}" in text  # said in words too
     cfg = parse_config(["--config", str(recipe), "--dummy"])
+    power = 0.5 if keys.get("lr-base-scale") == "sqrt" else 1.0  # LAMB's recipes: sqrt
     assert make_plan(cfg, {}, 0, group=(0, 1)).cfg.lr == pytest.approx(
-        keys["lr-base"] * cfg.batch_size / keys["lr-base-size"])
+        keys["lr-base"] * (cfg.batch_size / keys["lr-base-size"]) ** power)
 
 
 @pytest.mark.slow

@@ -126,7 +126,9 @@ FRACTIONS = {"class_balanced_loss", "random_erase", "label_smoothing", "train_cr
 NEEDS = {"fsdp_zero": ["--fsdp"], "fsdp_cpu_offload": ["--fsdp"], "fsdp_reduce_dtype": ["--fsdp"],
          "sharded_checkpoint": ["--fsdp"], "compile_mode": ["--compile"],
          "train_crop_start": ["--train-crop-ramp", "1", "2"],
-         "train_crop_ramp": ["--train-crop-start", "64"], "weights": ["-a", "resnet50"]}
+         "train_crop_ramp": ["--train-crop-start", "64"], "weights": ["-a", "resnet50"],
+         "bce_target_thresh": ["--bce-loss"],
+         "distill_teacher_arch": ["--distill-teacher", "teacher.pth"]}
 OFF_WORDS = ("off", "none")
 SWEPT = [a for a in get_args_parser()._actions
          if a.dest not in ("help", "config", "local_rank", "env_check")]
