@@ -208,6 +208,7 @@ def test_train_uses_the_callers_process_group_and_leaves_it_alive(tmp_path):
     assert config["world_size"] == 2 and config["batch_per_process"] == 4
 
 
+@pytest.mark.slow
 def test_train_counts_the_time_limit_from_its_call(tmp_path, capsys):
     """A notebook calls imagenet.train long after Python started: --time-limit is the call's."""
     import re

@@ -123,6 +123,7 @@ def test_a_signal_action_sends_the_real_signal_to_this_process(armed):
         signal.signal(signal.SIGUSR1, previous)
 
 
+@pytest.mark.slow
 def test_a_signal_at_a_point_reaches_the_trainers_own_stop_handler():
     # The trainer's StopFlag, as train() installs it; the point passed twice, signalled once.
     code = ("from imagenet.launching.preemption import StopFlag\n"

@@ -386,6 +386,7 @@ def test_a_rank_that_dies_while_its_loader_worker_starts_leaves_no_worker_behind
     assert not left, "a loader worker outlived its training process"
 
 
+@pytest.mark.slow
 def test_a_worker_whose_training_process_ended_before_it_started_exits(tmp_path):
     """The mechanism of the test above, whatever the start method: a spawned process that gets
     to its ``worker_init_fn`` after its parent ended exits there instead of running on."""

@@ -164,6 +164,7 @@ def prepare(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=120)
 
 
+@pytest.mark.slow
 def test_prepare_skips_unlabeled_rows_and_refuses_a_label_past_the_classes(tmp_path, jpegs,
                                                                            capsys):
     from imagenet.tools import prepare as tool
@@ -243,6 +244,7 @@ sys.exit(main(["hf://datasets/owner/name", "-e", "--output-dir", sys.argv[1]]))
 """
 
 
+@pytest.mark.slow
 def test_hf_urls_without_the_hub_client_name_the_parquet_extra(tmp_path):
     proc = subprocess.run([sys.executable, "-c", HF_MISSING, str(tmp_path / "run")],
                           capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=120)

@@ -99,6 +99,7 @@ def test_brace_patterns_and_the_info_beside_them():
         beside("/data/{a,b}/train-{0..9}.tar", "_info.json")
 
 
+@pytest.mark.slow
 def test_the_data_argument_chooses_the_reader(shard_dir, tmp_path):
     assert data_format(str(shard_dir), "auto") == "shards"
     assert data_format(str(shard_dir.parent / "folder"), "auto") == "folder"
