@@ -66,6 +66,8 @@ def check_artifacts(out: Path, world: int, per_process: int, steps: int, results
     records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 1, "metrics.jsonl written by more than one rank"
     assert records[0]["val_count"] == VAL_IMAGES
+    # The training meters are every rank's, summed (a rank's own sums would say 1/world).
+    assert records[0]["train_images"] == TRAIN_IMAGES
     config = json.loads((out / "config.json").read_text())
     assert config["world_size"] == world and config["backend"] == "gloo"
     assert config["batch_per_process"] == per_process
