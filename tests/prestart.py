@@ -305,6 +305,6 @@ if __name__ == "__main__":
     request = serve(sock)
     become_main(request)
     fork_ranks()
-    from imagenet.cli import main
+    from imagenet.cli import end_process, main
 
-    sys.exit(main(own_process=True))
+    end_process(main(own_process=True))  # as main.py ends
