@@ -8,11 +8,18 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import ROOT, write_image_folder
 
 # The suite's own tooling, run by hand (tools/cpu_per_test.py is a plugin whose name ends in
 # _test.py): not test modules.
 collect_ignore = ["tools"]
+
+# The tests that compute in the test process do it on one thread, as every run they start does
+# (OMP_NUM_THREADS=1, helpers.child_env). Three xdist workers and their runs share two cores:
+# an OpenMP team of two threads whose partner waits for a core spins, and burned ~3x the CPU
+# (test_recipe_files beside two busy loops: 79 CPU-s with two threads, 26 with one).
+torch.set_num_threads(1)
 
 
 def untracked(root: Path) -> set[str]:

@@ -101,6 +101,12 @@ def prestarted_cmd(*args: str) -> list[str]:
         atexit.register(shutil.rmtree, folder, ignore_errors=True)  # after the server's kill
         sock = str(Path(folder) / "server")
         _prestart.update(socket=sock, server=start_prestart_server(sock))
+        # Until it listens (~5 s of imports): a run started before would find no server and
+        # start plainly, importing everything beside it.
+        deadline = time.monotonic() + 120
+        while not Path(sock).exists() and _prestart["server"].poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
     return [sys.executable, PRESTART, "run", str(_prestart["socket"]), *args]
 
 
@@ -393,6 +399,7 @@ def _as_the_caller(rank: int, fn, env: dict[str, str], cwd: str, *args) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    torch.set_num_threads(1)  # as a run's ranks (OMP_NUM_THREADS=1): several ranks share 2 cores
     fn(rank, *args)
 
 

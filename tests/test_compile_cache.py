@@ -26,7 +26,7 @@ from helpers import (  # noqa: E402
     child_env,
     fault_at,
     load_checkpoint,
-    main_cmd,
+    prestarted_cmd,
     run_main,
     start_ranks,
     write_image_folder,
@@ -198,7 +198,7 @@ def test_a_requeued_compiled_run_compiles_nothing_and_ends_bitwise(toolchain, tm
     torchvision.models.resnet18(num_classes=3).load_state_dict(ckpt["state_dict"])
     out = tmp_path / "out"
     # SIGTERM to the whole group (as SLURM sends it) after the first step of epoch 1.
-    leg = Leg(main_cmd(*flags, "--output-dir", str(out)), tmp_path / "leg1.txt",
+    leg = Leg(prestarted_cmd(*flags, "--output-dir", str(out)), tmp_path / "leg1.txt",
               {"IMAGENET_FAILPOINTS": fault_at("train.step", 4, "sigterm(group)")})
     assert leg.wait(timeout=900) == 143, leg.output
     assert "stopped by SIGTERM at epoch 1 step 1;" in leg.output, leg.output

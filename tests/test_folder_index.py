@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from helpers import (
     child_env,
     fault_at,
     load_checkpoint,
-    main_cmd,
+    prestarted_cmd,
     run_main,
     settled_folder,
     write_image_folder,
@@ -377,7 +376,7 @@ def test_a_requeued_run_reads_the_index_starts_loading_early_and_ends_bitwise(tm
     out = tmp_path / "out"
     # SIGTERM to the whole group (as SLURM sends it) after step 3 of epoch 1: the run
     # finishes that step, saves it and exits.
-    leg = Leg(main_cmd(*flags, "--output-dir", str(out)), tmp_path / "leg1.txt",
+    leg = Leg(prestarted_cmd(*flags, "--output-dir", str(out)), tmp_path / "leg1.txt",
               {"IMAGENET_FAILPOINTS": fault_at("train.step", 9, "sigterm(group)")})
     assert leg.wait() == 143, leg.output
     ckpt = load_checkpoint(out / "checkpoint.pth.tar")
@@ -451,8 +450,7 @@ def test_a_requeue_after_images_were_added_says_so_and_trains_on_them(tmp_path):
     for i in range(8):
         shutil.copy(data / "train" / "class0" / "img0.jpg", data / "train" / "class0" / f"{i}.jpg")
     env = child_env(IMAGENET_NOTICE_AFTER="0")  # the data stage's line with its counts
-    proc = subprocess.run(main_cmd(*flags, "--epochs", "2", "--resume", "auto"),
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = run_main(*flags, "--epochs", "2", "--resume", "auto", env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "the folder index of" in proc.stdout and "out of date" in proc.stdout
     assert "32 training images per epoch" in proc.stdout
