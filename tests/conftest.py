@@ -8,8 +8,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import ROOT, write_image_folder
+
+# A process a test starts without helpers.child_env computes on one thread too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from helpers import ROOT, write_image_folder  # noqa: E402
 
 # The suite's own tooling, run by hand (tools/cpu_per_test.py is a plugin whose name ends in
 # _test.py): not test modules.

@@ -57,7 +57,9 @@ RUNTIME_ONLY = {"TMPDIR", "TORCH_HOME", "HF_HOME", "HF_HUB_OFFLINE", "IMAGENET_N
                 # lazily, in the test process too)
                 "KMP_DUPLICATE_LIB_OK",
                 # read at import, and again by become_main for the run it forks
-                "IMAGENET_FAILPOINTS"}
+                "IMAGENET_FAILPOINTS",
+                # --time-limit slurm's job and end time (imagenet.settings.choices, the plan)
+                "SLURM_JOB_ID", "SLURM_JOB_END_TIME"}
 # Read by a library only when it is imported: runtime-only while the server has not imported it
 # (the trainer imports each of them when a run asks for it: --log-to, an s3:// path).
 RUNTIME_PREFIXES = {"AWS_": ("botocore", "aiobotocore", "s3fs", "boto3"), "MLFLOW_": ("mlflow",),
