@@ -103,16 +103,16 @@ def image_folder(tmp_path: Path) -> Path:
 # file's tests on one worker, --no-loadscope-reorder) no worker is left with a long file at the
 # end while the others idle, and test_hang's waits (stopped ranks, hang timeouts) start beside the
 # compile cache's busy compiles. A serial run's time does not depend on the order.
-LONGEST_FIRST = ("test_compile_cache.py", "test_hang.py", "test_fault_tolerance.py",
-                 "test_examples.py", "test_fail_fast.py", "test_chaos.py", "test_launchers.py",
-                 "test_shards_train.py", "test_netns.py", "test_async_save.py",
-                 "test_training_state.py", "test_resume_matrix.py", "test_fsdp_checkpoints.py",
-                 "test_recipe_files.py", "test_decoders.py", "test_object_storage.py",
-                 "test_every_rank.py", "test_checkpoint_safety.py", "test_demo.py",
-                 "test_folder_index.py", "test_trackers.py", "test_training_controls_runs.py",
-                 "test_prestart.py", "test_cli.py", "test_finetune.py", "test_fsdp.py",
-                 "test_run_folder.py", "test_compile.py", "test_lamb_lars_distill_runs.py",
-                 "test_launch_conditions.py", "test_comm_hooks.py", "test_sharded_dirs.py")
+LONGEST_FIRST = ("test_compile_cache.py", "test_examples.py", "test_hang.py", "test_fail_fast.py",
+                 "test_launchers.py", "test_fault_tolerance.py", "test_shards_train.py",
+                 "test_chaos.py", "test_netns.py", "test_async_save.py", "test_training_state.py",
+                 "test_demo.py", "test_resume_matrix.py", "test_fsdp_checkpoints.py",
+                 "test_decoders.py", "test_every_rank.py", "test_trackers.py", "test_fsdp.py",
+                 "test_recipe_files.py", "test_object_storage.py", "test_prestart.py",
+                 "test_checkpoint_safety.py", "test_training_controls_runs.py", "test_cli.py",
+                 "test_finetune.py", "test_sharded_dirs.py", "test_compile.py",
+                 "test_launch_conditions.py", "test_run_folder.py", "test_folder_index.py",
+                 "test_lamb_lars_distill_runs.py", "test_comm_hooks.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

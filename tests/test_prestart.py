@@ -183,6 +183,45 @@ def test_a_run_configured_for_object_storage_and_trackers_is_forked(tmp_path, mo
 
 
 @pytest.mark.slow
+def test_a_slurm_time_limited_run_is_forked(tmp_path):
+    """--time-limit slurm reads SLURM_JOB_ID and SLURM_JOB_END_TIME while it plans the run,
+    never at import: such a run (the time-limit chains) need not start plainly."""
+    sock = served()
+    assert_forked(prestarted_cmd("--help"), sock, tmp_path, SLURM_JOB_ID="4242",
+                  SLURM_JOB_END_TIME="1900000000")
+
+
+@pytest.mark.slow
+def test_the_first_run_of_a_test_process_waits_for_its_server(tmp_path, monkeypatch):
+    """The server imports the trainer for ~5 s after a test process first asks for a run. The
+    client used to find no socket yet and start that run plainly, importing everything beside
+    the server (the first run of each xdist worker, a cold compile's among them)."""
+    monkeypatch.setattr(helpers, "_prestart", {})  # as in a test process that has none yet
+    cmd = prestarted_cmd("--help")
+    try:
+        assert_forked(cmd, str(helpers._prestart["socket"]), tmp_path)
+    finally:
+        helpers._prestart["server"].kill()
+        helpers._prestart["server"].wait()
+
+
+def _threads(rank: int, found) -> None:
+    found.put((rank, torch.get_num_threads()))
+
+
+def test_the_test_process_and_its_ranks_compute_on_one_thread():
+    """As every run a test starts (OMP_NUM_THREADS=1): three workers share two cores, and an
+    OpenMP team of two waiting for a core spins (3x the CPU of one thread, measured)."""
+    import multiprocessing
+
+    assert torch.get_num_threads() == 1
+    assert os.environ["OMP_NUM_THREADS"] == "1"
+    found = multiprocessing.get_context("forkserver").SimpleQueue()
+    helpers.start_ranks(_threads, (found,), nprocs=2)
+    assert sorted(found.get() for _ in range(2)) == [(0, 1), (1, 1)]
+
+
+@pytest.mark.slow
 def test_a_variable_set_by_the_test_that_starts_the_server_does_not_stay_in_it(
         tmp_path, monkeypatch):
     """Each test process starts its server on first use, from whichever test runs first there.
@@ -202,16 +241,16 @@ def test_a_variable_set_by_the_test_that_starts_the_server_does_not_stay_in_it(
         server.wait()
 
 
-def assert_forked(cmd: list[str], sock: str, tmp_path: Path) -> None:
+def assert_forked(cmd: list[str], sock: str, tmp_path: Path, **extra: str) -> None:
     """Run ``cmd`` (a prestart client asking for ``--help``) from this test's environment and
-    assert that the server at ``sock`` forked its run; a plain start fails naming the variables
-    that differed from the server's."""
+    ``extra``, and assert that the server at ``sock`` forked its run; a plain start fails
+    naming the variables that differed from the server's."""
     import json
 
     import prestart
 
     pidfile = tmp_path / "run.pid"
-    env = child_env(IMAGENET_TEST_RUN_PIDFILE=str(pidfile))
+    env = child_env(IMAGENET_TEST_RUN_PIDFILE=str(pidfile), **extra)
     client = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     usage, _ = client.communicate(timeout=120)
     assert client.returncode == 0 and "usage:" in usage
