@@ -373,7 +373,7 @@ def tiny_engine(model: nn.Module, *flags: str, steps: int, world: int = 1, batch
 # What a forkserver imports once per test process, before it forks the ranks (start_ranks).
 PRELOAD = ["torch", "torchvision", "torch.distributed", "imagenet.launching.process_group",
            "imagenet.settings.plan", "imagenet.run.trainer", "imagenet.run.build",
-           "imagenet.evaluation.validate"]
+           "imagenet.evaluation.validate", "torch.utils.tensorboard"]
 
 
 def start_ranks(fn, args: tuple = (), nprocs: int = 2, join: bool = True,

@@ -61,8 +61,10 @@ RUNTIME_ONLY = {"TMPDIR", "TORCH_HOME", "HF_HOME", "HF_HUB_OFFLINE", "IMAGENET_N
                 # --time-limit slurm's job and end time (imagenet.settings.choices, the plan)
                 "SLURM_JOB_ID", "SLURM_JOB_END_TIME"}
 # Read by a library only when it is imported: runtime-only while the server has not imported it
-# (the trainer imports each of them when a run asks for it: --log-to, an s3:// path).
-RUNTIME_PREFIXES = {"AWS_": ("botocore", "aiobotocore", "s3fs", "boto3"), "MLFLOW_": ("mlflow",),
+# (the trainer imports each of them when a run asks for it: --log-to, an s3:// path). botocore
+# and boto3 read AWS_* only as a session or client is made, never at import (TensorBoard's
+# writer, which the server imports, imports them where they are installed).
+RUNTIME_PREFIXES = {"AWS_": ("aiobotocore", "s3fs"), "MLFLOW_": ("mlflow",),
                     "WANDB_": ("wandb",)}
 FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 
@@ -195,6 +197,11 @@ def serve(sock: str) -> dict:
     """Import the trainer, then fork a child per request; returns (in that child) its request."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # as main.py's first line
     before = dict(os.environ)
+    # TensorBoard's writer too, as a rank 0 start imports it (reporting.logger.preload_writers):
+    # ~0.3 s of CPU a run, half of a tiny forked run's (and with it botocore and boto3 where
+    # installed: TensorBoard's file layer imports them for s3:// logdirs).
+    import torch.utils.tensorboard  # noqa: F401
+
     import imagenet.cli  # noqa: F401  (parse, plan, launch)
     import imagenet.evaluation.validate  # noqa: F401  (the trainer's, at the first validation)
     import imagenet.run.trainer  # noqa: F401  (what a training process imports after its plan)
