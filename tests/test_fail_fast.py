@@ -332,8 +332,8 @@ def test_a_master_port_that_listens_but_never_answers_ends_after_the_timeout(dat
         silent.bind(("127.0.0.1", 0))
         silent.listen(16)  # the kernel completes connections; nobody ever accepts them
         port = silent.getsockname()[1]
-        cmd = main_cmd(str(data), *TINY18, "--world-size", "2", "--rank", "1", "--dist-url",
-                       f"tcp://127.0.0.1:{port}", "--dist-timeout", "3")
+        cmd = prestarted_cmd(str(data), *TINY18, "--world-size", "2", "--rank", "1",
+                             "--dist-url", f"tcp://127.0.0.1:{port}", "--dist-timeout", "3")
         (result,) = run_parallel([cmd], [child_env()], tmp_path / "logs", timeout=120)
     assert result.returncode == 1, result.stdout + result.stderr
     line = one_error_line(result.stderr, rank=1)  # the line says which process it is
