@@ -197,14 +197,15 @@ def serve(sock: str) -> dict:
     """Import the trainer, then fork a child per request; returns (in that child) its request."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # as main.py's first line
     before = dict(os.environ)
-    # TensorBoard's writer too, as a rank 0 start imports it (reporting.logger.preload_writers):
-    # ~0.3 s of CPU a run, half of a tiny forked run's (and with it botocore and boto3 where
-    # installed: TensorBoard's file layer imports them for s3:// logdirs).
-    import torch.utils.tensorboard  # noqa: F401
-
     import imagenet.cli  # noqa: F401  (parse, plan, launch)
     import imagenet.evaluation.validate  # noqa: F401  (the trainer's, at the first validation)
     import imagenet.run.trainer  # noqa: F401  (what a training process imports after its plan)
+    from imagenet.reporting.logger import preload_writers
+
+    # The writers a rank 0 start imports before training, by the start's own call: TensorBoard's
+    # is ~0.3 s of CPU, half of a tiny forked run's (botocore and boto3 come with it where
+    # installed: TensorBoard's file layer imports them for s3:// logdirs).
+    preload_writers("tensorboard", main_rank=True)
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(sock + ".new")

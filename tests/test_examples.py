@@ -198,8 +198,8 @@ def wait_for_rays_checkpoint(run: Path, proc: subprocess.Popen, log: Path) -> No
 @pytest.fixture(scope="module")
 def ray_run(data, tmp_path_factory):  # noqa: F811
     """examples/ray_train.py on a local Ray (2 CPUs, 2 workers, 4 epochs) with --fsdp
-    --sharded-checkpoint (checkpoint.dcp directories: the example's copy of a directory, which
-    covers its link of a single file too); once Ray holds the first checkpoint, one training
+    --sharded-checkpoint (checkpoint.dcp directories: the example copies a directory with the
+    ``link_or_copy`` a single file goes through); once Ray holds the first checkpoint, one training
     worker is SIGKILLed. One driver run for every Ray test: a run costs ~45 s of CPU (Ray's
     daemons, four workers importing torch). The trainer's own file checkpoints through
     ``imagenet.train(on_checkpoint=, resume_from=)`` are test_contracts.py's."""
