@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY18, child_env, load_checkpoint, run_main, save_edited
+from helpers import (
+    SMALL_ARCH,
+    TINY,
+    TINY18,
+    child_env,
+    fault_at,
+    load_checkpoint,
+    prestarted_cmd,
+    run_main,
+    save_edited,
+)
 
 
 @pytest.fixture(scope="module")
@@ -227,3 +239,40 @@ def test_resumed_run_continues_the_tensorboard_curves(image_folder, tmp_path):
                                              "epoch/val/acc1": [3, 6]}, [0, 1])
     # A fresh start in the same folder starts fresh curves.
     assert run("1") == ({"step/loss": [1, 2, 3], "epoch/val/acc1": [3]}, [0])
+
+
+@pytest.mark.slow
+def test_a_kill_right_after_a_save_or_amid_an_epochs_records_loses_no_tensorboard_point(
+        image_folder, tmp_path):
+    """A checkpoint covers what TensorBoard shows: once one is on disk, the resume continues
+    after it and cannot log the steps or the epoch it covers again. Killed (the whole job,
+    SIGKILL) once a step's checkpoint is in place (--fsdp's --sharded-checkpoint saves in the
+    training thread), then between an epoch's two records (its scalars, its metrics.jsonl line), the
+    resumed run still ends with every step's and every epoch's point: at worst one twice (the
+    same step, the same value), never one missing."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "out"
+    cmd = prestarted_cmd(str(image_folder), *TINY, "-a", SMALL_ARCH, "-p", "1", "--epochs", "2",
+                         "--seed", "0", "--save-every", "2", "--fsdp", "--sharded-checkpoint",
+                         "--output-dir", str(out))
+    # 3 steps per epoch: saves at step 2 (killed there), then epoch 0's end, then its records.
+    faults = (fault_at("save.done", 1, "sigkill(group)"),
+              fault_at("log.epoch", 1, "sigkill(group)"))
+    for i, fault in enumerate([*faults, ""]):
+        proc = subprocess.run([*cmd, *(["--resume", "auto"] if i else [])],
+                              capture_output=True, text=True, timeout=300,
+                              start_new_session=True,
+                              env=child_env(IMAGENET_FAILPOINTS=fault))
+        assert proc.returncode == (-signal.SIGKILL if fault else 0), proc.stdout + proc.stderr
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    points = {tag: {} for tag in ("step/lr", "epoch/val/acc1", "epoch/epoch")}
+    for tag, values in points.items():
+        for e in acc.Scalars(tag):
+            values.setdefault(e.step, set()).add(e.value)
+    assert {tag: sorted(values) for tag, values in points.items()} == {
+        "step/lr": [1, 2, 3, 4, 5, 6], "epoch/val/acc1": [3, 6], "epoch/epoch": [3, 6]}, points
+    assert all(len(v) == 1 for values in points.values() for v in values.values()), points
+    records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [0, 1]

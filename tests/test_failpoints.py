@@ -27,6 +27,10 @@ from test_fault_tolerance import assert_equal
 from imagenet.settings import failpoints
 from imagenet.settings.failpoints import FailpointSpecError, configure, failpoint, parse
 
+# Every point in the trainer (docs/testing.md, "Placing a fault").
+POINTS = ("train.start", "train.step", "validate.batch", "save.write", "save.done",
+          "log.epoch", "epoch.end")
+
 
 @pytest.fixture
 def armed():
@@ -176,15 +180,12 @@ def test_nothing_armed_is_one_check_and_nothing_else(armed, monkeypatch):
         raise AssertionError(f"{name}: looked up with nothing armed")
 
     monkeypatch.setattr(failpoints, "_hit", hit)
-    for name in ("train.step", "validate.batch", "save.write", "save.done", "train.start",
-                 "epoch.end"):
+    for name in POINTS:
         assert failpoint(name) is None
 
 
 # ---------------------------------------------------------------- real runs
 
-POINTS = ("train.start", "train.step", "validate.batch", "save.write", "save.done",
-          "epoch.end")
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +209,7 @@ def test_unset_or_printing_failpoints_change_nothing_in_a_run(data, tmp_path):
     passed = re.findall(r"^failpoint (\S+): reached$", printed.stderr, flags=re.M)
     assert set(passed) == set(POINTS), printed.stderr
     assert passed.count("train.step") == 6 and passed.count("epoch.end") == 2, passed
+    assert passed.count("log.epoch") == 2, passed
     got, want = (load_checkpoint(tmp_path / name / "checkpoint.pth.tar")
                  for name in ("printed", "plain"))
     for key in ("state_dict", "optimizer", "best_acc1", "global_step", "rng"):

@@ -307,6 +307,8 @@ def save_sharded(run: Run, is_best: bool, epoch_done: bool, is_best_ema: bool,
                  out / files.dcp_name(files.CHECKPOINT), is_main, copies=best + kept)
     if run.dist.is_main and score is not None and run.cfg.keep_checkpoints:
         rundir.prune(out, sharded=True)
+    if is_main:
+        failpoint("save.done")  # a fault placed once the checkpoint is in place (tests)
 
 
 def epoch_entry(run: Run, score: float | None) -> rundir.Entry | None:

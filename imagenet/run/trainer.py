@@ -389,15 +389,19 @@ def log_epoch(logger: RunLogger, step: Step, record: dict[str, Any]) -> None:
     """Per-epoch TensorBoard scalars and one metrics.jsonl line.
 
     The scalars are logged at the global step (the epoch is a scalar too), like the per-step
-    ones: a resume purges every tag from the checkpoint's step on, so no curve gets a duplicate
-    or backwards point.
+    ones: a resume purges every tag after the checkpoint's step, so no curve gets a backwards
+    point. The scalars are on disk before the line: the epoch's checkpoint is already written,
+    so a kill in between is mended by the resume, which finds no line and logs both again (at
+    worst a point twice, at the same step with the same value; never one missing).
     """
-    logger.epoch(record)  # first: a resume that finds no line writes the scalars too
     for prefix in ("train_", "val_", "ema_val_"):  # "val_" does not match "ema_val_"
         values = {k[len(prefix):]: v for k, v in record.items() if k.startswith(prefix)}
         logger.scalars(f"epoch/{prefix[:-1]}", values, step.global_step)
     logger.scalars("epoch", {k: record[k] for k in ("epoch", "lr", "best_acc1", "best_ema_acc1")
                              if k in record}, step.global_step)
+    logger.flush()
+    failpoint("log.epoch")  # a fault placed between an epoch's two records (tests)
+    logger.epoch(record)  # last: a resume that finds no line writes the scalars again
     if "train_images_per_sec" in record:
         wait, compiled = record.get("train_data_wait"), record.get("compiled_graphs")
         loaded = record.get("compile_cache_hits")
@@ -409,7 +413,6 @@ def log_epoch(logger: RunLogger, step: Step, record: dict[str, Any]) -> None:
                  else f"; {compiled} graph(s) traced, their code loaded from the compile cache "
                       f"({loaded} hit(s), {record['compile_cache_misses']} miss(es))",
                  "" if memory is None else f"; peak device memory {memory:.1f} GB")
-    logger.flush()
 
 
 def log_augmented_samples(run: Run, logger: RunLogger, count: int = 16) -> None:

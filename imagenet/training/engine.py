@@ -302,13 +302,15 @@ def train_one_epoch(engine: Engine, loader: Iterable, step: Step, hooks: Hooks =
         watchdog.beat(f"epoch {step.epoch}, step {step.step_in_epoch} trained")
         totals.seconds = seconds_before + time.perf_counter() - start
         check = partial(check_finite, bad_step, step.epoch)
-        stop = hooks.after_step(step, check) if hooks.after_step is not None else False
+        # The step's scalars are on disk before its checkpoint is written: a kill once that is
+        # in place loses none of the steps it covers (the resume continues after them).
         if step.step_in_epoch % opts.print_freq == 0 or step.step_in_epoch == opts.steps_per_epoch:
             check()
             if hooks.on_progress is not None:
                 hooks.on_progress(_progress(engine, step, sums, loss, clock))
             sums.restart()
             clock.restart(step.step_in_epoch)
+        stop = hooks.after_step(step, check) if hooks.after_step is not None else False
         if stop:
             break
         watchdog.phase(f"waiting for the training batch {where}")
