@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -90,6 +91,20 @@ def the_environment_is_left_as_it_was():
 def the_environment_is_left_as_the_module_found_it():
     """The same for a module's fixtures (set up before, and ended after, its tests')."""
     yield from _restore_environment()
+
+
+@pytest.fixture(autouse=True)
+def the_logging_is_left_as_it_was():
+    """A test leaves the root logger's handlers as it found them. ``main()`` run in the test
+    process points the root logger at the sys.stdout of that moment (``setup_logging``); when
+    that was a test's capture (capsys), closed at its end, a later test's log record (e.g.
+    TensorBoard's reader on the events a resume purged) printed "--- Logging error ---" and a
+    traceback into that test's output."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture
